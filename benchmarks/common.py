@@ -1,0 +1,55 @@
+"""Timing, FLOP counting and result files shared by the benchmarks (GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """Forward FLOPs 4·B·H·Sq·Sk·D, halved if causal (fwd+bwd is 3.5× this)."""
+    flops = 4.0 * b * h * sq * sk * d
+    return flops / 2 if causal else flops
+
+
+def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time in ms of ``fn(*args)`` after warm-up (synchronised)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "device": dev.device_kind,
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_json(name: str, payload: dict) -> list[Path]:
+    """Write results to benchmarks/results/<name>.json and, on the lent GPU, under $OUT."""
+    paths = [RESULTS_DIR / f"{name}.json"]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / f"{name}.json")
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1))
+    return paths

@@ -1,0 +1,28 @@
+"""lowbit-jax: trainable low-bit attention for JAX (INT8 SageAttention/SageBwd, NVFP4 Attn-QAT, ThriftAttention).
+
+Public names only; see README.md.
+"""
+
+# The formats go first: the Pallas kernels import them while this package initializes.
+from lowbit_jax import formats  # noqa: I001
+from lowbit_jax.formats import int8
+from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
+from lowbit_jax.sage import sage_attention, sage_forward
+from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SageFwdConfig",
+    "cos_sim",
+    "error_metrics",
+    "formats",
+    "int8",
+    "reference_attention",
+    "rel_l1",
+    "rel_l2",
+    "rmse",
+    "sage_attention",
+    "sage_forward",
+    "sage_fwd_config",
+]

@@ -1,0 +1,105 @@
+"""Argument validation shared by every attention method.
+
+Runs eagerly on shapes and dtypes (also under ``jit``: shapes are static), so a
+bad call fails with a message naming the argument before anything compiles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+IMPLEMENTATIONS = (None, "pallas", "xla")
+
+
+class AttentionShape(NamedTuple):
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: jnp.dtype
+
+
+def _check_array(name: str, x) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 (batch, seq, heads, head_dim), got shape {tuple(x.shape)}")
+    if not any(np.dtype(x.dtype) == np.dtype(d) for d in SUPPORTED_DTYPES):
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {np.dtype(x.dtype).name}")
+
+
+def check_qkv(q, k, v) -> AttentionShape:
+    """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return the sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, sq, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    bk, sk, hkv, dk = k.shape
+    if bk != b:
+        raise ValueError(f"batch size of k/v ({bk}) must equal that of q ({b})")
+    if dk != d:
+        raise ValueError(f"head_dim of k/v ({dk}) must equal that of q ({d})")
+    if sq < 1 or sk < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got q {sq} and k/v {sk}")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"number of query heads ({hq}) must be a multiple of the number of k/v heads ({hkv})")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    return AttentionShape(b, sq, sk, hq, hkv, d, jnp.dtype(q.dtype))
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """Resolve ``scale`` (None → D**-0.5); it must be a finite positive number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError("scale must be a static Python number, not a traced value")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number, got {type(scale).__name__}") from None
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"scale must be finite and positive, got {scale!r}")
+    return value
+
+
+def check_implementation(implementation: str | None, interpret: bool) -> str:
+    """Resolve ``implementation`` to "pallas" or "xla".
+
+    None picks "pallas" on a GPU and "xla" elsewhere; "pallas" off-GPU needs
+    ``interpret=True``.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    if implementation is None:
+        return "pallas" if (on_gpu or interpret) else "xla"
+    if implementation == "pallas" and not on_gpu and not interpret:
+        raise ValueError(
+            f'implementation="pallas" needs a GPU (default backend is {jax.default_backend()!r}); '
+            "pass interpret=True to run the kernels in Pallas interpret mode, or use implementation=\"xla\""
+        )
+    return implementation
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)

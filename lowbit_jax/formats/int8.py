@@ -1,0 +1,112 @@
+"""INT8 quantizer ψ (symmetric) and the integer/float tricks the kernels rely on.
+
+Every function here is plain ``jax.numpy`` written only with operations the
+Pallas-Triton lowering accepts (no ``round``, no gather, no sort), so the very
+same function runs inside a Pallas kernel on a tile and in the pure-JAX
+reference on a whole array. Kernels and references both import these; neither
+re-derives them.
+
+Conventions (shared/SPEC.md, "Quantizers"):
+
+* scale ``s = amax|x| / 127`` over the group (``amax == 0`` gives ``s = 1``);
+* codes ``= round_half_away_from_zero(x / s)`` clipped to ``[-127, 127]``;
+* the reciprocal ``127 / amax`` is computed once per group and multiplied, so a
+  kernel never divides per element.
+
+Probabilities P (non-negative, at most 1 by construction) are quantized with the
+"magic number" rounding: adding ``1.5 * 2**23`` to a float in ``[0, 2**22)``
+leaves the round-half-to-even integer in the low mantissa bits. This is one FFMA
+per element instead of a floor and two conversions (shared/DEVICE_NOTES.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+QMAX = 127.0
+#: 1.5 * 2**23: x + MAGIC has x's round-half-to-even integer in its low bits.
+MAGIC = 12582912.0
+#: The int32 bit pattern of MAGIC (``bitcast(MAGIC, int32)``).
+MAGIC_BITS = 0x4B400000
+
+
+def scale_from_amax(amax: jax.Array) -> jax.Array:
+    """Dequantization scale ``amax / 127``, with ``amax == 0`` mapped to 1.
+
+    Args:
+      amax: any shape, float32, non-negative.
+    Returns:
+      float32 array of amax's shape.
+    """
+    amax = amax.astype(jnp.float32)
+    return jnp.where(amax > 0.0, amax * (1.0 / QMAX), 1.0)
+
+
+def _round_away(y: jax.Array) -> jax.Array:
+    """round-half-away-from-zero without ``round``: floor(|y| + 0.5)·sign(y)."""
+    r = jnp.floor(jnp.abs(y) + 0.5)
+    return jnp.where(y < 0.0, -r, r)
+
+
+def encode_with_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """INT8 codes of ``x`` given a broadcastable dequantization ``scale``.
+
+    Args:
+      x: float array (any shape).
+      scale: float32, broadcastable to ``x``, positive.
+    Returns:
+      int8 array of x's shape, ``clip(round_away(x / scale), -127, 127)``.
+    """
+    inv = 1.0 / scale  # once per group: the (small) scale array, not per element
+    y = x.astype(jnp.float32) * inv
+    return jnp.clip(_round_away(y), -QMAX, QMAX).astype(jnp.int8)
+
+
+def quantize(x: jax.Array, axes: int | Sequence[int] = -1) -> tuple[jax.Array, jax.Array]:
+    """Symmetric INT8 quantization ψ with one scale per group.
+
+    A group is all elements that share the indices outside ``axes``: ``axes=-1``
+    on a (tokens, D) tile is per-token quantization, ``axes=(-2, -1)`` is one
+    scale for the whole tile (per-block).
+
+    Args:
+      x: float array (bf16/fp16/fp32), any rank.
+      axes: the reduction axes of one group.
+    Returns:
+      ``(codes, scale)``: int8 codes of x's shape and the float32 dequantization
+      scale with ``axes`` kept as size-1 dims, so ``codes * scale ≈ x``.
+    """
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    scale = scale_from_amax(amax)
+    return encode_with_scale(xf, scale), scale
+
+
+def dequantize(codes: jax.Array, scale: jax.Array) -> jax.Array:
+    """``codes * scale`` in float32 (scale broadcastable to codes)."""
+    return codes.astype(jnp.float32) * scale
+
+
+def int32_as_biased_float(i: jax.Array) -> jax.Array:
+    """Reinterpret an int32 with ``|i| < 2**22`` as the float ``MAGIC + i`` (exact).
+
+    One integer add instead of an int→float conversion (a quarter-rate
+    instruction on Hopper). Differences of two such floats are exact integers,
+    since all of them lie in ``[2**23, 2**24)``. An INT8·INT8 dot over up to 256
+    terms stays below 2**22 in magnitude.
+    """
+    return jax.lax.bitcast_convert_type(i + MAGIC_BITS, jnp.float32)
+
+
+def encode_unit_interval(e: jax.Array) -> jax.Array:
+    """INT8 codes ``rne(127·e)`` of values ``e`` in ``[0, 1]`` (one FFMA each).
+
+    Used for P̃ after dividing by its row maximum: the largest value of a row
+    maps to 127 exactly. The int32 → int8 conversion keeps the low byte, which
+    is the rounded integer.
+    """
+    biased = e * QMAX + MAGIC
+    return jax.lax.bitcast_convert_type(biased, jnp.int32).astype(jnp.int8)

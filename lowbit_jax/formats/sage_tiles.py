@@ -1,0 +1,113 @@
+"""SageAttention's quantization recipe on one tile, shared by kernel and reference.
+
+The fused quantize kernel calls these on a (rows, D) tile it loaded; the pure-JAX
+reference calls them on every tile at once, with extra leading dims. Same
+function, same numbers (up to the hardware's exp2).
+
+Layouts produced (head-major, padded to whole tiles; see :class:`SageOperands`):
+
+* Q̂ (B, Hq, Sq_pad, D) int8, per-token or per-block scale (B, Hq, Sq_pad) f32
+  that already includes ``softmax_scale · log2(e)``;
+* K̂ (B, Hkv, Sk_pad, D) int8 after K-smoothing, scale (B, Hkv, Sk_pad) f32
+  (per-block scales are stored repeated per token);
+* V̂ᵀ (B, Hkv, D, Sk_pad) int8 — transposed so P·V contracts over contiguous
+  memory — with a per-channel scale (B, Hkv, D) over all tokens, applied once
+  to the output instead of per tile.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lowbit_jax.formats import int8
+from lowbit_jax.formats.smoothing import masked_tile_mean
+
+
+class SageOperands(NamedTuple):
+    """Quantized operands of the INT8 attention (what the backward keeps too).
+
+    Attributes:
+      q: int8 (B, Hq, Sq_pad, D).
+      q_scale: float32 (B, Hq, Sq_pad), includes ``scale · log2(e)``.
+      k: int8 (B, Hkv, Sk_pad, D), K-smoothed if smoothing is on.
+      k_scale: float32 (B, Hkv, Sk_pad).
+      vt: int8 (B, Hkv, D, Sk_pad), V̂ transposed.
+      v_scale: float32 (B, Hkv, D), per channel.
+      q_mean: float32 (B, Hq, Sq_pad // block_q, D) block means removed by
+        Q-smoothing, or None.
+    """
+
+    q: jax.Array
+    q_scale: jax.Array
+    k: jax.Array
+    k_scale: jax.Array
+    vt: jax.Array
+    v_scale: jax.Array
+    q_mean: jax.Array | None = None
+
+
+def quantize_qk_tile(
+    x: jax.Array,
+    valid: jax.Array,
+    mean: jax.Array | None,
+    *,
+    per_block: bool,
+    smooth_block: bool,
+    out_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Smooth and INT8-quantize a tile of Q or K rows.
+
+    Args:
+      x: (..., rows, D) any float dtype: the tile as loaded (invalid rows any value).
+      valid: bool (..., rows, 1): rows inside the sequence.
+      mean: float32 (..., 1, D) channel mean to subtract (K-smoothing), or None.
+      per_block: one scale for the tile instead of one per row.
+      smooth_block: subtract the tile's own mean over valid rows (Q-smoothing).
+      out_scale: constant folded into the returned scale (``scale·log2 e`` for Q).
+    Returns:
+      ``(codes, scale, block_mean)``: int8 (..., rows, D) with invalid rows zero;
+      float32 (..., rows) scale times ``out_scale``; the removed tile mean
+      float32 (..., 1, D) when ``smooth_block`` else None.
+    """
+    xf = x.astype(jnp.float32)
+    if mean is not None:
+        xf = xf - mean
+    bmean = None
+    if smooth_block:
+        bmean = masked_tile_mean(xf, valid)
+        xf = xf - bmean
+    xf = jnp.where(valid, xf, 0.0)
+    amax = jnp.max(jnp.abs(xf), axis=-1)  # (..., rows)
+    if per_block:
+        amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)
+    scale = int8.scale_from_amax(amax)
+    codes = int8.encode_with_scale(xf, scale[..., None])
+    return codes, scale * out_scale, bmean
+
+
+def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array) -> jax.Array:
+    """INT8 codes of a V tile with a given per-channel scale.
+
+    Args:
+      v: (..., rows, D) any float dtype.
+      valid: bool (..., rows, 1).
+      v_scale: float32 (..., 1, D), from :func:`v_channel_scale`.
+    Returns:
+      int8 (..., rows, D), invalid rows zero.
+    """
+    vf = jnp.where(valid, v.astype(jnp.float32), 0.0)
+    return int8.encode_with_scale(vf, v_scale)
+
+
+def v_channel_scale(v: jax.Array) -> jax.Array:
+    """Per-channel INT8 scale of V over all tokens.
+
+    Args:
+      v: (B, Sk, Hkv, D) any float dtype.
+    Returns:
+      float32 (B, Hkv, D).
+    """
+    return int8.scale_from_amax(jnp.max(jnp.abs(v), axis=1))  # exact in v's dtype

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels lowered through Triton. Kernels only: callers validate and dispatch (lowbit_jax)."""

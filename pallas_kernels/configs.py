@@ -1,0 +1,90 @@
+"""Tile configurations: frozen dataclasses, a heuristic, tuned values per device.
+
+A config is part of a method's numerics, not only of its speed: per-block INT8
+scales and the per-row P scale are taken per tile. Both implementations
+("pallas" and "xla") therefore take the same config, and tests pass one
+explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SageFwdConfig:
+    """Tiles of the INT8 attention forward and of the fused quantize kernel.
+
+    Attributes:
+      block_q: query rows per program (also the Q quantization block).
+      block_k: keys per inner step (also the K quantization block); ≥ 32 so the
+        INT8 P·V product has a K dimension the tensor cores like.
+      num_warps, num_stages: Triton launch parameters of the attention kernel.
+      quant_warps: warps of the memory-bound quantize kernels.
+    """
+
+    block_q: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    quant_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not _is_pow2(value):
+                raise ValueError(f"SageFwdConfig.{name} must be a power of two, got {value!r}")
+        if self.block_q < 16:
+            raise ValueError(f"SageFwdConfig.block_q must be >= 16, got {self.block_q}")
+        if self.block_k < 32:
+            raise ValueError(f"SageFwdConfig.block_k must be >= 32, got {self.block_k}")
+        if self.num_stages < 1:
+            raise ValueError(f"SageFwdConfig.num_stages must be >= 1, got {self.num_stages}")
+
+    def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
+        """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
+        bq = max(16, min(self.block_q, _next_pow2(seq_q)))
+        bk = max(32, min(self.block_k, _next_pow2(seq_k)))
+        if (bq, bk) == (self.block_q, self.block_k):
+            return self
+        return dataclasses.replace(self, block_q=bq, block_k=bk)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# Tuned on the device named in the key by benchmarks/attention.py (see RESULTS.md).
+# Key: (device_kind, head_dim, causal).
+TUNED_SAGE_FWD: dict[tuple[str, int, bool], SageFwdConfig] = {}
+
+
+def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None) -> SageFwdConfig:
+    """The forward config for a head dim and masking, tuned where measured.
+
+    Args:
+      head_dim: D.
+      causal: whether the causal mask is on.
+      device_kind: ``jax.devices()[0].device_kind`` to look up tuned values;
+        None uses the default device.
+    Returns:
+      A :class:`SageFwdConfig`; apply :meth:`SageFwdConfig.fitted` for short inputs.
+    """
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    tuned = TUNED_SAGE_FWD.get((device_kind, head_dim, causal))
+    if tuned is not None:
+        return tuned
+    # shared/DEVICE_NOTES.md: the plain INT8 kernel was best at 64x128 w4 s3 for
+    # D128 and 128x64 w8 s3 for D64.
+    if head_dim <= 64:
+        return SageFwdConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    if head_dim <= 128:
+        return SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3)
+    return SageFwdConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)

@@ -1,0 +1,172 @@
+"""Fused quantize kernels: smoothing + INT8 + head-major / transposed layouts.
+
+Memory-bound: each reads its 16-bit input once and writes int8 codes and
+float32 scales. The tile math is :mod:`lowbit_jax.formats.sage_tiles`, the
+same functions the pure-JAX reference runs.
+
+* ``sage_quantize_q``: Q (B, Sq, H, D) → Q̂ (B, H, Sq_pad, D), scale (B, H, Sq_pad)
+  [, block means (B, H, Sq_pad/bq, D) with Q-smoothing].
+* ``sage_quantize_kv``: K, V (B, Sk, Hkv, D) → K̂ (B, Hkv, Sk_pad, D) after
+  K-smoothing, scale (B, Hkv, Sk_pad), V̂ᵀ (B, Hkv, D, Sk_pad).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lowbit_jax.formats import sage_tiles
+from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
+
+
+def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_block, out_scale):
+    if smooth_block:
+        codes_ref, scale_ref, mean_ref = refs
+    else:
+        codes_ref, scale_ref = refs
+    valid = row_mask(pl.program_id(2) * block, block, seq_len)
+    x = load_rows(x_ref, valid if ragged else None)
+    codes, scale, bmean = sage_tiles.quantize_qk_tile(
+        x, valid, None, per_block=per_block, smooth_block=smooth_block, out_scale=out_scale
+    )
+    codes_ref[...] = codes
+    scale_ref[...] = scale
+    if smooth_block:
+        mean_ref[...] = bmean
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block", "per_block", "smooth_block", "out_scale", "num_warps", "interpret")
+)
+def sage_quantize_q(
+    q: jax.Array,
+    *,
+    block: int,
+    per_block: bool,
+    smooth_block: bool,
+    out_scale: float,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Quantize Q to INT8, head-major, padded to whole blocks.
+
+    Args:
+      q: (B, Sq, H, D) bf16/fp16/fp32.
+      block: rows per program and per quantization block.
+      per_block: one scale per block instead of per token.
+      smooth_block: subtract each block's mean first (Q-smoothing).
+      out_scale: folded into the scale (``softmax_scale · log2 e``).
+    Returns:
+      int8 (B, H, Sq_pad, D), float32 (B, H, Sq_pad), and the float32 block
+      means (B, H, Sq_pad // block, D) or None.
+    """
+    b, s, h, d = q.shape
+    nblk = pl.cdiv(s, block)
+    s_pad = nblk * block
+    out_shape = [
+        jax.ShapeDtypeStruct((b, h, s_pad, d), jnp.int8),
+        jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, block), lambda bi, hi, i: (bi, hi, i)),
+    ]
+    if smooth_block:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, nblk, d), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0)))
+    kernel = functools.partial(
+        _quantize_q_kernel,
+        seq_len=s,
+        block=block,
+        ragged=s % block != 0,
+        per_block=per_block,
+        smooth_block=smooth_block,
+        out_scale=out_scale,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, h, nblk),
+        in_specs=[pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="sage_quantize_q",
+    )(q)
+    return outs[0], outs[1], (outs[2] if smooth_block else None)
+
+
+def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth):
+    if smooth:
+        kmean_ref, vscale_ref, kc_ref, ks_ref, vt_ref = refs
+        kmean = kmean_ref[...]
+    else:
+        vscale_ref, kc_ref, ks_ref, vt_ref = refs
+        kmean = None
+    valid = row_mask(pl.program_id(2) * block, block, seq_len)
+    mask = valid if ragged else None
+    k = load_rows(k_ref, mask)
+    codes, scale, _ = sage_tiles.quantize_qk_tile(
+        k, valid, kmean, per_block=per_block, smooth_block=False, out_scale=1.0
+    )
+    kc_ref[...] = codes
+    ks_ref[...] = scale
+    v = load_rows(v_ref, mask)
+    vt_ref[...] = sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]).T
+
+
+@functools.partial(jax.jit, static_argnames=("block", "per_block", "num_warps", "interpret"))
+def sage_quantize_kv(
+    k: jax.Array,
+    v: jax.Array,
+    k_mean: jax.Array | None,
+    v_scale: jax.Array,
+    *,
+    block: int,
+    per_block: bool,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantize K (after smoothing) and V (transposed) to INT8 in one pass.
+
+    Args:
+      k, v: (B, Sk, Hkv, D) bf16/fp16/fp32.
+      k_mean: float32 (B, Hkv, D) token mean of K, or None for no smoothing.
+      v_scale: float32 (B, Hkv, D) per-channel V scale.
+      block: keys per program and per K quantization block.
+      per_block: one K scale per block instead of per token.
+    Returns:
+      K̂ int8 (B, Hkv, Sk_pad, D), its float32 scale (B, Hkv, Sk_pad),
+      V̂ᵀ int8 (B, Hkv, D, Sk_pad).
+    """
+    b, s, h, d = k.shape
+    nblk = pl.cdiv(s, block)
+    s_pad = nblk * block
+    row_spec = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
+    head_vec_spec = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, 0, 0))
+    smooth = k_mean is not None
+    args = [k, v] + ([k_mean[:, :, None, :]] if smooth else []) + [v_scale[:, :, None, :]]
+    in_specs = [row_spec, row_spec] + [head_vec_spec] * (2 if smooth else 1)
+    kernel = functools.partial(
+        _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(b, h, nblk),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),
+            pl.BlockSpec((None, None, block), lambda bi, hi, i: (bi, hi, i)),
+            pl.BlockSpec((None, None, d, block), lambda bi, hi, i: (bi, hi, 0, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, s_pad, d), jnp.int8),
+            jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, d, s_pad), jnp.int8),
+        ],
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="sage_quantize_kv",
+    )(*args)

@@ -1,0 +1,87 @@
+"""INT8 quantizer ψ and the bit tricks, against numpy oracles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowbit_jax.formats import int8, sage_tiles
+
+
+def np_quantize(x, axes):
+    """float64 oracle: scale amax/127 (1 for zero groups), round half away from zero, clip."""
+    x = np.asarray(x, np.float64)
+    amax = np.abs(x).max(axis=axes, keepdims=True)
+    scale = np.where(amax > 0, np.float32(amax) * np.float32(1 / 127), 1.0)
+    y = x / scale
+    codes = np.clip(np.sign(y) * np.floor(np.abs(y) + 0.5), -127, 127)
+    return codes.astype(np.int8), scale
+
+
+@pytest.mark.parametrize("axes", [-1, (-2, -1)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantize_matches_numpy(axes, dtype):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((3, 16, 64)) * rng.uniform(0.01, 50, (3, 16, 1)), dtype)
+    codes, scale = int8.quantize(x, axes)
+    ref_codes, ref_scale = np_quantize(np.asarray(x, np.float32), axes)
+    np.testing.assert_allclose(np.asarray(scale), ref_scale, rtol=1e-7)
+    # Division by a float32 scale vs numpy's float64: at most an off-by-one at exact ties.
+    diff = np.abs(np.asarray(codes, np.int32) - ref_codes.astype(np.int32))
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+    assert np.abs(np.asarray(codes)).max() == 127  # the group max maps to ±127
+    err = np.abs(np.asarray(int8.dequantize(codes, scale)) - np.asarray(x, np.float32))
+    assert np.all(err <= np.asarray(scale) * 0.5 + 1e-6)  # half a step at most
+
+
+def test_zero_group_and_ties():
+    x = jnp.array([[0.0, 0.0, 0.0, 0.0], [127.0, 0.5, -0.5, -1.5]], jnp.float32)
+    codes, scale = int8.quantize(x, -1)
+    assert np.asarray(scale)[0, 0] == 1.0 and np.all(np.asarray(codes)[0] == 0)
+    # scale 1: ties round away from zero (not to even)
+    np.testing.assert_array_equal(np.asarray(codes)[1], [127, 1, -1, -2])
+
+
+def test_clip_at_127():
+    codes = int8.encode_with_scale(jnp.array([300.0, -300.0, 126.6]), jnp.float32(1.0))
+    np.testing.assert_array_equal(np.asarray(codes), [127, -127, 127])
+
+
+def test_biased_float_is_exact():
+    i = jnp.array([0, 1, -1, 2_064_512, -2_064_512, 4_129_024, 12345], jnp.int32)
+    f = int8.int32_as_biased_float(i)
+    np.testing.assert_array_equal(np.asarray(f, np.float64) - int8.MAGIC, np.asarray(i, np.float64))
+
+
+def test_encode_unit_interval_rounds_half_even():
+    rng = np.random.default_rng(2)
+    e = np.concatenate([rng.uniform(0, 1, 1000), [0.0, 1.0, 0.5 / 127, 1.5 / 127]]).astype(np.float32)
+    codes = np.asarray(int8.encode_unit_interval(jnp.asarray(e)))
+    np.testing.assert_array_equal(codes, np.rint(e * np.float32(127)).astype(np.int8))
+    assert codes.max() == 127 and codes.min() == 0
+
+
+def test_qk_tile_per_block_and_smoothing():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((32, 64)) + 5.0, jnp.float32)
+    valid = jnp.arange(32)[:, None] < 20
+    mean = jnp.full((1, 64), 5.0)
+    codes, scale, _ = sage_tiles.quantize_qk_tile(x, valid, mean, per_block=True, smooth_block=False, out_scale=2.0)
+    assert np.all(np.asarray(codes)[20:] == 0)  # invalid rows are zero
+    s = np.asarray(scale)
+    assert np.all(s == s[0])  # one scale per block
+    amax = np.abs(np.asarray(x)[:20] - 5.0).max()
+    np.testing.assert_allclose(s[0], 2.0 * amax / 127, rtol=1e-6)
+    codes_t, scale_t, bmean = sage_tiles.quantize_qk_tile(x, valid, None, per_block=False, smooth_block=True,
+                                                          out_scale=1.0)
+    np.testing.assert_allclose(np.asarray(bmean)[0], np.asarray(x)[:20].mean(0), rtol=1e-5)
+    deq = np.asarray(codes_t, np.float32)[:20] * np.asarray(scale_t)[:20, None]
+    np.testing.assert_allclose(deq, np.asarray(x)[:20] - np.asarray(bmean), atol=np.asarray(scale_t).max())
+
+
+def test_quantizers_are_jittable_and_vmappable():
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 64))
+    c1, s1 = jax.jit(int8.quantize)(x)
+    c2, s2 = jax.vmap(int8.quantize)(x)
+    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))

@@ -1,0 +1,145 @@
+"""sage_attention forward: Pallas kernels (interpret on CPU) ↔ xla reference ↔ exact float64."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowbit_jax as lb
+from attention_base import AttentionTestBase, exact_attention_f64, make_qkv, metrics
+from lowbit_jax import sage as sage_mod
+
+SMALL = lb.SageFwdConfig(block_q=32, block_k=32)  # several tiles even on short test sequences
+
+
+class SageXla(AttentionTestBase):
+    implementation = "xla"
+
+    def run(self, q, k, v, **options):
+        options.setdefault("config", SMALL)
+        return lb.sage_attention(q, k, v, implementation=self.implementation, interpret=self.interpret, **options)
+
+
+class TestSageXla(SageXla):
+    @pytest.mark.parametrize("case", AttentionTestBase.AWKWARD_CASES)
+    def test_close_to_exact(self, case):
+        self.check_awkward_case(case)
+
+    @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+    def test_dtypes(self, dtype):
+        self.check_awkward_case((1, 64, 96, 2, 2, 64, False), dtype=dtype)
+
+    def test_k_outliers_need_smoothing(self):
+        q, k, v = make_qkv(1, 128, 128, 2, 2, 64, k_outlier=10.0, seed=5)
+        ref = exact_attention_f64(q, k, v)
+        _, rel_on = metrics(self.run(q, k, v, smooth_k=True), ref)
+        _, rel_off = metrics(self.run(q, k, v, smooth_k=False), ref)
+        assert rel_on <= 0.03
+        assert rel_off > 2.0 * rel_on, (rel_on, rel_off)
+
+    def test_per_token_and_q_smoothing(self):
+        q, k, v = make_qkv(1, 96, 96, 2, 1, 64, seed=6, q_heavy_tail=True)
+        ref = exact_attention_f64(q, k, v, causal=True)
+        rels = {}
+        for gran in ("per_block", "per_token"):
+            for sq in (False, True):
+                out = self.run(q, k, v, causal=True, qk_granularity=gran, smooth_q=sq)
+                cos, rels[gran, sq] = metrics(out, ref)
+                assert cos >= 0.999
+        assert rels["per_token", False] < rels["per_block", False]  # heavy-tailed Q: per-token is finer
+
+    def test_empty_rows_are_zero(self):
+        q, k, v = make_qkv(1, 80, 30, 2, 2, 64, seed=7)
+        out = self.run(q, k, v, causal=True)
+        np.testing.assert_array_equal(np.asarray(out[:, :50], np.float32), 0.0)  # rows 0..49 see no key
+        assert np.all(np.abs(np.asarray(out[:, 50:], np.float32)).sum(-1) > 0)
+
+    def test_matches_jax_causal_for_equal_lengths(self):
+        q, k, v = make_qkv(1, 64, 64, 2, 2, 64, seed=8)
+        ours = self.run(q, k, v, causal=True)
+        theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        cos, rel = metrics(ours, theirs)
+        assert cos >= 0.999 and rel <= 0.03
+
+    def test_under_jit_and_vmap(self):
+        q, k, v = make_qkv(1, 48, 48, 2, 2, 64, seed=9)
+        f = functools.partial(self.run, causal=True)
+        eager = f(q, k, v)
+        jitted = jax.jit(f)(q, k, v)
+        np.testing.assert_allclose(np.asarray(jitted, np.float32), np.asarray(eager, np.float32), atol=1e-6)
+        batched = jax.vmap(f)(q[None], k[None], v[None])[0]
+        np.testing.assert_allclose(np.asarray(batched, np.float32), np.asarray(eager, np.float32), atol=1e-6)
+
+    def test_scale_argument(self):
+        q, k, v = make_qkv(1, 64, 64, 2, 2, 64, seed=10)
+        out = self.run(q, k, v, scale=0.3)
+        cos, rel = metrics(out, exact_attention_f64(q, k, v, scale=0.3))
+        assert cos >= 0.999 and rel <= 0.03
+
+
+class TestSagePallas(SageXla):
+    """The kernels (interpret mode on CPU) must match the reference with the same quantization."""
+
+    implementation = "pallas"
+
+    KERNEL_CASES = [
+        # (B, Sq, Sk, Hq, Hkv, D, causal, dtype, granularity, smooth_q)
+        (1, 100, 77, 4, 2, 64, True, jnp.bfloat16, "per_block", False),
+        (2, 64, 64, 2, 2, 128, False, jnp.bfloat16, "per_block", False),
+        (1, 70, 130, 2, 1, 64, False, jnp.float16, "per_token", True),
+        (1, 130, 60, 2, 1, 128, True, jnp.bfloat16, "per_token", False),
+        (1, 33, 100, 4, 2, 64, True, jnp.float32, "per_block", True),
+    ]
+
+    @pytest.mark.parametrize("case", KERNEL_CASES)
+    def test_kernel_matches_reference(self, case):
+        b, sq, sk, hq, hkv, d, causal, dtype, gran, smooth_q = case
+        q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + sk, k_outlier=3.0)
+        kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=SMALL)
+        o_p, l_p, ops_p = lb.sage_forward(q, k, v, implementation="pallas", interpret=self.interpret, **kw)
+        o_x, l_x, ops_x = lb.sage_forward(q, k, v, implementation="xla", **kw)
+        # The fused quantize kernel produces exactly the reference's codes and scales.
+        for name in ops_x._fields:
+            a, c = getattr(ops_p, name), getattr(ops_x, name)
+            assert (a is None) == (c is None), name
+            if a is not None:
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-6, atol=1e-6,
+                                           err_msg=name)
+        # Attention: same quantization, so agreement to accumulation order.
+        cos, rel = metrics(o_p, o_x)
+        assert rel <= 2e-3 and cos >= 0.99999, (cos, rel)
+        np.testing.assert_array_equal(np.isinf(np.asarray(l_p)), np.isinf(np.asarray(l_x)))
+        fin = np.isfinite(np.asarray(l_x))
+        np.testing.assert_allclose(np.asarray(l_p)[fin], np.asarray(l_x)[fin], atol=1e-4)
+        self.assert_close_to_exact(o_p, q, k, v, causal=causal)
+
+    def test_lse_is_base2_of_smoothed_scaled_scores(self):
+        q, k, v = make_qkv(1, 40, 50, 2, 2, 64, seed=11, dtype=jnp.float32)
+        _, lse, _ = lb.sage_forward(q, k, v, implementation=self.implementation, interpret=self.interpret,
+                                    config=SMALL)
+        scale = 64**-0.5
+        ks = np.asarray(k, np.float64) - np.asarray(k, np.float64).mean(1, keepdims=True)
+        s = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), ks) * scale * np.log2(np.e)
+        m = s.max(-1)
+        ref = m + np.log2(np.exp2(s - m[..., None]).sum(-1))
+        np.testing.assert_allclose(np.asarray(lse), ref, atol=0.05)
+
+
+def test_default_implementation_on_cpu_is_xla():
+    q, k, v = make_qkv(1, 32, 32, 2, 2, 64)
+    if jax.default_backend() == "cpu":
+        opts = sage_mod.resolve_options(q, k, v, causal=False, scale=None, smooth_k=True, smooth_q=False,
+                                        qk_granularity="per_block", implementation=None, interpret=False,
+                                        config=None)
+        assert opts["implementation"] == "xla"
+    out = lb.sage_attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+
+
+def test_config_fitted_to_short_sequences():
+    cfg = lb.SageFwdConfig(block_q=128, block_k=128).fitted(20, 5)
+    assert (cfg.block_q, cfg.block_k) == (32, 32)
+    with pytest.raises(ValueError, match="block_k"):
+        lb.SageFwdConfig(block_k=48)
