@@ -7,13 +7,16 @@ Public names only; see README.md.
 from lowbit_jax import formats  # noqa: I001
 from lowbit_jax.formats import int8
 from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
-from lowbit_jax.sage import sage_attention, sage_forward
+from lowbit_jax.sage import SageOptions, sage_attention, sage_forward
+from lowbit_jax import diagnostics  # noqa: E402  (after sage: it builds on it)
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SageFwdConfig",
+    "SageOptions",
+    "diagnostics",
     "cos_sim",
     "error_metrics",
     "formats",

@@ -21,11 +21,11 @@ from lowbit_jax.formats import sage_tiles
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 
 
-def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_block, out_scale):
-    if smooth_block:
-        codes_ref, scale_ref, mean_ref = refs
-    else:
-        codes_ref, scale_ref = refs
+def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_block, out_scale, transposed):
+    refs = list(refs)
+    codes_ref, scale_ref = refs.pop(0), refs.pop(0)
+    mean_ref = refs.pop(0) if smooth_block else None
+    codes_t_ref = refs.pop(0) if transposed else None
     valid = row_mask(pl.program_id(2) * block, block, seq_len)
     x = load_rows(x_ref, valid if ragged else None)
     codes, scale, bmean = sage_tiles.quantize_qk_tile(
@@ -35,10 +35,13 @@ def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_b
     scale_ref[...] = scale
     if smooth_block:
         mean_ref[...] = bmean
+    if transposed:
+        codes_t_ref[...] = codes.T
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block", "per_block", "smooth_block", "out_scale", "num_warps", "interpret")
+    jax.jit,
+    static_argnames=("block", "per_block", "smooth_block", "out_scale", "transposed", "num_warps", "interpret"),
 )
 def sage_quantize_q(
     q: jax.Array,
@@ -47,9 +50,10 @@ def sage_quantize_q(
     per_block: bool,
     smooth_block: bool,
     out_scale: float,
+    transposed: bool = False,
     num_warps: int = 4,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """Quantize Q to INT8, head-major, padded to whole blocks.
 
     Args:
@@ -58,9 +62,10 @@ def sage_quantize_q(
       per_block: one scale per block instead of per token.
       smooth_block: subtract each block's mean first (Q-smoothing).
       out_scale: folded into the scale (``softmax_scale · log2 e``).
+      transposed: also write Q̂ᵀ (B, H, D, Sq_pad) for the backward's dK = dSᵀQ.
     Returns:
-      int8 (B, H, Sq_pad, D), float32 (B, H, Sq_pad), and the float32 block
-      means (B, H, Sq_pad // block, D) or None.
+      int8 (B, H, Sq_pad, D), float32 (B, H, Sq_pad), the float32 block
+      means (B, H, Sq_pad // block, D) or None, and Q̂ᵀ or None.
     """
     b, s, h, d = q.shape
     nblk = pl.cdiv(s, block)
@@ -76,6 +81,9 @@ def sage_quantize_q(
     if smooth_block:
         out_shape.append(jax.ShapeDtypeStruct((b, h, nblk, d), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0)))
+    if transposed:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, d, s_pad), jnp.int8))
+        out_specs.append(pl.BlockSpec((None, None, d, block), lambda bi, hi, i: (bi, hi, 0, i)))
     kernel = functools.partial(
         _quantize_q_kernel,
         seq_len=s,
@@ -84,6 +92,7 @@ def sage_quantize_q(
         per_block=per_block,
         smooth_block=smooth_block,
         out_scale=out_scale,
+        transposed=transposed,
     )
     outs = pl.pallas_call(
         kernel,
@@ -95,16 +104,18 @@ def sage_quantize_q(
         interpret=interpret,
         name="sage_quantize_q",
     )(q)
-    return outs[0], outs[1], (outs[2] if smooth_block else None)
+    outs = list(outs)
+    q8, qs = outs.pop(0), outs.pop(0)
+    q_mean = outs.pop(0) if smooth_block else None
+    q8_t = outs.pop(0) if transposed else None
+    return q8, qs, q_mean, q8_t
 
 
-def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth):
-    if smooth:
-        kmean_ref, vscale_ref, kc_ref, ks_ref, vt_ref = refs
-        kmean = kmean_ref[...]
-    else:
-        vscale_ref, kc_ref, ks_ref, vt_ref = refs
-        kmean = None
+def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth, transposed):
+    refs = list(refs)
+    kmean = refs.pop(0)[...] if smooth else None
+    vscale_ref, kc_ref, ks_ref, vt_ref = refs[:4]
+    kt_ref = refs[4] if transposed else None
     valid = row_mask(pl.program_id(2) * block, block, seq_len)
     mask = valid if ragged else None
     k = load_rows(k_ref, mask)
@@ -113,11 +124,13 @@ def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, 
     )
     kc_ref[...] = codes
     ks_ref[...] = scale
+    if transposed:
+        kt_ref[...] = codes.T
     v = load_rows(v_ref, mask)
     vt_ref[...] = sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]).T
 
 
-@functools.partial(jax.jit, static_argnames=("block", "per_block", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "num_warps", "interpret"))
 def sage_quantize_kv(
     k: jax.Array,
     v: jax.Array,
@@ -126,9 +139,10 @@ def sage_quantize_kv(
     *,
     block: int,
     per_block: bool,
+    transposed: bool = False,
     num_warps: int = 4,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Quantize K (after smoothing) and V (transposed) to INT8 in one pass.
 
     Args:
@@ -137,9 +151,10 @@ def sage_quantize_kv(
       v_scale: float32 (B, Hkv, D) per-channel V scale.
       block: keys per program and per K quantization block.
       per_block: one K scale per block instead of per token.
+      transposed: also write K̂ᵀ (B, Hkv, D, Sk_pad) for the backward's dQ = dS·K.
     Returns:
       K̂ int8 (B, Hkv, Sk_pad, D), its float32 scale (B, Hkv, Sk_pad),
-      V̂ᵀ int8 (B, Hkv, D, Sk_pad).
+      V̂ᵀ int8 (B, Hkv, D, Sk_pad), and K̂ᵀ or None.
     """
     b, s, h, d = k.shape
     nblk = pl.cdiv(s, block)
@@ -150,23 +165,30 @@ def sage_quantize_kv(
     args = [k, v] + ([k_mean[:, :, None, :]] if smooth else []) + [v_scale[:, :, None, :]]
     in_specs = [row_spec, row_spec] + [head_vec_spec] * (2 if smooth else 1)
     kernel = functools.partial(
-        _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth
+        _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth,
+        transposed=transposed,
     )
-    return pl.pallas_call(
+    out_specs = [
+        pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, block), lambda bi, hi, i: (bi, hi, i)),
+        pl.BlockSpec((None, None, d, block), lambda bi, hi, i: (bi, hi, 0, i)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, h, s_pad, d), jnp.int8),
+        jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, d, s_pad), jnp.int8),
+    ]
+    if transposed:
+        out_specs.append(out_specs[2])
+        out_shape.append(out_shape[2])
+    outs = pl.pallas_call(
         kernel,
         grid=(b, h, nblk),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),
-            pl.BlockSpec((None, None, block), lambda bi, hi, i: (bi, hi, i)),
-            pl.BlockSpec((None, None, d, block), lambda bi, hi, i: (bi, hi, 0, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, h, s_pad, d), jnp.int8),
-            jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, d, s_pad), jnp.int8),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="sage_quantize_kv",
     )(*args)
+    return outs[0], outs[1], outs[2], (outs[3] if transposed else None)

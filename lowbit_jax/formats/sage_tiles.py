@@ -38,6 +38,8 @@ class SageOperands(NamedTuple):
       v_scale: float32 (B, Hkv, D), per channel.
       q_mean: float32 (B, Hq, Sq_pad // block_q, D) block means removed by
         Q-smoothing, or None.
+      q_t: int8 (B, Hq, D, Sq_pad) Q̂ᵀ for the backward (dK = dSᵀQ), or None.
+      k_t: int8 (B, Hkv, D, Sk_pad) K̂ᵀ for the backward (dQ = dS·K), or None.
     """
 
     q: jax.Array
@@ -47,6 +49,8 @@ class SageOperands(NamedTuple):
     vt: jax.Array
     v_scale: jax.Array
     q_mean: jax.Array | None = None
+    q_t: jax.Array | None = None
+    k_t: jax.Array | None = None
 
 
 def quantize_qk_tile(

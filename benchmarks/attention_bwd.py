@@ -1,0 +1,213 @@
+"""Attention fwd+bwd benchmark on the GPU: SageBwd (INT8) vs cuDNN bf16, JAX's Pallas mha, XLA.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=. python benchmarks/attention_bwd.py
+    PYTHONPATH=. python benchmarks/attention_bwd.py --smoke     # tiny shapes, any backend (checks the script)
+
+Measures one jitted fwd+bwd (``jax.vjp`` then the pullback of a random dO) per
+method: time, TFLOP/s (3.5× the forward's 4·B·H·Sq·Sk·D, halved if causal),
+peak GPU memory of one fwd+bwd in a fresh process (``memory_stats()``), the
+compiled-kernel gradients against the xla reference on awkward shapes, and the
+per-intermediate error report against exact fp32 on N(0,1) and K-outlier inputs.
+Writes benchmarks/results/attention_bwd.json (and $OUT/attention_bwd.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import lowbit_jax as lb
+from benchmarks.attention import make_inputs
+from benchmarks.common import attention_flops, environment, time_fn, write_json
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+SHAPES = [(4, 32, 4096, 128, False), (1, 32, 16384, 128, False), (4, 32, 4096, 128, True),
+          (1, 32, 16384, 128, True), (8, 32, 2048, 64, False)]
+SMOKE_SHAPES = [(1, 2, 128, 64, False), (1, 2, 96, 64, True)]
+MEMORY_SHAPES = [(4, 32, 4096, 128, False)]
+XLA_SCORE_BYTES_LIMIT = 20e9
+
+
+def attention_fn(method: str, d: int, causal: bool):
+    """name → f(q, k, v) → o."""
+    if method == "sage":
+        return functools.partial(lb.sage_attention, causal=causal)
+    if method == "cudnn_bf16":
+        return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
+    if method == "xla_bf16":
+        return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
+    if method == "pallas_mha_bf16":
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        return functools.partial(pallas_attention.mha, segment_ids=None, sm_scale=d**-0.5, causal=causal)
+    raise ValueError(method)
+
+
+def fwd_bwd(fn):
+    """jitted (q, k, v, do) → (o, dq, dk, dv)."""
+
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o, *vjp(do))
+
+    return jax.jit(run)
+
+
+def methods_for(b, h, s, d):
+    names = ["sage", "cudnn_bf16", "pallas_mha_bf16"]
+    if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:
+        names.append("xla_bf16")
+    return names
+
+
+def throughput(shapes, log, save, smoke=False):
+    rows = []
+    for b, h, s, d, causal in shapes:
+        q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
+        do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
+        flops = 3.5 * attention_flops(b, h, s, s, d, causal)
+        row = dict(b=b, h=h, s=s, d=d, causal=causal, ms={}, tflops={}, errors={})
+        long = s * s * b >= 4 * 8192 * 8192
+        for name in (["sage"] if smoke else methods_for(b, h, s, d)):
+            try:
+                f = fwd_bwd(attention_fn(name, d, causal))
+                ms = time_fn(f, q, k, v, do, warmup=2, iters=3 if long else 10, batches=3)
+                row["ms"][name], row["tflops"][name] = ms, flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001
+                row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"  {name} failed at B{b} S{s} D{d} causal={causal}: {row['errors'][name]}")
+        base = row["ms"].get("cudnn_bf16")
+        row["vs_cudnn_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
+        rows.append(row)
+        log(f"B{b} H{h} S{s} D{d} causal={causal!s:5} " + " ".join(f"{m}={v:.0f}" for m, v in row["tflops"].items())
+            + f" TFLOP/s | sage/cudnn={row['vs_cudnn_bf16'].get('sage', float('nan')):.2f}")
+        save(rows)
+    return rows
+
+
+def check_gradients(log, smoke=False):
+    """Compiled kernels' gradients vs the xla reference (same quantization) and exact autodiff."""
+    rows = []
+    cases = [(2, 100, 77, 4, 2, 64, True, "per_block", False), (1, 300, 300, 4, 1, 128, False, "per_token", True),
+             (2, 129, 257, 8, 2, 128, True, "per_block", True), (1, 200, 100, 2, 2, 64, True, "per_token", False)]
+    impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
+    for b, sq, sk, hq, hkv, d, causal, gran, smooth_q in cases[:1] if smoke else cases[:3]:
+        kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(sq * sk), 4)
+        q = jax.random.normal(kq, (b, sq, hq, d), jnp.bfloat16)
+        k = (jax.random.normal(kk, (b, sk, hkv, d)) + 2.0).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (b, sk, hkv, d), jnp.bfloat16)
+        do = jax.random.normal(kd, q.shape, q.dtype)
+        kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q)
+        g_p = fwd_bwd(functools.partial(lb.sage_attention, **kw, **impl))(q, k, v, do)
+        g_x = fwd_bwd(functools.partial(lb.sage_attention, **kw, implementation="xla"))(q, k, v, do)
+        f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+        g_e = fwd_bwd(functools.partial(lb.reference_attention, causal=causal))(*f32(q, k, v, do))
+        row = dict(case=(b, sq, sk, hq, hkv, d, causal), gran=gran, smooth_q=smooth_q)
+        for i, name in enumerate(("o", "dq", "dk", "dv")):
+            row[name] = dict(kernel_vs_xla=lb.error_metrics(g_p[i], g_x[i]), kernel_vs_exact=lb.error_metrics(
+                g_p[i], g_e[i]), finite=bool(jnp.all(jnp.isfinite(g_p[i].astype(jnp.float32)))))
+        rows.append(row)
+        log("  grad check " + str(row["case"]) + " " + " ".join(
+            f"{n}: vs-xla rel-L1 {row[n]['kernel_vs_xla']['rel_l1']:.1e} vs-exact cos {row[n]['kernel_vs_exact']['cos_sim']:.5f}"
+            for n in ("dq", "dk", "dv")))
+    return rows
+
+
+def error_reports(log, smoke=False):
+    rows = []
+    b, h, s, d = (1, 2, 128, 64) if smoke else (1, 8, 4096, 128)
+    for label, outlier in (("normal", 0.0), ("k_outlier_10x", 10.0)):
+        q, k, v = make_inputs(jax.random.PRNGKey(11), b, h, s, d, k_outlier=outlier)
+        do = jax.random.normal(jax.random.PRNGKey(12), q.shape, q.dtype)
+        variants = [("sage int8 bwd", {})]
+        if label == "normal":
+            variants.append(("sage bf16 bwd (ablation)", dict(backward="bf16")))
+        else:
+            variants.append(("sage no smoothing", dict(smooth_k=False)))
+        for variant, opts in variants:
+            if smoke:
+                opts = dict(opts, implementation="xla")
+            rep = lb.diagnostics.attention_error_report(q, k, v, do, causal=False, print_table=False, **opts)
+            rows.append(dict(b=b, h=h, s=s, d=d, inputs=label, variant=variant, report=rep))
+            log(f"  report {label:13s} {variant:26s} " + " ".join(
+                f"{n}={m['cos_sim']:.4f}/{m['rel_l2']:.3f}" for n, m in rep.items()))
+    return rows
+
+
+def peak_memory(method: str, b: int, h: int, s: int, d: int, causal: bool) -> int:
+    """Peak GPU bytes of one fwd+bwd in this (fresh) process."""
+    q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
+    do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
+    jax.block_until_ready(fwd_bwd(attention_fn(method, d, causal))(q, k, v, do))
+    return int(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+
+
+def memory_table(log):
+    rows = []
+    for b, h, s, d, causal in MEMORY_SHAPES:
+        row = dict(b=b, h=h, s=s, d=d, causal=causal, peak_bytes={})
+        for method in ("sage", "cudnn_bf16"):
+            cmd = [sys.executable, __file__, "--memory", method, str(b), str(h), str(s), str(d), str(int(causal))]
+            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."},
+                                 timeout=240)
+            try:
+                row["peak_bytes"][method] = int(res.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                log(f"  memory {method} failed: {res.stderr[-500:]}")
+        rows.append(row)
+        log(f"  peak memory B{b} S{s} D{d}: " + " ".join(f"{m}={v / 2**30:.2f} GiB" for m, v in
+                                                         row["peak_bytes"].items()))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere")
+    parser.add_argument("--memory", nargs=6, metavar=("METHOD", "B", "H", "S", "D", "CAUSAL"),
+                        help="internal: print the peak memory of one fwd+bwd")
+    args = parser.parse_args(argv)
+    if args.memory:
+        m, b, h, s, d, c = args.memory
+        print(peak_memory(m, int(b), int(h), int(s), int(d), bool(int(c))))
+        return 0
+    if jax.default_backend() != "gpu" and not args.smoke:
+        print("benchmarks/attention_bwd.py needs a GPU (or --smoke)")
+        return 2
+
+    def log(msg):
+        print(msg, flush=True)
+
+    name = "attention_bwd_smoke" if args.smoke else "attention_bwd"
+    payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
+    log(f"# {payload['env']}")
+    payload["gradient_checks"] = check_gradients(log, smoke=args.smoke)
+    write_json(name, payload)
+
+    def save(rows):
+        payload["throughput"] = rows
+        return write_json(name, payload)
+
+    throughput(SMOKE_SHAPES if args.smoke else SHAPES, log, save, smoke=args.smoke)
+    if not args.smoke:
+        payload["memory"] = memory_table(log)
+        write_json(name, payload)
+    payload["error_reports"] = error_reports(log, smoke=args.smoke)
+    for p in write_json(name, payload):
+        log(f"wrote {p}")
+    json.dumps(payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

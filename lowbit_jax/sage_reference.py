@@ -1,0 +1,248 @@
+"""Pure-JAX references of SageAttention / SageBwd with the kernels' exact quantization.
+
+Every quantizer comes from :mod:`lowbit_jax.formats`, the same functions the
+Pallas kernels call on tiles; here they run on whole arrays (tiles as extra
+dims). The kernels must match these up to accumulation order and exp2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lowbit_jax.formats import int8, sage_tiles, smoothing
+from lowbit_jax.formats.sage_tiles import SageOperands
+from pallas_kernels.configs import SageFwdConfig
+
+LOG2E = math.log2(math.e)
+
+
+def channel_stats(k: jax.Array, v: jax.Array, smooth_k: bool) -> tuple[jax.Array | None, jax.Array]:
+    """K's token mean (B, Hkv, D) f32 if smoothing, and V's per-channel scale (B, Hkv, D) f32."""
+    k_mean = smoothing.token_mean(k) if smooth_k else None
+    return k_mean, sage_tiles.v_channel_scale(v)
+
+
+def to_tiles(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """(B, S, H, D) → zero-padded head-major tiles (B, H, nb, block, D), valid (nb, block, 1)."""
+    b, s, h, d = x.shape
+    nb = -(-s // block)
+    xt = jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, nb * block - s), (0, 0)))
+    valid = (jnp.arange(nb * block) < s).reshape(nb, block, 1)
+    return xt.reshape(b, h, nb, block, d), valid
+
+
+def quantize_reference(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, transposed=False,
+                       interpret=False) -> SageOperands:
+    """Pure-JAX twin of the fused quantize kernels (same tile functions on whole arrays).
+
+    Args:
+      q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D).
+    Returns:
+      :class:`SageOperands` (with Q̂ᵀ, K̂ᵀ when ``transposed``).
+    """
+    del interpret
+    k_mean, v_scale = channel_stats(k, v, smooth_k)
+    b, _, hq, d = q.shape
+    hkv = k.shape[2]
+    qt, qvalid = to_tiles(q, config.block_q)
+    q8, qs, q_mean = sage_tiles.quantize_qk_tile(
+        qt, qvalid, None, per_block=per_block, smooth_block=smooth_q, out_scale=scale * LOG2E
+    )
+    kt, kvalid = to_tiles(k, config.block_k)
+    kmean_b = None if k_mean is None else k_mean[:, :, None, None, :]
+    k8, ks, _ = sage_tiles.quantize_qk_tile(kt, kvalid, kmean_b, per_block=per_block, smooth_block=False,
+                                            out_scale=1.0)
+    vt, _ = to_tiles(v, config.block_k)
+    v8 = sage_tiles.quantize_v_tile(vt, kvalid, v_scale[:, :, None, None, :])
+    sk_pad = kt.shape[2] * config.block_k
+    q8 = q8.reshape(b, hq, -1, d)
+    k8 = k8.reshape(b, hkv, sk_pad, d)
+    return SageOperands(
+        q=q8,
+        q_scale=qs.reshape(b, hq, -1),
+        k=k8,
+        k_scale=ks.reshape(b, hkv, sk_pad),
+        vt=jnp.swapaxes(v8.reshape(b, hkv, sk_pad, d), 2, 3),
+        v_scale=v_scale,
+        q_mean=None if q_mean is None else q_mean[:, :, :, 0, :],
+        q_t=jnp.swapaxes(q8, 2, 3) if transposed else None,
+        k_t=jnp.swapaxes(k8, 2, 3) if transposed else None,
+    )
+
+
+def smoothing_bias(ops: SageOperands, *, scale: float) -> jax.Array:
+    """Q-smoothing correction q̄_block · K̂ᵀ·s_K · scale·log2 e in fp32.
+
+    Returns:
+      float32 (B, Hq, Sq_pad // block_q, Sk_pad), added to each query block's base-2 scores.
+    """
+    group = ops.q.shape[1] // ops.k.shape[1]
+    k_deq = jnp.repeat(int8.dequantize(ops.k, ops.k_scale[..., None]), group, axis=1)
+    bias = jnp.einsum("bhnd,bhkd->bhnk", ops.q_mean, k_deq, precision=jax.lax.Precision.HIGHEST)
+    return bias * (scale * LOG2E)
+
+
+def visible(rows: jax.Array, cols: jax.Array, sq_len: int, sk_len: int, causal: bool) -> jax.Array:
+    """bool mask: key col exists and (if causal) row sees it, bottom-right aligned."""
+    mask = cols < sk_len
+    if causal:
+        mask = mask & (cols <= rows + (sk_len - sq_len))
+    return mask
+
+
+def sage_attention_reference(
+    q8, q_scale, k8, k_scale, vt8, v_scale, bias, *, sq_len: int, sk_len: int, causal: bool,
+    k_per_block: bool, out_dtype, config: SageFwdConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-JAX twin of :func:`pallas_kernels.sage_fwd.sage_attention_fwd` (same arguments).
+
+    Not online: all key tiles at once, each with its own row max (which is what
+    the kernel's per-tile P scale is), then merged exactly as the online softmax.
+    """
+    b, hq, sq_pad, d = q8.shape
+    group = hq // k8.shape[1]
+    bq, bk = config.block_q, config.block_k
+    k8, k_scale, vt8, v_scale = (jnp.repeat(x, group, axis=1) for x in (k8, k_scale, vt8, v_scale))
+    sk_pad = k8.shape[2]
+    nkb = sk_pad // bk
+    s_int = jnp.einsum("bhqd,bhkd->bhqk", q8, k8, preferred_element_type=jnp.int32)
+    mask = visible(jnp.arange(sq_pad)[:, None], jnp.arange(sk_pad)[None, :], sq_len, sk_len, causal)
+    mask = jnp.broadcast_to(mask, (sq_pad, sk_pad)).reshape(sq_pad, nkb, bk)
+    if k_per_block and bias is None:
+        c = q_scale[..., None] * k_scale.reshape(b, hq, nkb, bk)[:, :, None, :, 0]  # (B,H,Sq,nkb)
+        x = int8.int32_as_biased_float(s_int).reshape(b, hq, sq_pad, nkb, bk)
+        x = jnp.where(mask, x, -jnp.inf)
+        mx = jnp.max(x, axis=-1)
+        m_cur = (mx - int8.MAGIC) * c
+        mx = jnp.where(mx == -jnp.inf, int8.MAGIC, mx)
+        e = jnp.exp2((x - mx[..., None]) * c[..., None])
+    else:
+        s = s_int.astype(jnp.float32) * q_scale[..., None] * k_scale[:, :, None, :]
+        if bias is not None:
+            s = s + jnp.repeat(bias, bq, axis=2)
+        s = jnp.where(mask, s.reshape(b, hq, sq_pad, nkb, bk), -jnp.inf)
+        m_cur = jnp.max(s, axis=-1)
+        e = jnp.exp2(s - jnp.where(m_cur == -jnp.inf, 0.0, m_cur)[..., None])
+    m = jnp.max(m_cur, axis=-1)
+    m_ref = jnp.where(m == -jnp.inf, 0.0, m)
+    beta = jnp.exp2(m_cur - m_ref[..., None])
+    l = jnp.sum(beta * jnp.sum(e, axis=-1), axis=-1)
+    p8 = int8.encode_unit_interval(e)
+    pv = jnp.einsum("bhqnk,bhdnk->bhqnd", p8, vt8.reshape(b, hq, d, nkb, bk), preferred_element_type=jnp.int32)
+    acc = jnp.sum(pv.astype(jnp.float32) * (beta * (1.0 / int8.QMAX))[..., None], axis=3)
+    empty = l == 0.0
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    o = acc * inv_l[..., None] * v_scale[:, :, None, :]
+    lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    o = jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
+    return o, lse[..., :sq_len]
+
+
+def _tile_quant(x: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
+    """ψ with one scale per group over ``axes`` (scale keeps the axes as size 1)."""
+    scale = int8.scale_from_amax(jnp.max(jnp.abs(x), axis=axes, keepdims=True))
+    return int8.encode_with_scale(x, scale), scale
+
+
+def sage_backward_reference(
+    ops: SageOperands, bias: jax.Array | None, o: jax.Array, lse: jax.Array, do: jax.Array, *,
+    sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
+    intermediates: bool = False,
+):
+    """Pure-JAX twin of :func:`pallas_kernels.sage_bwd.sage_attention_bwd` (SageBwd).
+
+    Scans over query tiles (memory O(S·D) per step, not S²·D). Same quantization
+    as the kernels: dO INT8 per query tile, P INT8 per key row of each tile for
+    dV, dS INT8 per tile (with per-token Q/K scales folded in first), dP in dO's
+    dtype with fp32 accumulation.
+
+    Args:
+      ops: the forward's :class:`SageOperands` (Q̂ᵀ/K̂ᵀ not needed here).
+      bias: Q-smoothing score bias or None; o, lse, do as the kernel wrapper.
+      intermediates: also return a dict of D, P, dP, dS (head-major, padded).
+    Returns:
+      (dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D)) in do's dtype [, intermediates].
+    """
+    b, hq, sq_pad, d = ops.q.shape
+    hkv, sk_pad = ops.k.shape[1], ops.k.shape[2]
+    group = hq // hkv
+    bq, bk = config.block_q, config.block_k
+    nqb, nkb = sq_pad // bq, sk_pad // bk
+    rep = lambda x: jnp.repeat(x, group, axis=1)  # noqa: E731
+    k8, ks, vt8, vs = rep(ops.k), rep(ops.k_scale), rep(ops.vt), rep(ops.v_scale)
+    k_tiles = k8.reshape(b, hq, nkb, bk, d)
+    ks_tiles = ks.reshape(b, hq, nkb, bk)
+
+    # preprocess (as the kernel): D, dO·s_V, dO per tile in INT8
+    o_p, _ = to_tiles(o.astype(jnp.float32), bq)
+    do_p, _ = to_tiles(do.astype(jnp.float32), bq)  # (B, H, nqb, bq, D)
+    delta = jnp.sum(o_p * do_p, axis=-1)
+    dos = (do_p * vs[:, :, None, None, :]).astype(do.dtype)
+    do8, do_scale = _tile_quant(do_p, (-2, -1))  # scale (B, H, nqb, 1, 1)
+    v_codes = jnp.swapaxes(vt8, 2, 3).astype(do.dtype)
+    lse_p = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf).reshape(b, hq, nqb, bq)
+    q_tiles = ops.q.reshape(b, hq, nqb, bq, d)
+    qs_tiles = ops.q_scale.reshape(b, hq, nqb, bq)
+    cols = jnp.arange(sk_pad)
+    has_bias = bias is not None
+
+    def step(carry, xs):
+        dk, dv = carry
+        i, q_i, qs_i, lse_i, delta_i, dos_i, do8_i, dosc_i, bias_i, qmean_i = xs
+        rows = i * bq + jnp.arange(bq)
+        t = jnp.einsum("bhqd,bhkd->bhqk", q_i, k8, preferred_element_type=jnp.int32).astype(jnp.float32)
+        t = t * qs_i[..., None] * ks[:, :, None, :]
+        if has_bias:
+            t = t + bias_i[:, :, None, :]
+        t = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), t, -jnp.inf)
+        p = jnp.exp2(t - lse_i[..., None])
+        dp = jnp.einsum("bhqd,bhkd->bhqk", dos_i, v_codes, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_i[..., None])
+        # dV += P̂ᵀ dÔ, P per key row of the tile
+        pt = p.reshape(b, hq, bq, nkb, bk)
+        pmax = jnp.max(pt, axis=2, keepdims=True)
+        p8 = int8.encode_unit_interval(pt * jnp.where(pmax > 0.0, 1.0 / jnp.where(pmax > 0.0, pmax, 1.0), 0.0))
+        dv_scale = int8.scale_from_amax(pmax[:, :, 0]) * dosc_i  # (B, H, nkb, bk) · (B, H, 1, 1)
+        dv_int = jnp.einsum("bhqjk,bhqd->bhjkd", p8, do8_i, preferred_element_type=jnp.int32)
+        dv = dv + (dv_int.astype(jnp.float32) * dv_scale[..., None]).reshape(b, hq, sk_pad, d)
+        # dS tiles: for dK (reduction over queries) and dQ (over keys)
+        dst = ds.reshape(b, hq, bq, nkb, bk)
+        if per_block:
+            ds8, ds_sc = _tile_quant(dst, (2, 4))
+            dsk8, dsk_fac = ds8, ds_sc[:, :, 0, :, 0] * qs_i[:, :, :1] / LOG2E  # (B, H, nkb)
+            dsq8, dsq_fac = ds8, ds_sc[:, :, 0, :, 0] * ks_tiles[..., 0] * scale
+        else:
+            dsk8, sc = _tile_quant(dst * qs_i[:, :, :, None, None], (2, 4))
+            dsk_fac = sc[:, :, 0, :, 0] / LOG2E
+            dsq8, sc = _tile_quant(dst * ks_tiles[:, :, None], (2, 4))
+            dsq_fac = sc[:, :, 0, :, 0] * scale
+        dk_int = jnp.einsum("bhqjk,bhqd->bhjkd", dsk8, q_i, preferred_element_type=jnp.int32)
+        dk = dk + (dk_int.astype(jnp.float32) * dsk_fac[..., None, None]).reshape(b, hq, sk_pad, d)
+        if has_bias:
+            dk = dk + scale * jnp.sum(ds, axis=2)[..., None] * qmean_i[:, :, None, :]
+        dq_int = jnp.einsum("bhqjk,bhjkd->bhqjd", dsq8, k_tiles, preferred_element_type=jnp.int32)
+        dq_i = jnp.sum(dq_int.astype(jnp.float32) * dsq_fac[:, :, None, :, None], axis=3)
+        extra = (p, dp, ds) if intermediates else ()
+        return (dk, dv), (dq_i,) + extra
+
+    zeros = jnp.zeros((b, hq, sk_pad, d), jnp.float32)
+    per_tile = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)  # noqa: E731
+    xs = (jnp.arange(nqb), per_tile(q_tiles), per_tile(qs_tiles), per_tile(lse_p), per_tile(delta), per_tile(dos),
+          per_tile(do8), per_tile(do_scale), per_tile(bias), per_tile(ops.q_mean))
+    (dk, dv), outs = jax.lax.scan(step, (zeros, zeros), xs)
+    dq = jnp.moveaxis(outs[0], 0, 2).reshape(b, hq, sq_pad, d)
+    dq = jnp.swapaxes(dq, 1, 2)[:, :sq_len].astype(do.dtype)
+
+    def kv_grad(x):
+        x = x.reshape(b, hkv, group, sk_pad, d).sum(axis=2)
+        return jnp.swapaxes(x, 1, 2)[:, :sk_len].astype(do.dtype)
+
+    grads = (dq, kv_grad(dk), kv_grad(dv))
+    if not intermediates:
+        return grads
+    full = lambda x: jnp.moveaxis(x, 0, 2).reshape(b, hq, sq_pad, sk_pad)[:, :, :sq_len, :sk_len]  # noqa: E731
+    return grads, {"D": delta.reshape(b, hq, sq_pad)[:, :, :sq_len], "P": full(outs[1]), "dP": full(outs[2]),
+                   "dS": full(outs[3])}

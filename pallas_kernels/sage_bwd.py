@@ -1,0 +1,328 @@
+"""SageBwd: the INT8 attention backward, Pallas lowered through Triton.
+
+Three kernels (shared/SPEC.md §1, backward):
+
+* ``sage_bwd_preprocess`` — per query tile: D = rowsum(dO∘O) in fp32; dO·diag(s_V)
+  in dO's dtype (the 16-bit operand of dP); dO quantized to INT8 with one scale
+  per tile, written transposed (D, Sq) so dV = P̂ᵀ·dÔ contracts over contiguous
+  memory.
+* ``sage_bwd_dkdv`` — one program per key tile (and batch, kv head), looping over
+  the query tiles of every query head of its GQA group: recompute Sᵀ = K̂Q̂ᵀ (INT8),
+  Pᵀ = exp2(Sᵀ − L); dV += P̂ᵀdÔ (INT8, P per key row of the tile, dO per tile);
+  dPᵀ = V·dOᵀ (16-bit, fp32 accumulation); dSᵀ = Pᵀ∘(dPᵀ − D) quantized per tile;
+  dK += dŜᵀQ̂ (INT8).
+* ``sage_bwd_dq`` — one program per query tile, looping over key tiles: the same
+  S, P, dP, dS (same tiles, so the same per-tile dS scale), dQ += dŜK̂ (INT8).
+
+Six of the seven attention matmuls are INT8 (forward QKᵀ and PV; backward QKᵀ
+recompute, dV, dQ, dK); only dP is 16-bit. Every INT8 product contracts over the
+contiguous dim of both operands, using the transposed copies Q̂ᵀ, K̂ᵀ, dÔᵀ.
+
+Scale bookkeeping: the forward's Q scale includes ``softmax_scale·log2 e`` and the
+scores are in base 2; dS is the gradient w.r.t. the natural-log scores. With
+per-token Q/K scales (they vary along the dK/dQ reduction axes) the scale is
+folded into dS before the per-tile quantization; with per-block scales it is a
+per-tile constant pulled out of the product.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit_jax.formats import int8
+from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
+from pallas_kernels.configs import SageFwdConfig
+
+_DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
+LOG2E = math.log2(math.e)
+
+
+def _dot_i8(a, b):
+    return lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+
+def _dot_f32(a, b):
+    return lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.float32)
+
+
+def _tile_int8(x):
+    """ψ with one scale for the whole tile: (codes int8, scale f32 scalar)."""
+    scale = int8.scale_from_amax(jnp.max(jnp.abs(x)))
+    return int8.encode_with_scale(x, scale), scale
+
+
+# ----------------------------------------------------------------------------- preprocess
+
+
+def _preprocess_kernel(o_ref, do_ref, vs_ref, delta_ref, dos_ref, dot_ref, dosc_ref, *, block, seq_len, ragged):
+    valid = row_mask(pl.program_id(0) * block, block, seq_len)
+    mask = valid if ragged else None
+    o = load_rows(o_ref, mask).astype(jnp.float32)
+    do = load_rows(do_ref, mask).astype(jnp.float32)
+    delta_ref[...] = jnp.sum(o * do, axis=1)
+    dos_ref[...] = (do * vs_ref[...][None, :]).astype(dos_ref.dtype)
+    codes, scale = _tile_int8(do)
+    dot_ref[...] = codes.T
+    dosc_ref[...] = jnp.full((block,), scale, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def sage_bwd_preprocess(o: jax.Array, do: jax.Array, v_scale: jax.Array, *, config: SageFwdConfig,
+                        interpret: bool = False):
+    """D, dO·s_V and INT8 dOᵀ.
+
+    Args:
+      o, do: (B, Sq, Hq, D) output and its cotangent.
+      v_scale: float32 (B, Hkv, D).
+    Returns:
+      delta float32 (B, Hq, Sq_pad); dO·s_V (B, Hq, Sq_pad, D) in do's dtype;
+      dÔᵀ int8 (B, Hq, D, Sq_pad); dO scale float32 (B, Hq, Sq_pad) (one value per tile, repeated).
+    """
+    b, sq, hq, d = o.shape
+    group = hq // v_scale.shape[1]
+    bq = config.block_q
+    nqb = pl.cdiv(sq, bq)
+    sq_pad = nqb * bq
+    row_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    kernel = functools.partial(_preprocess_kernel, block=bq, seq_len=sq, ragged=sq % bq != 0)
+    return pl.pallas_call(
+        kernel,
+        grid=(nqb, b, hq),
+        in_specs=[row_spec, row_spec, pl.BlockSpec((None, None, d), lambda i, bi, hi: (bi, hi // group, 0))],
+        out_specs=[
+            pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
+            pl.BlockSpec((None, None, bq, d), lambda i, bi, hi: (bi, hi, i, 0)),
+            pl.BlockSpec((None, None, d, bq), lambda i, bi, hi: (bi, hi, 0, i)),
+            pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hq, sq_pad, d), do.dtype),
+            jax.ShapeDtypeStruct((b, hq, d, sq_pad), jnp.int8),
+            jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32),
+        ],
+        compiler_params=compiler_params(config.quant_warps, 1),
+        interpret=interpret,
+        name="sage_bwd_preprocess",
+    )(o, do, v_scale)
+
+
+# ----------------------------------------------------------------------------- dK, dV
+
+
+def _dkdv_kernel(
+    q_ref, qs_ref, qt_ref, lse_ref, delta_ref, dos_ref, dot_ref, dosc_ref, k_ref, ks_ref, vc_ref, *refs,
+    block_q, block_k, sq_len, sk_len, causal, per_block, has_bias, scale, group, n_qblocks,
+):
+    if has_bias:
+        bias_ref, qmean_ref, dk_ref, dv_ref = refs
+    else:
+        dk_ref, dv_ref = refs
+    kj = pl.program_id(0)
+    k_start = kj * block_k
+    offset = sk_len - sq_len
+    k = k_ref[...]  # (bk, D) int8
+    ks = ks_ref[...]  # (bk,)
+    vc = vc_ref[...]  # (bk, D) V codes in dO's dtype
+    head_dim = k.shape[-1]
+    cols = k_start + jnp.arange(block_k, dtype=jnp.int32)
+    col_valid = cols < sk_len
+    ragged_k = sk_len % block_k != 0
+    # Query tiles that see any key of this tile, and the first one that sees all of them.
+    if causal:
+        i_first = jnp.clip((k_start - offset) // block_q, 0, n_qblocks)
+        i_unmasked = jnp.clip(pl.cdiv(k_start + block_k - 1 - offset, block_q), i_first, n_qblocks)
+    else:
+        i_first, i_unmasked = 0, 0
+
+    def step(i, carry, g, masked):
+        dk_acc, dv_acc = carry
+        q_start = pl.multiple_of(i * block_q, block_q)
+        rows = pl.ds(q_start, block_q)
+        q = q_ref[g, rows, :]
+        qs = qs_ref[g, rows]
+        st = _dot_i8(k, q) * ks[:, None] * qs[None, :]  # (bk, bq) base-2 scores
+        if has_bias:
+            st = st + bias_ref[g, i, pl.ds(k_start, block_k)][:, None]
+        if masked or ragged_k:
+            mask = col_valid[:, None]
+            if causal:
+                q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
+                mask = mask & (cols[:, None] <= q_idx[None, :] + offset)
+            st = jnp.where(mask, st, -jnp.inf)
+        pt = jnp.exp2(st - lse_ref[g, rows][None, :])  # (bk, bq); +inf LSE rows give 0
+        # dV += P̂ᵀ dÔ: P per key row of the tile, dO one scale per query tile.
+        pmax = jnp.max(pt, axis=1)
+        p8 = int8.encode_unit_interval(pt * jnp.where(pmax > 0.0, 1.0 / jnp.where(pmax > 0.0, pmax, 1.0), 0.0)[:, None])
+        dv_scale = int8.scale_from_amax(pmax) * dosc_ref[g, q_start]
+        dv_acc = dv_acc + _dot_i8(p8, dot_ref[g, :, rows]) * dv_scale[:, None]
+        # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (INT8, one dS scale per tile).
+        dpt = _dot_f32(vc, dos_ref[g, rows, :])
+        dst = pt * (dpt - delta_ref[g, rows][None, :])
+        if per_block:
+            ds8, ds_scale = _tile_int8(dst)
+            factor = ds_scale * qs_ref[g, q_start] * (1.0 / LOG2E)
+        else:
+            ds8, ds_scale = _tile_int8(dst * qs[None, :])
+            factor = ds_scale * (1.0 / LOG2E)
+        dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
+        if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
+            dk_acc = dk_acc + (scale * jnp.sum(dst, axis=1))[:, None] * qmean_ref[g, i, :][None, :]
+        return dk_acc, dv_acc
+
+    carry = (jnp.zeros((block_k, head_dim), jnp.float32), jnp.zeros((block_k, head_dim), jnp.float32))
+
+    def head(g, carry):  # each query head of the GQA group
+        if causal:
+            carry = lax.fori_loop(i_first, i_unmasked, functools.partial(step, g=g, masked=True), carry)
+        return lax.fori_loop(i_unmasked, n_qblocks, functools.partial(step, g=g, masked=False), carry)
+
+    carry = lax.fori_loop(0, group, head, carry)
+    dk, dv = carry
+    valid = row_mask(k_start, block_k, sk_len) if ragged_k else None
+    store_rows(dk_ref, dk.astype(dk_ref.dtype), valid)
+    store_rows(dv_ref, dv.astype(dv_ref.dtype), valid)
+
+
+# ----------------------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    q_ref, qs_ref, lse_ref, delta_ref, dos_ref, k_ref, ks_ref, kt_ref, vc_ref, *refs,
+    block_q, block_k, sq_len, sk_len, causal, per_block, has_bias, scale,
+):
+    if has_bias:
+        bias_ref, dq_ref = refs
+    else:
+        (dq_ref,) = refs
+    qi = pl.program_id(0)
+    q_start = qi * block_q
+    offset = sk_len - sq_len
+    q = q_ref[...]
+    qs = qs_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    dos = dos_ref[...]
+    rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
+    n_all = pl.cdiv(sk_len, block_k)
+    n_unmasked_max = sk_len // block_k
+    if causal:
+        n_total = jnp.clip((q_start + block_q + offset + block_k - 1) // block_k, 0, n_all)
+        n_unmasked = jnp.minimum(jnp.minimum(jnp.maximum(q_start + offset + 1, 0) // block_k, n_unmasked_max),
+                                 n_total)
+    else:
+        n_total, n_unmasked = n_all, n_unmasked_max
+
+    def step(j, acc, masked):
+        start = pl.multiple_of(j * block_k, block_k)
+        keys = pl.ds(start, block_k)
+        ks = ks_ref[keys]
+        s = _dot_i8(q, k_ref[keys, :]) * qs[:, None] * ks[None, :]
+        if has_bias:
+            s = s + bias_ref[keys][None, :]
+        if masked:
+            cols = start + jnp.arange(block_k, dtype=jnp.int32)
+            mask = cols[None, :] < sk_len
+            if causal:
+                mask = mask & (cols[None, :] <= rows[:, None] + offset)
+            s = jnp.where(mask, s, -jnp.inf)
+        p = jnp.exp2(s - lse[:, None])
+        dp = _dot_f32(dos, vc_ref[keys, :])
+        ds = p * (dp - delta[:, None])
+        if per_block:
+            ds8, ds_scale = _tile_int8(ds)
+            factor = ds_scale * ks_ref[start] * scale
+        else:
+            ds8, ds_scale = _tile_int8(ds * ks[None, :])
+            factor = ds_scale * scale
+        return acc + _dot_i8(ds8, kt_ref[:, keys]) * factor
+
+    acc = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
+    acc = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), acc)
+    if causal or sk_len % block_k:
+        acc = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), acc)
+    store_rows(dq_ref, acc.astype(dq_ref.dtype), row_mask(q_start, block_q, sq_len) if sq_len % block_q else None)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "per_block", "scale", "config", "interpret")
+)
+def sage_attention_bwd(
+    q8, q_scale, q8_t, k8, k_scale, k8_t, vt8, v_scale, q_mean, bias, o, lse, do, *,
+    sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
+    interpret: bool = False,
+):
+    """SageBwd gradients from the forward's INT8 residuals.
+
+    Args:
+      q8, q_scale, q8_t: Q̂ (B, Hq, Sq_pad, D), its scale (incl. scale·log2 e), Q̂ᵀ.
+      k8, k_scale, k8_t: K̂ (B, Hkv, Sk_pad, D), its scale, K̂ᵀ.
+      vt8, v_scale: V̂ᵀ (B, Hkv, D, Sk_pad) and the per-channel scale (B, Hkv, D).
+      q_mean, bias: Q-smoothing block means (B, Hq, nqb, D) and score bias
+        (B, Hq, nqb, Sk_pad), or both None.
+      o, lse: the forward's output (B, Sq, Hq, D) and base-2 LSE (B, Hq, Sq).
+      do: cotangent of o.
+    Returns:
+      dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
+    """
+    b, hq, sq_pad, d = q8.shape
+    hkv, sk_pad = k8.shape[1], k8.shape[2]
+    group = hq // hkv
+    bq, bk = config.block_q, config.block_k
+    nqb, nkb = sq_pad // bq, sk_pad // bk
+    has_bias = bias is not None
+    delta, dos, do8_t, do_scale = sage_bwd_preprocess(o, do, v_scale, config=config, interpret=interpret)
+    lse_pad = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
+    v_codes = jnp.swapaxes(vt8, 2, 3).astype(do.dtype)  # exact; transient, not a residual
+    params = compiler_params(config.num_warps, config.num_stages)
+    common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, causal=causal, per_block=per_block,
+                  has_bias=has_bias, scale=scale)
+
+    grp = lambda *tail: pl.BlockSpec((None, group) + tail, lambda j, bi, hi: (bi, hi) + (0,) * len(tail))  # noqa: E731
+    kv_tile = lambda: pl.BlockSpec((None, None, bk, d), lambda j, bi, hi: (bi, hi, j, 0))  # noqa: E731
+    in_specs = [grp(sq_pad, d), grp(sq_pad), grp(d, sq_pad), grp(sq_pad), grp(sq_pad), grp(sq_pad, d),
+                grp(d, sq_pad), grp(sq_pad), kv_tile(), pl.BlockSpec((None, None, bk), lambda j, bi, hi: (bi, hi, j)),
+                kv_tile()]
+    args = [q8, q_scale, q8_t, lse_pad, delta, dos, do8_t, do_scale, k8, k_scale, v_codes]
+    if has_bias:
+        in_specs += [grp(nqb, sk_pad), grp(nqb, d)]
+        args += [bias, q_mean]
+    out_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, hi: (bi, j, hi, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, **common),
+        grid=(nkb, b, hkv),
+        in_specs=in_specs,
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="sage_bwd_dkdv",
+    )(*args)
+
+    q_tile = lambda *tail: pl.BlockSpec((None, None, bq) + tail, lambda i, bi, hi: (bi, hi, i) + (0,) * len(tail))  # noqa: E731
+    kv_full = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, bi, hi: (bi, hi // group) + (0,) * len(tail))  # noqa: E731
+    in_specs = [q_tile(d), q_tile(), q_tile(), q_tile(), q_tile(d), kv_full(sk_pad, d), kv_full(sk_pad),
+                kv_full(d, sk_pad), kv_full(sk_pad, d)]
+    args = [q8, q_scale, lse_pad, delta, dos, k8, k_scale, k8_t, v_codes]
+    if has_bias:
+        in_specs.append(pl.BlockSpec((None, None, None, sk_pad), lambda i, bi, hi: (bi, hi, i, 0)))
+        args.append(bias)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **common),
+        grid=(nqb, b, hq),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="sage_bwd_dq",
+    )(*args)
+    return dq, dk, dv
