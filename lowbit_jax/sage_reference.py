@@ -169,16 +169,18 @@ def sage_backward_reference(
     b, hq, sq_pad, d = ops.q.shape
     hkv, sk_pad = ops.k.shape[1], ops.k.shape[2]
     group = hq // hkv
-    bq, bk = config.block_q, config.block_k
+    bq, bk = config.bwd_block_q, config.bwd_block_k
     nqb, nkb = sq_pad // bq, sk_pad // bk
+    q_ratio = config.block_q // bq  # backward tiles per forward query block
     rep = lambda x: jnp.repeat(x, group, axis=1)  # noqa: E731
     k8, ks, vt8, vs = rep(ops.k), rep(ops.k_scale), rep(ops.vt), rep(ops.v_scale)
     k_tiles = k8.reshape(b, hq, nkb, bk, d)
     ks_tiles = ks.reshape(b, hq, nkb, bk)
 
     # preprocess (as the kernel): D, dO·s_V, dO per tile in INT8
-    o_p, _ = to_tiles(o.astype(jnp.float32), bq)
-    do_p, _ = to_tiles(do.astype(jnp.float32), bq)  # (B, H, nqb, bq, D)
+    pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, sq_pad - sq_len), (0, 0), (0, 0)))  # noqa: E731
+    o_p, _ = to_tiles(pad_rows(o.astype(jnp.float32)), bq)
+    do_p, _ = to_tiles(pad_rows(do.astype(jnp.float32)), bq)  # (B, H, nqb, bq, D)
     delta = jnp.sum(o_p * do_p, axis=-1)
     dos = (do_p * vs[:, :, None, None, :]).astype(do.dtype)
     do8, do_scale = _tile_quant(do_p, (-2, -1))  # scale (B, H, nqb, 1, 1)
@@ -230,8 +232,9 @@ def sage_backward_reference(
 
     zeros = jnp.zeros((b, hq, sk_pad, d), jnp.float32)
     per_tile = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)  # noqa: E731
+    per_fwd_block = lambda x: None if x is None else per_tile(jnp.repeat(x, q_ratio, axis=2))  # noqa: E731
     xs = (jnp.arange(nqb), per_tile(q_tiles), per_tile(qs_tiles), per_tile(lse_p), per_tile(delta), per_tile(dos),
-          per_tile(do8), per_tile(do_scale), per_tile(bias), per_tile(ops.q_mean))
+          per_tile(do8), per_tile(do_scale), per_fwd_block(bias), per_fwd_block(ops.q_mean))
     (dk, dv), outs = jax.lax.scan(step, (zeros, zeros), xs)
     dq = jnp.moveaxis(outs[0], 0, 2).reshape(b, hq, sq_pad, d)
     dq = jnp.swapaxes(dq, 1, 2)[:, :sq_len].astype(do.dtype)

@@ -27,6 +27,10 @@ class SageFwdConfig:
         INT8 P·V product has a K dimension the tensor cores like.
       num_warps, num_stages: Triton launch parameters of the attention kernel.
       quant_warps: warps of the memory-bound quantize kernels.
+      bwd_block_q, bwd_block_k: tiles of the SageBwd kernels (dO and dS are
+        quantized per such tile); they must divide block_q / block_k so the
+        forward's per-block Q/K scales are constant on every backward tile.
+      bwd_warps, bwd_stages: launch parameters of the backward kernels.
     """
 
     block_q: int = 64
@@ -34,9 +38,17 @@ class SageFwdConfig:
     num_warps: int = 4
     num_stages: int = 3
     quant_warps: int = 4
+    bwd_block_q: int | None = None  # default min(64, block_q)
+    bwd_block_k: int | None = None  # default min(64, block_k)
+    bwd_warps: int = 8
+    bwd_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_k", "num_warps"):
+        if self.bwd_block_q is None:
+            object.__setattr__(self, "bwd_block_q", min(64, self.block_q))
+        if self.bwd_block_k is None:
+            object.__setattr__(self, "bwd_block_k", min(64, self.block_k))
+        for name in ("block_q", "block_k", "num_warps", "bwd_block_q", "bwd_block_k", "bwd_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or not _is_pow2(value):
                 raise ValueError(f"SageFwdConfig.{name} must be a power of two, got {value!r}")
@@ -44,8 +56,14 @@ class SageFwdConfig:
             raise ValueError(f"SageFwdConfig.block_q must be >= 16, got {self.block_q}")
         if self.block_k < 32:
             raise ValueError(f"SageFwdConfig.block_k must be >= 32, got {self.block_k}")
-        if self.num_stages < 1:
-            raise ValueError(f"SageFwdConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.num_stages < 1 or self.bwd_stages < 1:
+            raise ValueError(f"SageFwdConfig stages must be >= 1, got {self.num_stages}, {self.bwd_stages}")
+        if self.bwd_block_q < 16 or self.bwd_block_k < 32:
+            raise ValueError(f"SageFwdConfig.bwd_block_q must be >= 16 and bwd_block_k >= 32, got "
+                             f"{self.bwd_block_q}, {self.bwd_block_k}")
+        if self.block_q % self.bwd_block_q or self.block_k % self.bwd_block_k:
+            raise ValueError("SageFwdConfig.bwd_block_q/bwd_block_k must divide block_q/block_k, got "
+                             f"{self.bwd_block_q}/{self.block_q} and {self.bwd_block_k}/{self.block_k}")
 
     def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
@@ -53,7 +71,8 @@ class SageFwdConfig:
         bk = max(32, min(self.block_k, _next_pow2(seq_k)))
         if (bq, bk) == (self.block_q, self.block_k):
             return self
-        return dataclasses.replace(self, block_q=bq, block_k=bk)
+        return dataclasses.replace(self, block_q=bq, block_k=bk, bwd_block_q=min(self.bwd_block_q, bq),
+                                   bwd_block_k=min(self.bwd_block_k, bk))
 
 
 def _next_pow2(n: int) -> int:

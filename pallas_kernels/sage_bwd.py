@@ -85,11 +85,11 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, v_scale: jax.Array, *, conf
     """
     b, sq, hq, d = o.shape
     group = hq // v_scale.shape[1]
-    bq = config.block_q
-    nqb = pl.cdiv(sq, bq)
-    sq_pad = nqb * bq
+    bq = config.bwd_block_q
+    sq_pad = pl.cdiv(sq, config.block_q) * config.block_q  # the forward's padding
+    nqb = sq_pad // bq
     row_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
-    kernel = functools.partial(_preprocess_kernel, block=bq, seq_len=sq, ragged=sq % bq != 0)
+    kernel = functools.partial(_preprocess_kernel, block=bq, seq_len=sq, ragged=sq_pad != sq)
     return pl.pallas_call(
         kernel,
         grid=(nqb, b, hq),
@@ -117,7 +117,7 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, v_scale: jax.Array, *, conf
 
 def _dkdv_kernel(
     q_ref, qs_ref, qt_ref, lse_ref, delta_ref, dos_ref, dot_ref, dosc_ref, k_ref, ks_ref, vc_ref, *refs,
-    block_q, block_k, sq_len, sk_len, causal, per_block, has_bias, scale, group, n_qblocks,
+    block_q, block_k, sq_len, sk_len, sk_pad, causal, per_block, has_bias, scale, group, n_qblocks, q_ratio,
 ):
     if has_bias:
         bias_ref, qmean_ref, dk_ref, dv_ref = refs
@@ -132,7 +132,8 @@ def _dkdv_kernel(
     head_dim = k.shape[-1]
     cols = k_start + jnp.arange(block_k, dtype=jnp.int32)
     col_valid = cols < sk_len
-    ragged_k = sk_len % block_k != 0
+    ragged_k = sk_pad != sk_len  # some tiles hold padding keys (possibly only padding)
+    fwd_block = (lambda i: i) if q_ratio == 1 else (lambda i: lax.div(i, jnp.int32(q_ratio)))
     # Query tiles that see any key of this tile, and the first one that sees all of them.
     if causal:
         i_first = jnp.clip((k_start - offset) // block_q, 0, n_qblocks)
@@ -148,7 +149,7 @@ def _dkdv_kernel(
         qs = qs_ref[g, rows]
         st = _dot_i8(k, q) * ks[:, None] * qs[None, :]  # (bk, bq) base-2 scores
         if has_bias:
-            st = st + bias_ref[g, i, pl.ds(k_start, block_k)][:, None]
+            st = st + bias_ref[g, fwd_block(i), pl.ds(k_start, block_k)][:, None]
         if masked or ragged_k:
             mask = col_valid[:, None]
             if causal:
@@ -172,7 +173,7 @@ def _dkdv_kernel(
             factor = ds_scale * (1.0 / LOG2E)
         dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
         if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
-            dk_acc = dk_acc + (scale * jnp.sum(dst, axis=1))[:, None] * qmean_ref[g, i, :][None, :]
+            dk_acc = dk_acc + (scale * jnp.sum(dst, axis=1))[:, None] * qmean_ref[g, fwd_block(i), :][None, :]
         return dk_acc, dv_acc
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32), jnp.zeros((block_k, head_dim), jnp.float32))
@@ -194,7 +195,7 @@ def _dkdv_kernel(
 
 def _dq_kernel(
     q_ref, qs_ref, lse_ref, delta_ref, dos_ref, k_ref, ks_ref, kt_ref, vc_ref, *refs,
-    block_q, block_k, sq_len, sk_len, causal, per_block, has_bias, scale,
+    block_q, block_k, sq_len, sk_len, sq_pad, causal, per_block, has_bias, scale,
 ):
     if has_bias:
         bias_ref, dq_ref = refs
@@ -246,7 +247,7 @@ def _dq_kernel(
     acc = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), acc)
     if causal or sk_len % block_k:
         acc = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), acc)
-    store_rows(dq_ref, acc.astype(dq_ref.dtype), row_mask(q_start, block_q, sq_len) if sq_len % block_q else None)
+    store_rows(dq_ref, acc.astype(dq_ref.dtype), row_mask(q_start, block_q, sq_len) if sq_pad != sq_len else None)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -276,13 +277,15 @@ def sage_attention_bwd(
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
     group = hq // hkv
-    bq, bk = config.block_q, config.block_k
+    bq, bk = config.bwd_block_q, config.bwd_block_k
     nqb, nkb = sq_pad // bq, sk_pad // bk
+    q_ratio = config.block_q // bq  # backward query tiles per forward block (bias / q_mean index)
+    nqb_fwd = sq_pad // config.block_q
     has_bias = bias is not None
     delta, dos, do8_t, do_scale = sage_bwd_preprocess(o, do, v_scale, config=config, interpret=interpret)
     lse_pad = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
     v_codes = jnp.swapaxes(vt8, 2, 3).astype(do.dtype)  # exact; transient, not a residual
-    params = compiler_params(config.num_warps, config.num_stages)
+    params = compiler_params(config.bwd_warps, config.bwd_stages)
     common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, causal=causal, per_block=per_block,
                   has_bias=has_bias, scale=scale)
 
@@ -293,11 +296,11 @@ def sage_attention_bwd(
                 kv_tile()]
     args = [q8, q_scale, q8_t, lse_pad, delta, dos, do8_t, do_scale, k8, k_scale, v_codes]
     if has_bias:
-        in_specs += [grp(nqb, sk_pad), grp(nqb, d)]
+        in_specs += [grp(nqb_fwd, sk_pad), grp(nqb_fwd, d)]
         args += [bias, q_mean]
     out_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, hi: (bi, j, hi, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, **common),
+        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, q_ratio=q_ratio, sk_pad=sk_pad, **common),
         grid=(nkb, b, hkv),
         in_specs=in_specs,
         out_specs=[out_spec, out_spec],
@@ -313,10 +316,10 @@ def sage_attention_bwd(
                 kv_full(d, sk_pad), kv_full(sk_pad, d)]
     args = [q8, q_scale, lse_pad, delta, dos, k8, k_scale, k8_t, v_codes]
     if has_bias:
-        in_specs.append(pl.BlockSpec((None, None, None, sk_pad), lambda i, bi, hi: (bi, hi, i, 0)))
+        in_specs.append(pl.BlockSpec((None, None, None, sk_pad), lambda i, bi, hi: (bi, hi, i // q_ratio, 0)))
         args.append(bias)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **common),
+        functools.partial(_dq_kernel, sq_pad=sq_pad, **common),
         grid=(nqb, b, hq),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
