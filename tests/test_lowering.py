@@ -4,7 +4,7 @@ Interpret mode accepts things Triton rejects (non-power-of-two blocks, sort,
 gather...): this catches a kernel that only works interpreted.
 """
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,17 @@ from lowbit_jax import sage as sage_mod
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 TRITON_CALL = "__gpu$xla.gpu.triton"
+FWD_KERNELS = ("sage_quantize_q", "sage_quantize_kv", "sage_attention_fwd")
+BWD_KERNELS = ("sage_bwd_preprocess", "sage_bwd_dkdv", "sage_bwd_dq")
+
+CASES = [
+    # (Sq, Sk, Hq, Hkv, D, causal, granularity, smooth_q, config)
+    (4096, 4096, 8, 8, 128, False, "per_block", False, lb.sage_fwd_config(128, False, "NVIDIA H200")),
+    (1000, 1000, 8, 2, 128, True, "per_block", False, lb.SageFwdConfig(128, 128, 8, 3)),
+    (300, 700, 8, 1, 64, True, "per_token", True, lb.sage_fwd_config(64, True, "NVIDIA H200")),
+    (77, 50, 4, 2, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2, bwd_block_q=32)),
+    (256, 256, 2, 2, 32, False, "per_token", False, lb.SageFwdConfig(64, 64, 4, 2)),
+]
 
 
 def lower_for_h200(fn, *specs) -> str:
@@ -22,26 +33,37 @@ def lower_for_h200(fn, *specs) -> str:
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize(
-    "sq, sk, d, causal, granularity, smooth_q, config",
-    [
-        (4096, 4096, 128, False, "per_block", False, lb.sage_fwd_config(128, False, "NVIDIA H200")),
-        (1000, 1000, 128, True, "per_block", False, lb.SageFwdConfig(128, 128, 8, 3)),
-        (300, 700, 64, True, "per_token", True, lb.sage_fwd_config(64, True, "NVIDIA H200")),
-        (77, 50, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2)),
-        (256, 256, 32, False, "per_token", False, lb.SageFwdConfig(64, 64, 4, 2)),
-    ],
-)
-def test_sage_forward_lowers_to_triton(sq, sk, d, causal, granularity, smooth_q, config):
-    opts = dict(causal=causal, scale=d**-0.5, smooth_k=True, smooth_q=smooth_q,
-                per_block=granularity == "per_block", implementation="pallas", interpret=False,
-                config=config.fitted(sq, sk))
-    q = jax.ShapeDtypeStruct((2, sq, 8, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, sk, 2, d), jnp.bfloat16)
-    text = lower_for_h200(functools.partial(sage_mod._sage_forward_jit, **opts), q, kv, kv)
-    # quantize Q, quantize K+V, attention: three Triton kernels
-    assert text.count(TRITON_CALL) == 3
-    for name in ("sage_quantize_q", "sage_quantize_kv", "sage_attention_fwd"):
+def specs_and_options(sq, sk, hq, hkv, d, causal, granularity, smooth_q, config):
+    q = jnp.zeros((2, sq, hq, d), jnp.bfloat16)
+    kv = jnp.zeros((2, sk, hkv, d), jnp.bfloat16)
+    opts = sage_mod.resolve_options(q, kv, kv, causal=causal, scale=None, smooth_k=True, smooth_q=smooth_q,
+                                    qk_granularity=granularity, implementation="pallas", interpret=True,
+                                    config=config)
+    opts = dataclasses.replace(opts, interpret=False)  # compile for the GPU, not interpret
+    to_spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    return (to_spec(q), to_spec(kv), to_spec(kv)), opts
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sage_forward_lowers_to_triton(case):
+    specs, opts = specs_and_options(*case)
+    text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
+    assert text.count(TRITON_CALL) == len(FWD_KERNELS)
+    for name in FWD_KERNELS:
+        assert name in text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sage_backward_lowers_to_triton(case):
+    specs, opts = specs_and_options(*case)
+
+    def grads(q, k, v):
+        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    text = lower_for_h200(grads, *specs)
+    assert text.count(TRITON_CALL) == len(FWD_KERNELS) + len(BWD_KERNELS)
+    for name in FWD_KERNELS + BWD_KERNELS:
         assert name in text
 
 

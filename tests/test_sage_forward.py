@@ -133,7 +133,7 @@ def test_default_implementation_on_cpu_is_xla():
         opts = sage_mod.resolve_options(q, k, v, causal=False, scale=None, smooth_k=True, smooth_q=False,
                                         qk_granularity="per_block", implementation=None, interpret=False,
                                         config=None)
-        assert opts["implementation"] == "xla"
+        assert opts.implementation == "xla"
     out = lb.sage_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
 
