@@ -159,7 +159,8 @@ def _dkdv_kernel(
         pt = jnp.exp2(st - lse_ref[g, rows][None, :])  # (bk, bq); +inf LSE rows give 0
         # dV += P̂ᵀ dÔ: P per key row of the tile, dO one scale per query tile.
         pmax = jnp.max(pt, axis=1)
-        p8 = int8.encode_unit_interval(pt * jnp.where(pmax > 0.0, 1.0 / jnp.where(pmax > 0.0, pmax, 1.0), 0.0)[:, None])
+        inv_pmax = jnp.where(pmax > 0.0, 1.0 / jnp.where(pmax > 0.0, pmax, 1.0), 0.0)
+        p8 = int8.encode_unit_interval(pt * inv_pmax[:, None], truncating_convert=True)
         dv_scale = int8.scale_from_amax(pmax) * dosc_ref[g, q_start]
         dv_acc = dv_acc + _dot_i8(p8, dot_ref[g, :, rows]) * dv_scale[:, None]
         # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (INT8, one dS scale per tile).

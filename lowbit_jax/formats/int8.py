@@ -101,12 +101,21 @@ def int32_as_biased_float(i: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(i + MAGIC_BITS, jnp.float32)
 
 
-def encode_unit_interval(e: jax.Array) -> jax.Array:
+def encode_unit_interval(e: jax.Array, *, truncating_convert: bool = False) -> jax.Array:
     """INT8 codes ``rne(127·e)`` of values ``e`` in ``[0, 1]`` (one FFMA each).
 
     Used for P̃ after dividing by its row maximum: the largest value of a row
-    maps to 127 exactly. The int32 → int8 conversion keeps the low byte, which
-    is the rounded integer.
+    maps to 127 exactly.
+
+    Args:
+      e: float32 values in [0, 1].
+      truncating_convert: rely on the int32 → int8 conversion keeping the low
+        byte (Triton's ``trunci``, inside kernels), which already is the rounded
+        integer, and skip one integer subtract. Outside kernels leave it False:
+        the result then never depends on how a backend converts out-of-range
+        integers.
     """
-    biased = e * QMAX + MAGIC
-    return jax.lax.bitcast_convert_type(biased, jnp.int32).astype(jnp.int8)
+    bits = jax.lax.bitcast_convert_type(e * QMAX + MAGIC, jnp.int32)
+    if not truncating_convert:
+        bits = bits - MAGIC_BITS
+    return bits.astype(jnp.int8)
