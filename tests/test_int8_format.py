@@ -85,3 +85,11 @@ def test_quantizers_are_jittable_and_vmappable():
     c2, s2 = jax.vmap(int8.quantize)(x)
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
     np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+
+
+def test_encode_unit_interval_conversion_modes_agree():
+    """The kernels' truncating form (low byte of the biased bits) equals the portable form."""
+    e = jnp.asarray(np.random.default_rng(4).uniform(0, 1, 4096).astype(np.float32))
+    portable = np.asarray(int8.encode_unit_interval(e))
+    truncating = np.asarray(int8.encode_unit_interval(e, truncating_convert=True))
+    np.testing.assert_array_equal(portable, truncating)

@@ -1,0 +1,168 @@
+"""SageBwd: gradients of sage_attention — kernels (interpret on CPU) ↔ xla backward ↔ exact autodiff."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import lowbit_jax as lb
+from attention_base import INTERPRET, make_qkv, metrics
+from lowbit_jax import sage as sage_mod
+from lowbit_jax.sage_reference import sage_backward_reference
+
+SMALL = lb.SageFwdConfig(block_q=32, block_k=32)
+
+
+def grads(q, k, v, do, **options):
+    """(o, dq, dk, dv) of sage_attention."""
+    options.setdefault("config", SMALL)
+    o, vjp = jax.vjp(functools.partial(lb.sage_attention, **options), q, k, v)
+    return (o, *vjp(do))
+
+
+def exact_grads(q, k, v, do, causal):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    o, vjp = jax.vjp(functools.partial(lb.reference_attention, causal=causal), *f32[:3])
+    return (o, *vjp(f32[3]))
+
+
+def cotangent(q, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), q.dtype)
+
+
+CASES = [
+    # (B, Sq, Sk, Hq, Hkv, D, causal, dtype, granularity, smooth_q, config)
+    (1, 100, 77, 4, 2, 64, True, jnp.bfloat16, "per_block", False, SMALL),
+    (2, 64, 64, 2, 2, 128, False, jnp.float16, "per_block", False, SMALL),
+    (1, 70, 130, 2, 1, 64, False, jnp.float32, "per_token", True, SMALL),
+    (1, 90, 150, 4, 2, 64, True, jnp.bfloat16, "per_block", True, lb.SageFwdConfig(64, 64, bwd_block_q=16)),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_gradients_match_xla_backward(case):
+    b, sq, sk, hq, hkv, d, causal, dtype, gran, smooth_q, cfg = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + sk, k_outlier=3.0)
+    do = cotangent(q)
+    kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=cfg)
+    g_p = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
+    g_x = grads(q, k, v, do, implementation="xla", **kw)
+    g_e = exact_grads(q, k, v, do, causal)
+    for name, a, x, e in zip(("o", "dq", "dk", "dv"), g_p, g_x, g_e):
+        assert a.dtype == dtype and a.shape == x.shape
+        cos, rel = metrics(a, x)
+        assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)  # same quantization: accumulation order only
+        for impl, out in (("pallas", a), ("xla", x)):
+            cos, rel = metrics(out, e)
+            assert cos >= (0.998 if name in ("o", "dv") else 0.995), (impl, name, cos)
+            assert rel <= 0.06, (impl, name, rel)
+
+
+def test_xla_gradient_is_sagebwd_not_autodiff():
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, seed=3)
+    do = cotangent(q)
+    _, dq, dk, dv = grads(q, k, v, do, implementation="xla")
+    opts = sage_mod.resolve_options(q, k, v, causal=False, scale=None, smooth_k=True, smooth_q=False,
+                                    qk_granularity="per_block", implementation="xla", interpret=False, config=SMALL)
+    o, lse, ops = sage_mod._forward(q, k, v, opts=opts, transposed=False)
+    ref = sage_backward_reference(ops, None, o, lse, do, sq_len=64, sk_len=64, causal=False, per_block=True,
+                                  scale=opts.scale, config=opts.config)
+    for ours, theirs in zip((dq, dk, dv), ref):
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+
+
+def test_int8_backward_vs_16bit_ablation():
+    q, k, v = make_qkv(1, 128, 128, 2, 2, 64, seed=4)
+    do = cotangent(q)
+    g_e = exact_grads(q, k, v, do, False)
+    g8 = grads(q, k, v, do, implementation="xla")
+    g16 = grads(q, k, v, do, implementation="xla", backward="bf16")
+    np.testing.assert_array_equal(np.asarray(g8[0], np.float32), np.asarray(g16[0], np.float32))  # same forward
+    for i in (1, 2, 3):
+        _, rel8 = metrics(g8[i], g_e[i])
+        _, rel16 = metrics(g16[i], g_e[i])
+        assert rel16 < rel8, (i, rel16, rel8)  # INT8 dS/P/dO cost accuracy; the 16-bit path is the bound
+
+
+def test_fully_masked_rows_have_finite_zero_gradients():
+    q, k, v = make_qkv(1, 80, 30, 2, 2, 64, seed=5)
+    do = cotangent(q)
+    for impl in ("xla", "pallas"):
+        o, dq, dk, dv = grads(q, k, v, do, causal=True, implementation=impl, interpret=INTERPRET)
+        for g in (o, dq, dk, dv):
+            assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+        np.testing.assert_array_equal(np.asarray(dq[:, :50], np.float32), 0.0)  # rows 0..49 see no key
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_grad_under_jit_and_vmap(impl):
+    q, k, v = make_qkv(1, 48, 40, 2, 1, 64, seed=6)
+    f = functools.partial(lb.sage_attention, causal=True, implementation=impl, interpret=INTERPRET, config=SMALL)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    eager = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    stacked = [jnp.stack([x, x * 0.5]) for x in (q, k, v)]
+    batched = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(*stacked)
+    for e, j, bt in zip(eager, jitted, batched):
+        np.testing.assert_allclose(np.asarray(j, np.float32), np.asarray(e, np.float32), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(bt[0], np.float32), np.asarray(e, np.float32), rtol=1e-5, atol=1e-5)
+        assert float(jnp.max(jnp.abs(bt[1].astype(jnp.float32)))) > 0
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_grad_inside_shard_map_matches_single_device(impl):
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+    mesh = Mesh(np.array(devices), ("data",))
+    q, k, v = make_qkv(4, 40, 40, 2, 2, 64, seed=7)
+    f = functools.partial(lb.sage_attention, causal=True, implementation=impl, interpret=INTERPRET, config=SMALL)
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+
+    ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    spec = P("data")
+    sharded = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
+                                    out_specs=(spec,) * 3, check_vma=False))
+    out = sharded(q, k, v)
+    for a, r in zip(out, ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_error_report_table():
+    q, k, v = make_qkv(1, 96, 96, 2, 1, 64, seed=8)
+    do = cotangent(q)
+    rep = lb.diagnostics.attention_error_report(q, k, v, do, causal=True, print_table=False, config=SMALL)
+    assert list(rep) == ["O", "D", "P", "dP", "dS", "dQ", "dK", "dV"]
+    for name, m in rep.items():
+        assert 0.99 <= m["cos_sim"] <= 1.0 + 1e-6, name
+        assert 0.0 < m["rel_l2"] < 0.1, name  # quantized: never exactly zero error
+    rep_noisy = lb.diagnostics.attention_error_report(q, k, v, do, causal=True, print_table=False, config=SMALL,
+                                                      backward="bf16")
+    assert rep_noisy["dQ"]["rel_l2"] < rep["dQ"]["rel_l2"]
+
+
+@pytest.mark.parametrize(
+    "do, err, match",
+    [
+        (jnp.zeros((1, 32, 2, 64), jnp.bfloat16), ValueError, "do must have q's shape"),
+        (jnp.zeros((1, 16, 2, 64), jnp.float32), TypeError, "do must have q's dtype"),
+        ([[0.0]], TypeError, "do must be a jax or numpy array"),
+    ],
+)
+def test_error_report_rejects_bad_do(do, err, match):
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    with pytest.raises(err, match=match):
+        lb.diagnostics.attention_error_report(q, k, v, do, print_table=False)
+
+
+def test_bad_backward_option():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 64)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        lb.sage_attention(q, k, v, backward="fp8")
+    with pytest.raises(ValueError, match="method must be one of"):
+        lb.diagnostics.attention_error_report(q, k, v, q, method="qat")
