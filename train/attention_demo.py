@@ -1,6 +1,6 @@
 """Attention demo: INT8 SageAttention vs exact attention on inputs with K outliers.
 
-    python -m train.demo [--seq 512] [--heads 4] [--head-dim 128]
+    python -m train.attention_demo [--seq 512] [--heads 4] [--head-dim 128]
 
 On a CPU it runs the pure-JAX implementation (same quantization as the kernels)
 and the Pallas kernels in interpret mode on a short sequence; on a GPU the

@@ -1,0 +1,124 @@
+"""Flax NNX attention with a choice of low-bit attention method, QK-norm, RoPE, GQA, KV cache.
+
+``method``:
+* "dense" — ``jax.nn.dot_product_attention`` (cuDNN on GPU when it applies);
+* "sage"  — :func:`lowbit_jax.sage_attention` (INT8 forward + SageBwd backward);
+* "qat_fp4", "thrift" — reserved for Attn-QAT and ThriftAttention (not in this
+  release: constructing them raises a ValueError saying so).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import lowbit_jax as lb
+
+METHODS = ("dense", "sage", "qat_fp4", "thrift")
+AVAILABLE_METHODS = ("dense", "sage")
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"attention method must be one of {METHODS}, got {method!r}")
+    if method not in AVAILABLE_METHODS:
+        raise ValueError(f"attention method {method!r} is not available in this release (available: "
+                         f"{AVAILABLE_METHODS})")
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotary embedding (rotate-half form).
+
+    Args:
+      x: (B, S, H, D).
+      positions: int (B, S) or (S,).
+    Returns:
+      x's shape and dtype.
+    """
+    d = x.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (..., S, D/2)
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention (GQA) with QK-norm and RoPE.
+
+    Args:
+      dim: model width. num_heads, num_kv_heads: query and key/value heads
+        (num_heads a multiple of num_kv_heads); head dim = dim // num_heads.
+      method: see the module docstring.
+      qk_norm: per-head RMSNorm of q and k with a learnable scale (on by default;
+        it keeps the INT8 backward's dS error bounded at large tokens-per-step).
+      smooth_k: K-smoothing in the sage kernels.
+      causal: causal mask.
+      attention_options: extra keyword options for the attention function
+        (e.g. ``implementation``, ``interpret``, ``config``).
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, method: str = "sage", qk_norm: bool = True,
+                 smooth_k: bool = True, causal: bool = True, rope_base: float = 10000.0,
+                 dtype: Any = jnp.bfloat16, attention_options: dict | None = None, rngs: nnx.Rngs):
+        check_method(method)
+        if num_heads % num_kv_heads or dim % num_heads:
+            raise ValueError(f"num_heads ({num_heads}) must divide dim ({dim}) and be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = dim // num_heads
+        self.method, self.causal, self.smooth_k, self.rope_base = method, causal, smooth_k, rope_base
+        self.attention_options = dict(attention_options or {})
+        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(dim, num_heads * self.head_dim)
+        self.k_proj = linear(dim, num_kv_heads * self.head_dim)
+        self.v_proj = linear(dim, num_kv_heads * self.head_dim)
+        self.o_proj = linear(num_heads * self.head_dim, dim)
+        self.q_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, rngs=rngs) if qk_norm else None
+        self.k_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, rngs=rngs) if qk_norm else None
+
+    def _qkv(self, x, positions):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, positions, self.rope_base), rope(k, positions, self.rope_base), v
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: (B, S, dim) → (B, S, dim), full-sequence (training / prefill)."""
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x, jnp.arange(s))
+        if self.method == "dense":
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal)
+        else:
+            o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k, **self.attention_options)
+        return self.o_proj(o.reshape(b, s, -1))
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> dict:
+        """Empty KV cache: k, v (B, max_len, Hkv, D) and the filled length."""
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
+
+    def decode(self, x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+        """Attend T new tokens (B, T, dim) to the cache plus themselves; returns (y, new cache).
+
+        Uses 16-bit attention over the cache for every method (ThriftAttention's
+        4-bit decode kernel will plug in here).
+        """
+        b, t, _ = x.shape
+        start = cache["length"]
+        q, k, v = self._qkv(x, start + jnp.arange(t))
+        kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, start, 0, 0))
+        keys = jnp.arange(kc.shape[1])
+        mask = keys[None, :] <= (start + jnp.arange(t))[:, None]  # causal over the filled cache
+        o = jax.nn.dot_product_attention(q, kc.astype(q.dtype), vc.astype(q.dtype), mask=mask[None, None])
+        return self.o_proj(o.reshape(b, t, -1)), {"k": kc, "v": vc, "length": start + t}

@@ -1,0 +1,103 @@
+"""Decoder-only byte-level transformer LM (pre-norm, SwiGLU, tied embeddings) in Flax NNX."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import Attention, check_method
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and attention choices of a :class:`TransformerLM`."""
+
+    vocab_size: int = 256
+    dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    mlp_hidden: int = 704
+    max_len: int = 512
+    method: str = "sage"
+    qk_norm: bool = True
+    smooth_k: bool = True
+    rope_base: float = 10000.0
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        check_method(self.method)
+        if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide dim ({self.dim}) and be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.dim // self.num_heads not in (32, 64, 128, 256):
+            raise ValueError(f"head dim dim/num_heads must be 32, 64, 128 or 256, got {self.dim // self.num_heads}")
+
+    def num_params(self) -> int:
+        d, h = self.dim, self.dim // self.num_heads
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + (2 * h if self.qk_norm else 0)
+        mlp = 3 * d * self.mlp_hidden
+        return self.vocab_size * d + self.num_layers * (attn + mlp + 2 * d) + d
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, attention_options: dict | None, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.attn_norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, method=cfg.method, qk_norm=cfg.qk_norm,
+                              smooth_k=cfg.smooth_k, rope_base=cfg.rope_base, dtype=dtype,
+                              attention_options=attention_options, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
+        self.gate_up = nnx.Linear(cfg.dim, 2 * cfg.mlp_hidden, use_bias=False, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(cfg.mlp_hidden, cfg.dim, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def mlp(self, x):
+        gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)
+        return self.down(jax.nn.silu(gate) * up)
+
+    def __call__(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(x)
+
+    def decode(self, x, cache):
+        y, cache = self.attn.decode(self.attn_norm(x), cache)
+        x = x + y
+        return x + self.mlp(x), cache
+
+
+class TransformerLM(nnx.Module):
+    """Byte-level decoder LM.
+
+    ``model(tokens)`` maps int tokens (B, S) to float32 logits (B, S, vocab).
+    ``attention_options`` go to every attention call (e.g. ``implementation``).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_options: dict | None = None):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, attention_options, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = nnx.RMSNorm(cfg.dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if tokens.shape[-1] > self.cfg.max_len:
+            raise ValueError(f"sequence length {tokens.shape[-1]} exceeds the model's max_len {self.cfg.max_len}")
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+    def init_cache(self, batch: int) -> list[dict]:
+        return [b.attn.init_cache(batch, self.cfg.max_len, jnp.dtype(self.cfg.dtype)) for b in self.blocks]
+
+    def decode(self, tokens: jax.Array, cache: list[dict]) -> tuple[jax.Array, list[dict]]:
+        """Next-token logits (B, T, vocab) for T new tokens after the cached ones."""
+        x = self.embed(tokens)
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, c)
+            new.append(c)
+        return self.embed.attend(self.norm(x)).astype(jnp.float32), new

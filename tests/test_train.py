@@ -1,0 +1,116 @@
+"""Training: data, loss decrease, exact resume, NaN guard, data parallelism, CLIs, bad configuration."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train import generate as generate_cli
+from train import pretrain, qat
+from train.checkpoint import Checkpoints
+from train.data import ByteTokenizer, PackedBatches, load_corpus, stdlib_files, train_val_split
+from train.loop import TrainConfig, TrainingDiverged, build, train
+
+FAST = dict(preset="tiny", batch=4, seq=32, max_corpus_mb=1, eval_batches=2, lr=3e-3, warmup=2)
+
+
+def test_builtin_corpus_and_split_are_deterministic():
+    assert len(stdlib_files()) > 100
+    a, b = load_corpus(None, 2**20), load_corpus(None, 2**20)
+    assert a.dtype == np.uint8 and a.size == 2**20 and np.array_equal(a, b)
+    tr, va = train_val_split(a)
+    assert tr.size + va.size == a.size and np.array_equal(va, a[-va.size:])
+    text = "héllo\n"
+    assert ByteTokenizer.decode(ByteTokenizer.encode(text)) == text
+
+
+def test_packed_batches_depend_only_on_seed_and_step():
+    tokens = np.arange(10_000) % 256
+    data = PackedBatches(tokens.astype(np.uint8), seq_len=16, global_batch=4, accum=2, seed=3)
+    b5 = data.batch(5)
+    assert b5.shape == (2, 4, 17) and b5.dtype == np.int32
+    assert np.array_equal(b5, PackedBatches(tokens.astype(np.uint8), 16, 4, 2, seed=3).batch(5))
+    assert not np.array_equal(b5, data.batch(6))
+    assert np.all((b5[..., 1:] - b5[..., :-1]) % 256 == 1)  # contiguous windows
+    assert data.tokens_per_step == 2 * 4 * 16
+
+
+def test_loss_decreases_and_resume_is_exact(tmp_path):
+    cfg = dict(FAST, steps=8, eval_every=4, ckpt_every=4, method="sage")
+    full = train(TrainConfig(out=str(tmp_path / "a"), **cfg), log=lambda *_: None)
+    with pytest.raises(FileNotFoundError):
+        Checkpoints(tmp_path / "nothing").restore(None, {})
+    train(TrainConfig(out=str(tmp_path / "b"), stop_after=4, **cfg), log=lambda *_: None)  # "preempted" at 4
+    resumed = train(TrainConfig(out=str(tmp_path / "b"), **cfg), log=lambda *_: None)
+    assert resumed["loss"] == full["loss"] and resumed["val_loss"] == full["val_loss"]
+    recs_a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    recs_b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in recs_a] == [r["loss"] for r in recs_b]
+    assert recs_a[-1]["loss"] < recs_a[0]["loss"] - 0.5  # it learns
+    assert (tmp_path / "a" / "loss.png").stat().st_size > 1000
+    assert "val_bits_per_byte" in recs_a[-1]
+
+
+def test_nan_guard_keeps_last_good_checkpoint(tmp_path):
+    cfg = TrainConfig(out=str(tmp_path), steps=8, batch=4, seq=32, lr=1e7, warmup=1, clip=1e30, ckpt_every=2,
+                      eval_every=100, method="dense", max_corpus_mb=1)
+    with pytest.raises(TrainingDiverged, match="non-finite .* Last good checkpoint: step 2"):
+        train(cfg, log=lambda *_: None)
+    assert Checkpoints(tmp_path / "checkpoints").latest_step() == 2
+
+
+@pytest.mark.parametrize("method", ["dense", "sage"])
+def test_data_parallel_step_equals_single_device(method):
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+    cfg = TrainConfig(method=method, accum=2, dtype="float32", **FAST).resolved()
+    batch = jnp.asarray(PackedBatches(load_corpus(None, 2**20), 32, 4, 2, seed=0).batch(0))
+    results = []
+    for devices in (1, 4):
+        b = build(TrainConfig(**{**cfg.__dict__, "devices": devices}))
+        opt_state = b["tx"].init(b["params"])
+        params, _, m = b["train_step"](b["params"], opt_state, batch)
+        results.append((params, float(m["loss"]), float(m["grad_norm"])))
+    (p1, l1, g1), (p4, l4, g4) = results
+    assert l1 == pytest.approx(l4, rel=1e-5) and g1 == pytest.approx(g4, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, err, match",
+    [
+        (dict(method="flash"), ValueError, "attention method must be one of"),
+        (dict(seq=1024), ValueError, "exceeds the model's max_len"),
+        (dict(corpus="/no/such/corpus"), FileNotFoundError, "does not exist"),
+        (dict(tokens_per_step=1000), ValueError, "multiple of batch"),
+        (dict(batch=6, devices=4), ValueError, "divisible by the number of devices"),
+        (dict(steps=0), ValueError, "steps must be >= 1"),
+    ],
+)
+def test_bad_training_config(tmp_path, overrides, err, match):
+    if overrides.get("devices", 1) > len(jax.devices()):
+        pytest.skip("needs 4 devices")
+    with pytest.raises(err, match=match):
+        train(TrainConfig(out=str(tmp_path), **{**FAST, "steps": 2, **overrides}), log=lambda *_: None)
+
+
+def test_cli_pretrain_qat_generate(tmp_path, capsys):
+    run = tmp_path / "pre"
+    assert pretrain.main(["--out", str(run), "--steps", "4", "--batch", "4", "--seq", "32", "--eval-every", "4",
+                          "--max-corpus-mb", "1", "--method", "dense", "--tokens-per-step", "256"]) == 0
+    assert json.loads((run / "summary.json").read_text())["step"] == 4
+    assert qat.main(["--from", str(run), "--method", "sage", "--out", str(tmp_path / "qat"), "--steps", "2",
+                     "--eval-every", "2", "--max-corpus-mb", "1"]) == 0
+    first_qat = json.loads((tmp_path / "qat" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    first_pre = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert first_qat < first_pre  # it started from the pretrained weights
+    capsys.readouterr()
+    assert generate_cli.main(["--from", str(tmp_path / "qat"), "--prompt", "import ", "--tokens", "20",
+                              "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("import ") and len(out.rstrip("\n")) >= len("import ") + 5
+    assert qat.main(["--method", "sage"]) == 2
+    assert generate_cli.main(["--from", str(tmp_path / "missing")]) == 2

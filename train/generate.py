@@ -1,0 +1,86 @@
+"""Sample text from a checkpoint: ``python -m train.generate --from runs/demo --prompt "def " --tokens 200``.
+
+Prefills the prompt, then decodes token by token through the model's KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import ModelConfig, TransformerLM
+from train.checkpoint import read_config
+from train.data import ByteTokenizer
+from train.loop import TrainConfig, load_params, make_optimizer
+
+
+def load_model(checkpoint: str) -> TransformerLM:
+    """A TransformerLM with the parameters of a training checkpoint directory."""
+    path = Path(checkpoint)
+    path = path / "checkpoints" if (path / "checkpoints").exists() else path
+    saved = read_config(path)
+    model = TransformerLM(ModelConfig(**saved["model"]), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tx, _ = make_optimizer(TrainConfig(**saved["train"]))
+    opt_like = tx.init(params)
+    return nnx.merge(graphdef, load_params(str(path), params, opt_like))
+
+
+def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature: float = 0.8, top_k: int = 40,
+             seed: int = 0) -> str:
+    """Continue ``prompt`` by ``num_tokens`` bytes (temperature 0: greedy)."""
+    tokens = ByteTokenizer.encode(prompt)
+    if len(tokens) == 0:
+        raise ValueError("prompt must not be empty")
+    if len(tokens) + num_tokens > model.cfg.max_len:
+        raise ValueError(f"prompt ({len(tokens)}) + tokens ({num_tokens}) exceeds the model's max_len "
+                         f"({model.cfg.max_len})")
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def step(params, tok, cache, key):
+        logits, cache = nnx.merge(graphdef, params).decode(tok, cache)
+        logits = logits[:, -1]
+        if temperature <= 0:
+            return jnp.argmax(logits, -1), cache
+        top = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < top, -jnp.inf, logits) / temperature
+        return jax.random.categorical(key, logits, -1), cache
+
+    cache = model.init_cache(1)
+    key = jax.random.PRNGKey(seed)
+    nxt, cache = step(params, jnp.asarray(tokens)[None], cache, key)
+    out = [int(nxt[0])]
+    for _ in range(num_tokens - 1):
+        key, sub = jax.random.split(key)
+        nxt, cache = step(params, nxt[:, None], cache, sub)
+        out.append(int(nxt[0]))
+    return prompt + ByteTokenizer.decode(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="checkpoint", required=True, help="run directory or its checkpoints/")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        model = load_model(args.checkpoint)
+        print(generate(model, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                       seed=args.seed))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The training loop shared by pretraining and QAT: jitted data-parallel step, eval, checkpoints, NaN guard."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from models import TransformerLM, model_config
+from train.checkpoint import Checkpoints, read_config
+from train.data import PackedBatches, load_corpus, train_val_split
+from train.metrics import MetricsLog, plot_losses
+from train.parallel import DATA_AXIS, batch_sharding, data_parallel, init_distributed, make_mesh
+
+
+class TrainingDiverged(RuntimeError):
+    """A step produced a non-finite loss or gradient; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs; the CLI flags are these fields (``--tokens-per-step`` etc.)."""
+
+    out: str = "runs/pretrain"
+    preset: str = "tiny"
+    method: str = "sage"
+    qk_norm: bool = True
+    smooth_k: bool = True
+    dtype: str = "bfloat16"  # compute dtype of the model (parameters stay float32)
+    implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
+    corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
+    max_corpus_mb: int = 64
+    steps: int = 200
+    batch: int = 16  # sequences per micro-step, over all devices
+    seq: int = 128
+    accum: int = 1  # gradient accumulation micro-steps
+    tokens_per_step: int | None = None  # if set: accum = tokens_per_step / (batch · seq), exactly
+    lr: float = 3e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    seed: int = 0
+    devices: int | None = None  # data-parallel devices (default: all)
+    init_from: str | None = None  # QAT: start from this checkpoint directory's params
+    stop_after: int | None = None  # stop (with a checkpoint) after this many steps of this invocation
+    coordinator: str | None = None  # multi-host: jax.distributed coordinator address
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def resolved(self) -> "TrainConfig":
+        cfg = dataclasses.replace(self)
+        if cfg.tokens_per_step is not None:
+            per_micro = cfg.batch * cfg.seq
+            if cfg.tokens_per_step % per_micro:
+                raise ValueError(f"tokens_per_step ({cfg.tokens_per_step}) must be a multiple of batch × seq "
+                                 f"({per_micro})")
+            cfg.accum = cfg.tokens_per_step // per_micro
+        for name in ("steps", "batch", "seq", "accum", "eval_every", "eval_batches", "ckpt_every"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+        return cfg
+
+
+def _loss_fn(graphdef, params, tokens):
+    model = nnx.merge(graphdef, params)
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def make_optimizer(cfg: TrainConfig):
+    """AdamW with linear warmup and cosine decay, after global-norm clipping; returns (tx, schedule)."""
+    warmup = min(max(cfg.warmup, 1), max(cfg.steps - 1, 1))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                                  cfg.lr * cfg.min_lr_ratio)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    return tx, schedule
+
+
+def build(cfg: TrainConfig):
+    """Model, optimizer, data and the jitted steps for a resolved config."""
+    mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype)
+    if cfg.seq > mcfg.max_len:
+        raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for preset {cfg.preset!r}")
+    mesh = make_mesh(cfg.devices)
+    if cfg.batch % mesh.size:
+        raise ValueError(f"batch ({cfg.batch}) must be divisible by the number of devices ({mesh.size})")
+    options = {} if cfg.implementation is None else {"implementation": cfg.implementation}
+    if cfg.implementation == "pallas" and jax.default_backend() == "cpu":
+        options["interpret"] = True
+    model = TransformerLM(mcfg, rngs=nnx.Rngs(cfg.seed), attention_options=options)
+    graphdef, params = nnx.split(model)
+    tx, schedule = make_optimizer(cfg)
+    loss_fn = lambda p, t: _loss_fn(graphdef, p, t)  # noqa: E731
+
+    def step_fn(params, opt_state, batch):
+        def micro(g_acc, tokens):
+            loss, g = jax.value_and_grad(loss_fn)(params, tokens)
+            return jax.tree.map(jnp.add, g_acc, g), loss
+
+        grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
+        grads = jax.lax.pmean(jax.tree.map(lambda g: g / batch.shape[0], grads), DATA_AXIS)
+        loss = jax.lax.pmean(losses.mean(), DATA_AXIS)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    eval_fn = jax.jit(jax.shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b[0]), DATA_AXIS), mesh=mesh,
+                                    in_specs=(P(), P(None, DATA_AXIS)), out_specs=P(), check_vma=False))
+    return dict(model_config=mcfg, mesh=mesh, graphdef=graphdef, params=params, tx=tx, schedule=schedule,
+                train_step=data_parallel(step_fn, mesh), eval_fn=eval_fn)
+
+
+def train(cfg: TrainConfig, *, log=print) -> dict:
+    """Run (or resume) training; returns a summary dict.
+
+    Raises:
+      TrainingDiverged: a non-finite loss or gradient norm (nothing is saved for
+        that step; the last good checkpoint stays).
+    """
+    cfg = cfg.resolved()
+    init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    b = build(cfg)
+    corpus = load_corpus(cfg.corpus, cfg.max_corpus_mb * 2**20)
+    train_tokens, val_tokens = train_val_split(corpus)
+    data = PackedBatches(train_tokens, cfg.seq, cfg.batch, cfg.accum, cfg.seed)
+    val = PackedBatches(val_tokens, cfg.seq, cfg.batch, 1, cfg.seed + 1)
+    params, opt_state = b["params"], b["tx"].init(b["params"])
+    ckpts = Checkpoints(out / "checkpoints")
+    saved_config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(b["model_config"])}
+    start = 0
+    if ckpts.latest_step() is not None:
+        state, _ = ckpts.restore(None, {"params": params, "opt_state": opt_state})
+        params, opt_state, start = state["params"], state["opt_state"], ckpts.latest_step()
+        log(f"resumed from {ckpts.directory} at step {start}")
+    elif cfg.init_from:
+        params = load_params(cfg.init_from, params, opt_state)
+        log(f"initialised parameters from {cfg.init_from}")
+    replicated = NamedSharding(b["mesh"], P())
+    params, opt_state = jax.device_put((params, opt_state), replicated)
+    metrics = MetricsLog(out / "metrics.jsonl", append=start > 0)
+    shard = batch_sharding(b["mesh"])
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    log(f"model {cfg.preset} ({n_params / 1e6:.2f}M params, attention {cfg.method}), "
+        f"{data.tokens_per_step} tokens/step on {b['mesh'].size} device(s), corpus {len(corpus) / 2**20:.1f} MiB")
+
+    def evaluate():
+        losses = [float(b["eval_fn"](params, jax.device_put(val.batch(i), shard))) for i in range(cfg.eval_batches)]
+        return float(np.mean(losses))
+
+    last_loss, val_loss, tok_s = float("nan"), None, 0.0
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train", disable=None)
+    t_last = time.perf_counter()
+    for step in bar:
+        batch = jax.device_put(data.batch(step), shard)
+        params, opt_state, m = b["train_step"](params, opt_state, batch)
+        loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            good = ckpts.latest_step()
+            ckpts.close()
+            raise TrainingDiverged(
+                f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step + 1} "
+                f"(loss {loss}, grad norm {gnorm}); stopping. Last good checkpoint: "
+                f"{'none' if good is None else f'step {good} in {ckpts.directory}'}")
+        now = time.perf_counter()
+        tok_s = data.tokens_per_step / (now - t_last)
+        t_last = now
+        last_loss = loss
+        record = {"step": step + 1, "loss": loss, "grad_norm": gnorm, "lr": float(b["schedule"](step)),
+                  "tokens_per_s": tok_s}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            val_loss = evaluate()
+            record.update(val_loss=val_loss, val_bits_per_byte=val_loss / math.log(2))
+            log(f"step {step + 1}: train loss {loss:.4f}, val loss {val_loss:.4f} "
+                f"({val_loss / math.log(2):.3f} bits/byte), {tok_s:,.0f} tokens/s")
+        metrics.write(record)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:
+            ckpts.save(step + 1, {"params": params, "opt_state": opt_state}, saved_config)
+    bar.close()
+    ckpts.close()
+    plot = plot_losses(metrics.read(), out / "loss.png", f"{cfg.preset}, attention={cfg.method}")
+    summary = {"step": end, "loss": last_loss, "val_loss": val_loss, "tokens_per_s": tok_s,
+               "checkpoint": str(ckpts.directory), "plot": str(plot), "params": n_params}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def load_params(checkpoint_dir: str, like_params, like_opt_state):
+    """Parameters from a training checkpoint (``<out>`` or ``<out>/checkpoints``), shaped like ``like_params``."""
+    path = Path(checkpoint_dir)
+    if (path / "checkpoints").exists():
+        path = path / "checkpoints"
+    read_config(path)  # a clear error when there is no checkpoint
+    mgr = Checkpoints(path)
+    try:
+        state, _ = mgr.restore(None, {"params": like_params, "opt_state": like_opt_state})
+    finally:
+        mgr.close()
+    return state["params"]

@@ -1,0 +1,39 @@
+"""Continued training with another attention method: ``python -m train.qat --from CHECKPOINT --method sage``.
+
+Starts from a pretraining checkpoint's parameters (fresh optimizer), switches the
+attention method, and trains into its own ``--out``. Other flags as
+``train.pretrain``; the model preset must match the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from train.checkpoint import read_config
+from train.pretrain import run_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--from" in argv:
+        i = argv.index("--from")
+        source = argv[i + 1]
+        argv[i:i + 2] = ["--init-from", source]
+    else:
+        print("error: --from CHECKPOINT is required", file=sys.stderr)
+        return 2
+    try:
+        from pathlib import Path
+
+        path = Path(source) / "checkpoints" if (Path(source) / "checkpoints").exists() else Path(source)
+        saved = read_config(path)["train"]
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    defaults = {"preset": saved["preset"], "seq": saved["seq"], "batch": saved["batch"], "out": "runs/qat",
+                "lr": saved["lr"] * 0.3, "warmup": 10}
+    return run_cli(argv, __doc__.splitlines()[0], defaults)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
