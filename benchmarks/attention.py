@@ -90,18 +90,18 @@ def methods(d: int, causal: bool, config: SageFwdConfig):
     return out
 
 
-def sage_parts(q, k, v, causal, config):
+def sage_parts(q, k, v, causal, config, interpret=False):
     """Jitted (quantize, kernel-only) pair for timing the two stages apart."""
     opts = sage_mod.resolve_options(q, k, v, causal=causal, scale=None, smooth_k=True, smooth_q=False,
-                                    qk_granularity="per_block", implementation="pallas", interpret=False,
+                                    qk_granularity="per_block", implementation="pallas", interpret=True,
                                     config=config)
-    cfg = opts["config"]
-    quant = jax.jit(functools.partial(sage_mod.quantize_pallas, scale=opts["scale"], smooth_k=True, smooth_q=False,
-                                      per_block=True, config=cfg, interpret=False))
+    cfg = opts.config
+    quant = jax.jit(functools.partial(sage_mod.quantize_pallas, scale=opts.scale, smooth_k=True, smooth_q=False,
+                                      per_block=True, config=cfg, interpret=interpret))
     ops = jax.block_until_ready(quant(q, k, v))
     kern = jax.jit(lambda o: sage_fwd.sage_attention_fwd(
         o.q, o.q_scale, o.k, o.k_scale, o.vt, o.v_scale, None, sq_len=q.shape[1], sk_len=k.shape[1],
-        causal=causal, k_per_block=True, out_dtype=q.dtype, config=cfg)[0])
+        causal=causal, k_per_block=True, out_dtype=q.dtype, config=cfg, interpret=interpret)[0])
     return quant, kern, ops
 
 

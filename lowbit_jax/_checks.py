@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._triton import on_gpu
+
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 IMPLEMENTATIONS = (None, "pallas", "xla")
@@ -83,10 +85,10 @@ def check_implementation(implementation: str | None, interpret: bool) -> str:
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    gpu = on_gpu()
     if implementation is None:
-        return "pallas" if (on_gpu or interpret) else "xla"
-    if implementation == "pallas" and not on_gpu and not interpret:
+        return "pallas" if (gpu or interpret) else "xla"
+    if implementation == "pallas" and not gpu and not interpret:
         raise ValueError(
             f'implementation="pallas" needs a GPU (default backend is {jax.default_backend()!r}); '
             "pass interpret=True to run the kernels in Pallas interpret mode, or use implementation=\"xla\""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from attention_base import AttentionTestBase, exact_attention_f64, make_qkv, metrics
+from attention_base import INTERPRET, AttentionTestBase, exact_attention_f64, make_qkv, metrics
 from lowbit_jax import sage as sage_mod
 
 SMALL = lb.SageFwdConfig(block_q=32, block_k=32)  # several tiles even on short test sequences
@@ -143,3 +143,14 @@ def test_config_fitted_to_short_sequences():
     assert (cfg.block_q, cfg.block_k) == (32, 32)
     with pytest.raises(ValueError, match="block_k"):
         lb.SageFwdConfig(block_k=48)
+
+
+def test_benchmark_stage_split_runs():
+    """benchmarks/attention.py times quantization and the kernel apart; that split must compute sage."""
+    from benchmarks.attention import sage_parts
+
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, seed=12)
+    quant, kern, ops = sage_parts(q, k, v, True, SMALL, interpret=INTERPRET)
+    out = kern(ops)
+    ref = lb.sage_attention(q, k, v, causal=True, config=SMALL, implementation="pallas", interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
