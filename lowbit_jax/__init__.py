@@ -5,7 +5,7 @@ Public names only; see README.md.
 
 # The formats go first: the Pallas kernels import them while this package initializes.
 from lowbit_jax import formats  # noqa: I001
-from lowbit_jax.formats import int8
+from lowbit_jax.formats import int8, nvfp4
 from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
 from lowbit_jax.sage import SageOptions, sage_attention, sage_forward
 from lowbit_jax import diagnostics  # noqa: E402  (after sage: it builds on it)
@@ -21,6 +21,7 @@ __all__ = [
     "error_metrics",
     "formats",
     "int8",
+    "nvfp4",
     "reference_attention",
     "rel_l1",
     "rel_l2",

@@ -1,0 +1,187 @@
+"""NVFP4 φ: e2m1 values with one e4m3 scale per 16 contiguous elements.
+
+shared/SPEC.md ("Quantizers"): for each group of 16 elements along the axis of
+the product it feeds, ``sf = e4m3(amax / 6)`` (round to nearest even; a zero
+group gets ``sf = 1``); values ``e2m1 = rne(x / sf)`` on the grid
+{0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign, saturating at ±6; dequantized value
+``e2m1 · sf`` (exact in bf16). Storage: two 4-bit codes per uint8 (element 2i in
+the low nibble, 2i+1 in the high nibble) plus one e4m3 byte per group —
+0.5625 bytes per value.
+
+The element functions (:func:`e4m3_round`, :func:`e2m1_round`,
+:func:`e2m1_code`, :func:`e2m1_decode`) use only shifts, compares, selects,
+bitcasts and the magic-number rounding, so kernels can call them on tiles.
+
+Non-finite input (decided here, tested in tests/test_nvfp4_format.py):
+* NaN anywhere in a group makes that group's scale NaN, so the whole group
+  dequantizes to NaN (the error stays visible instead of being rounded away);
+* ±inf saturates: the group scale clamps to 448 (e4m3's largest finite value)
+  and the infinite element to ±6·448; finite scales above 448 clamp likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit_jax.formats.int8 import MAGIC, MAGIC_BITS
+
+GROUP = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+_E4M3_MIN_NORMAL_EXP = -6
+_E4M3_SUBNORMAL_QUANTUM = 2.0**-9
+
+
+def _rne(x: jax.Array) -> jax.Array:
+    """Round half to even for 0 ≤ x < 2**22 (float32 magic-number rounding).
+
+    Through the integer bits, not ``(x + MAGIC) - MAGIC``: XLA folds that float
+    expression back to ``x`` under ``jit`` (seen with jax 0.11.2 on the CPU).
+    """
+    bits = jax.lax.bitcast_convert_type(x + MAGIC, jnp.int32)
+    return (bits - MAGIC_BITS).astype(jnp.float32)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2**e for an int32 exponent in the normal float32 range, by building the bits."""
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def e4m3_round(x: jax.Array) -> jax.Array:
+    """Round non-negative float32 to the nearest e4m3fn value (ties to even), saturating at 448.
+
+    NaN stays NaN; +inf becomes 448.
+    """
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    exp = ((bits >> 23) & 0xFF) - 127  # unbiased exponent (valid for normal float32 x)
+    quantum = jnp.where(exp < _E4M3_MIN_NORMAL_EXP, _E4M3_SUBNORMAL_QUANTUM,
+                        _pow2(jnp.clip(exp, _E4M3_MIN_NORMAL_EXP, 8) - 3))
+    finite = jnp.where(jnp.isfinite(x), x, 0.0)
+    rounded = _rne(finite / quantum) * quantum
+    out = jnp.minimum(rounded, E4M3_MAX)
+    out = jnp.where(x == jnp.inf, E4M3_MAX, out)
+    return jnp.where(jnp.isnan(x), jnp.nan, out)
+
+
+def e2m1_round(y: jax.Array) -> jax.Array:
+    """Round |values| (non-negative float32) to the e2m1 grid, ties to even, saturating at 6."""
+    y = jnp.minimum(y, E2M1_MAX)
+    return jnp.where(y < 2.0, _rne(2.0 * y) * 0.5, jnp.where(y < 4.0, _rne(y), 2.0 * _rne(0.5 * y)))
+
+
+def e2m1_code(signed_value: jax.Array) -> jax.Array:
+    """4-bit code (int32 0..15: sign bit 8, magnitude index 0..7) of an e2m1 grid value."""
+    r = jnp.abs(signed_value)
+    idx = jnp.where(r < 2.0, 2.0 * r, jnp.where(r < 4.0, r + 2.0, 0.5 * r + 4.0)).astype(jnp.int32)
+    return jnp.where(signed_value < 0.0, idx | 8, idx)
+
+
+def e2m1_decode(code: jax.Array) -> jax.Array:
+    """float32 value of 4-bit codes (int32 or uint8 0..15), without a gather."""
+    c = code.astype(jnp.int32)
+    idx = c & 7
+    mag = jnp.where(idx < 4, 0.5 * idx.astype(jnp.float32),
+                    jnp.where(idx < 6, (idx - 2).astype(jnp.float32), 2.0 * (idx - 4).astype(jnp.float32)))
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """Packed NVFP4 tensor (a pytree).
+
+    Attributes:
+      codes: uint8 (..., n // 2): the quantized axis moved last, two codes a byte.
+      scales: float8_e4m3fn (..., n // 16): one scale per group of 16.
+      axis: the original axis that was quantized (static).
+      dtype: the original dtype (static), which :func:`dequantize` returns.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        moved = self.codes.shape[:-1] + (2 * self.codes.shape[-1],)
+        return tuple(np.moveaxis(np.empty(moved, dtype=np.bool_), -1, self.axis).shape)
+
+
+def _groups(x: jax.Array, axis: int) -> tuple[jax.Array, int]:
+    axis = axis % x.ndim
+    if x.shape[axis] % GROUP:
+        raise ValueError(f"NVFP4 needs the quantized axis to be a multiple of {GROUP}, got size {x.shape[axis]} "
+                         f"on axis {axis}")
+    moved = jnp.moveaxis(x, axis, -1)
+    return moved.reshape(moved.shape[:-1] + (moved.shape[-1] // GROUP, GROUP)), axis
+
+
+def quantize_groups(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """φ on groups of 16 along the last axis of ``x`` (..., G, 16).
+
+    Returns:
+      (signed e2m1 grid values float32 (..., G, 16), e4m3 scales float32 (..., G, 1)).
+    """
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    sf = e4m3_round(amax / E2M1_MAX)
+    sf = jnp.where(sf == 0.0, 1.0, sf)
+    mag = e2m1_round(jnp.abs(xf) / sf)
+    return jnp.where(xf < 0.0, -mag, mag), sf
+
+
+def quantize(x: jax.Array, axis: int = -1) -> NVFP4Tensor:
+    """NVFP4-quantize ``x`` in groups of 16 along ``axis``.
+
+    Args:
+      x: float array; ``x.shape[axis]`` a multiple of 16.
+      axis: the reduction axis of the product the tensor feeds.
+    Returns:
+      :class:`NVFP4Tensor`.
+    """
+    g, axis = _groups(x, axis)
+    values, sf = quantize_groups(g)
+    codes = e2m1_code(values).reshape(values.shape[:-2] + (-1,))
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+    return NVFP4Tensor(packed, sf[..., 0].astype(jnp.float8_e4m3fn), axis, jnp.dtype(x.dtype).name)
+
+
+def dequantize(t: NVFP4Tensor) -> jax.Array:
+    """Back to ``t.dtype`` with the original shape."""
+    c = t.codes.astype(jnp.int32)
+    codes = jnp.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[:-1] + (-1,))
+    values = e2m1_decode(codes).reshape(codes.shape[:-1] + (-1, GROUP))
+    out = (values * t.scales.astype(jnp.float32)[..., None]).reshape(codes.shape)
+    return jnp.moveaxis(out, -1, t.axis).astype(t.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fake_quant(x: jax.Array, axis: int) -> jax.Array:
+    g, ax = _groups(x, axis)
+    values, sf = quantize_groups(g)
+    out = (values * sf).reshape(g.shape[:-2] + (-1,))
+    return jnp.moveaxis(out, -1, ax).astype(x.dtype)
+
+
+def _fake_quant_fwd(x, axis):
+    return _fake_quant(x, axis), None
+
+
+def _fake_quant_bwd(axis, _, g):
+    del axis
+    return (g,)
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+def fake_quant(x: jax.Array, axis: int = -1) -> jax.Array:
+    """``dequantize(quantize(x, axis))`` in x's dtype, with a straight-through gradient."""
+    return _fake_quant(x, axis)

@@ -1,0 +1,102 @@
+"""NVFP4 φ: bit-exact against ml_dtypes' float4_e2m1fn / float8_e4m3fn oracles (on the host)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lowbit_jax.formats import nvfp4
+
+
+def oracle(x: np.ndarray) -> np.ndarray:
+    """float64 reference of φ along the last axis, with ml_dtypes doing every rounding."""
+    g = x.astype(np.float32).reshape(x.shape[:-1] + (-1, 16))
+    amax = np.abs(g).max(-1, keepdims=True)
+    # scales above e4m3's 448 saturate (ml_dtypes would give NaN): lowbit_jax.formats.nvfp4's documented choice
+    sf = np.minimum(amax / np.float32(6), 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    sf = np.where(sf == 0, np.float32(1), sf)
+    q = (g / sf).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return (q * sf).reshape(x.shape)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0, 1e-5])
+def test_matches_ml_dtypes_on_random_inputs(scale):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 64)) * scale * rng.uniform(0.1, 10, (8, 1))).astype(np.float32)
+    ours = np.asarray(nvfp4.dequantize(nvfp4.quantize(jnp.asarray(x))))
+    np.testing.assert_array_equal(ours, oracle(x))
+
+
+def test_rounding_survives_jit():
+    """XLA folds (x + C) - C under jit; the rounding must not depend on that expression."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 32)) * 3, jnp.float32)
+    eager = nvfp4.dequantize(nvfp4.quantize(x))
+    jitted = jax.jit(lambda x: nvfp4.dequantize(nvfp4.quantize(x)))(x)
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+    np.testing.assert_array_equal(np.asarray(jitted), oracle(np.asarray(x)))
+
+
+def test_element_rounding_exhaustive_grid_and_ties():
+    y = np.concatenate([np.arange(0, 7, 0.03125), [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 100.0]]).astype(np.float32)
+    ours = np.asarray(nvfp4.e2m1_round(jnp.asarray(y)))
+    np.testing.assert_array_equal(ours, np.minimum(y, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    s = np.concatenate([np.geomspace(2.0**-12, 448, 5000), [0.0, 2.0**-9, 3 * 2.0**-10, 1.0625, 1.9375, 240.0]])
+    s = s.astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(nvfp4.e4m3_round(jnp.asarray(s))),
+                                  s.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+def test_codes_decode_and_pack_round_trip():
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    values = np.concatenate([grid, -grid[1:]])
+    codes = np.asarray(nvfp4.e2m1_code(jnp.asarray(values)))
+    np.testing.assert_array_equal(np.asarray(nvfp4.e2m1_decode(jnp.asarray(codes))), values)
+    # ml_dtypes' bit patterns for the same values
+    np.testing.assert_array_equal(codes, values.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 32, 48)), jnp.bfloat16)
+    t = nvfp4.quantize(x, axis=1)
+    assert t.codes.shape == (3, 48, 16) and t.codes.dtype == jnp.uint8
+    assert t.scales.shape == (3, 48, 2) and t.scales.dtype == jnp.float8_e4m3fn
+    assert t.shape == x.shape
+    back = nvfp4.dequantize(t)
+    assert back.shape == x.shape and back.dtype == x.dtype
+    again = nvfp4.dequantize(nvfp4.quantize(back, axis=1))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(back))  # idempotent on its own grid
+    bytes_per_value = (t.codes.size + t.scales.size) / x.size
+    assert bytes_per_value == 0.5625
+
+
+def test_zero_tiny_and_huge_groups():
+    x = np.zeros((2, 16), np.float32)
+    x[1] = 1e-30  # below e4m3's smallest subnormal scale: the group flushes to zero
+    out = np.asarray(nvfp4.dequantize(nvfp4.quantize(jnp.asarray(x))))
+    np.testing.assert_array_equal(out, 0.0)
+    big = np.full((1, 16), 1e6, np.float32)
+    big[0, 0] = 3e6
+    out = np.asarray(nvfp4.dequantize(nvfp4.quantize(jnp.asarray(big))))
+    assert out.max() == 6 * 448.0  # the scale saturates at e4m3's 448
+
+
+def test_non_finite_input():
+    x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
+    x[0, 3] = np.nan
+    x[1, 5] = np.inf
+    x[2, 7] = -np.inf
+    out = np.asarray(nvfp4.dequantize(nvfp4.quantize(jnp.asarray(x))))
+    assert np.all(np.isnan(out[0]))  # NaN poisons its group
+    assert out[1, 5] == 6 * 448.0 and out[2, 7] == -6 * 448.0  # inf saturates
+    assert np.all(np.isfinite(out[1:]))
+
+
+def test_fake_quant_value_and_straight_through_gradient():
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 32)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(nvfp4.fake_quant(x)), np.asarray(nvfp4.dequantize(nvfp4.quantize(x))))
+    g = jax.grad(lambda x: jnp.sum(nvfp4.fake_quant(x, 1) * jnp.arange(32.0)))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.broadcast_to(np.arange(32.0), (4, 32)))
+    assert jax.jit(nvfp4.fake_quant, static_argnums=1)(x, 1).shape == x.shape
+
+
+def test_bad_axis_size():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.quantize(jnp.zeros((4, 24)))
