@@ -86,7 +86,7 @@ def attention_error_report(
     # Intermediates from the reference with the same quantization.
     ref_opts = {**options, "implementation": "xla", "interpret": False}
     ref_opts.pop("backward", None)
-    opts = resolve_options(q, k, v, **{**_defaults(), **ref_opts})
+    opts = resolve_options(q, k, v, **ref_opts)
     o_ref, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     _, inter = sage_backward_reference(ops, bias, o_ref, lse, do, sq_len=shape.seq_q, sk_len=shape.seq_k,
@@ -98,11 +98,6 @@ def attention_error_report(
     if print_table:
         _print(report, title=f"{method} vs exact fp32, q {tuple(q.shape)} k {tuple(k.shape)} {np.dtype(q.dtype).name}")
     return report
-
-
-def _defaults() -> dict:
-    return dict(causal=False, scale=None, smooth_k=True, smooth_q=False, qk_granularity="per_block",
-                implementation=None, interpret=False, config=None)
 
 
 def _print(report: dict[str, dict[str, float]], title: str) -> None:

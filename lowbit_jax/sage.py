@@ -156,8 +156,8 @@ def sage_forward(
     return _forward(q, k, v, opts=opts, transposed=False)
 
 
-def resolve_options(q, k, v, *, causal, scale, smooth_k, smooth_q, qk_granularity, implementation, interpret,
-                    config, backward="int8") -> SageOptions:
+def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_q=False, qk_granularity="per_block",
+                    implementation=None, interpret=False, config=None, backward="int8") -> SageOptions:
     """Validate everything eagerly and resolve defaults into static options."""
     shape = _checks.check_qkv(q, k, v)
     causal = _checks.check_bool("causal", causal)
