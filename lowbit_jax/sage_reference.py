@@ -134,17 +134,10 @@ def sage_attention_reference(
     pv = jnp.einsum("bhqnk,bhdnk->bhqnd", p8, vt8.reshape(b, hq, d, nkb, bk), preferred_element_type=jnp.int32)
     acc = jnp.sum(pv.astype(jnp.float32) * (beta * (1.0 / int8.QMAX))[..., None], axis=3)
     empty = l == 0.0
-    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-    o = acc * inv_l[..., None] * v_scale[:, :, None, :]
+    o = acc * int8.reciprocal_or_zero(l)[..., None] * v_scale[:, :, None, :]
     lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     o = jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
     return o, lse[..., :sq_len]
-
-
-def _tile_quant(x: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
-    """ψ with one scale per group over ``axes`` (scale keeps the axes as size 1)."""
-    scale = int8.scale_from_amax(jnp.max(jnp.abs(x), axis=axes, keepdims=True))
-    return int8.encode_with_scale(x, scale), scale
 
 
 def _int8_product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -195,7 +188,7 @@ def sage_backward_reference(
     do_p, _ = to_tiles(pad_rows(do.astype(jnp.float32)), bq)  # (B, H, nqb, bq, D)
     delta = jnp.sum(o_p * do_p, axis=-1)
     dos = (do_p * vs[:, :, None, None, :]).astype(do.dtype)
-    do8, do_scale = _tile_quant(do_p, (-2, -1))  # scale (B, H, nqb, 1, 1)
+    do8, do_scale = int8.quantize(do_p, (-2, -1))  # scale (B, H, nqb, 1, 1)
     v_codes = jnp.swapaxes(vt8, 2, 3).astype(do.dtype)
     lse_p = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf).reshape(b, hq, nqb, bq)
     q_tiles = ops.q.reshape(b, hq, nqb, bq, d)
@@ -217,21 +210,20 @@ def sage_backward_reference(
         ds = p * (dp - delta_i[..., None])
         # dV += P̂ᵀ dÔ, P per key row of the tile
         pt = p.reshape(b, hq, bq, nkb, bk)
-        pmax = jnp.max(pt, axis=2, keepdims=True)
-        p8 = int8.encode_unit_interval(pt * jnp.where(pmax > 0.0, 1.0 / jnp.where(pmax > 0.0, pmax, 1.0), 0.0))
-        dv_scale = int8.scale_from_amax(pmax[:, :, 0]) * dosc_i  # (B, H, nkb, bk) · (B, H, 1, 1)
+        p8, p_scale = int8.quantize_unit(pt, 2)
+        dv_scale = p_scale[:, :, 0] * dosc_i  # (B, H, nkb, bk) · (B, H, 1, 1)
         dv_int = _int8_product("bhqjk,bhqd->bhjkd", p8, do8_i)
         dv = dv + (dv_int * dv_scale[..., None]).reshape(b, hq, sk_pad, d)
         # dS tiles: for dK (reduction over queries) and dQ (over keys)
         dst = ds.reshape(b, hq, bq, nkb, bk)
         if per_block:
-            ds8, ds_sc = _tile_quant(dst, (2, 4))
+            ds8, ds_sc = int8.quantize(dst, (2, 4))
             dsk8, dsk_fac = ds8, ds_sc[:, :, 0, :, 0] * qs_i[:, :, :1] / LOG2E  # (B, H, nkb)
             dsq8, dsq_fac = ds8, ds_sc[:, :, 0, :, 0] * ks_tiles[..., 0] * scale
         else:
-            dsk8, sc = _tile_quant(dst * qs_i[:, :, :, None, None], (2, 4))
+            dsk8, sc = int8.quantize(dst * qs_i[:, :, :, None, None], (2, 4))
             dsk_fac = sc[:, :, 0, :, 0] / LOG2E
-            dsq8, sc = _tile_quant(dst * ks_tiles[:, :, None], (2, 4))
+            dsq8, sc = int8.quantize(dst * ks_tiles[:, :, None], (2, 4))
             dsq_fac = sc[:, :, 0, :, 0] * scale
         dk_int = _int8_product("bhqjk,bhqd->bhjkd", dsk8, q_i)
         dk = dk + (dk_int * dsk_fac[..., None, None]).reshape(b, hq, sk_pad, d)

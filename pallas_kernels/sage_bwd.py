@@ -50,10 +50,7 @@ def _dot_f32(a, b):
     return lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.float32)
 
 
-def _tile_int8(x):
-    """ψ with one scale for the whole tile: (codes int8, scale f32 scalar)."""
-    scale = int8.scale_from_amax(jnp.max(jnp.abs(x)))
-    return int8.encode_with_scale(x, scale), scale
+_TILE = (0, 1)  # ψ with one scale for the whole 2-D tile (scale shape (1, 1))
 
 
 # ----------------------------------------------------------------------------- preprocess
@@ -66,9 +63,9 @@ def _preprocess_kernel(o_ref, do_ref, vs_ref, delta_ref, dos_ref, dot_ref, dosc_
     do = load_rows(do_ref, mask).astype(jnp.float32)
     delta_ref[...] = jnp.sum(o * do, axis=1)
     dos_ref[...] = (do * vs_ref[...][None, :]).astype(dos_ref.dtype)
-    codes, scale = _tile_int8(do)
+    codes, scale = int8.quantize(do, _TILE)
     dot_ref[...] = codes.T
-    dosc_ref[...] = jnp.full((block,), scale, jnp.float32)
+    dosc_ref[...] = jnp.broadcast_to(scale[0], (block,))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -158,19 +155,16 @@ def _dkdv_kernel(
             st = jnp.where(mask, st, -jnp.inf)
         pt = jnp.exp2(st - lse_ref[g, rows][None, :])  # (bk, bq); +inf LSE rows give 0
         # dV += P̂ᵀ dÔ: P per key row of the tile, dO one scale per query tile.
-        pmax = jnp.max(pt, axis=1)
-        inv_pmax = jnp.where(pmax > 0.0, 1.0 / jnp.where(pmax > 0.0, pmax, 1.0), 0.0)
-        p8 = int8.encode_unit_interval(pt * inv_pmax[:, None], truncating_convert=True)
-        dv_scale = int8.scale_from_amax(pmax) * dosc_ref[g, q_start]
-        dv_acc = dv_acc + _dot_i8(p8, dot_ref[g, :, rows]) * dv_scale[:, None]
+        p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True)
+        dv_acc = dv_acc + _dot_i8(p8, dot_ref[g, :, rows]) * (p_scale * dosc_ref[g, q_start])
         # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (INT8, one dS scale per tile).
         dpt = _dot_f32(vc, dos_ref[g, rows, :])
         dst = pt * (dpt - delta_ref[g, rows][None, :])
         if per_block:
-            ds8, ds_scale = _tile_int8(dst)
+            ds8, ds_scale = int8.quantize(dst, _TILE)
             factor = ds_scale * qs_ref[g, q_start] * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = _tile_int8(dst * qs[None, :])
+            ds8, ds_scale = int8.quantize(dst * qs[None, :], _TILE)
             factor = ds_scale * (1.0 / LOG2E)
         dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
         if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
@@ -237,10 +231,10 @@ def _dq_kernel(
         dp = _dot_f32(dos, vc_ref[keys, :])
         ds = p * (dp - delta[:, None])
         if per_block:
-            ds8, ds_scale = _tile_int8(ds)
+            ds8, ds_scale = int8.quantize(ds, _TILE)
             factor = ds_scale * ks_ref[start] * scale
         else:
-            ds8, ds_scale = _tile_int8(ds * ks[None, :])
+            ds8, ds_scale = int8.quantize(ds * ks[None, :], _TILE)
             factor = ds_scale * scale
         return acc + _dot_i8(ds8, kt_ref[:, keys]) * factor
 

@@ -116,8 +116,7 @@ def _sage_fwd_kernel(
         carry = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), carry)
     acc, m, l = carry
     empty = l == 0.0
-    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-    o = acc * inv_l[:, None] * vs_ref[...][None, :]
+    o = acc * int8.reciprocal_or_zero(l)[:, None] * vs_ref[...][None, :]
     lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     ragged = sq_len % block_q != 0
     store_rows(o_ref, o.astype(o_ref.dtype), row_mask(q_start, block_q, sq_len) if ragged else None)

@@ -85,6 +85,12 @@ def quantize(x: jax.Array, axes: int | Sequence[int] = -1) -> tuple[jax.Array, j
     return encode_with_scale(xf, scale), scale
 
 
+def reciprocal_or_zero(x: jax.Array) -> jax.Array:
+    """``1 / x`` where ``x > 0``, else 0 (for non-negative x: empty rows, all-zero groups)."""
+    positive = x > 0.0
+    return jnp.where(positive, 1.0 / jnp.where(positive, x, 1.0), 0.0)
+
+
 def dequantize(codes: jax.Array, scale: jax.Array) -> jax.Array:
     """``codes * scale`` in float32 (scale broadcastable to codes)."""
     return codes.astype(jnp.float32) * scale
@@ -119,3 +125,21 @@ def encode_unit_interval(e: jax.Array, *, truncating_convert: bool = False) -> j
     if not truncating_convert:
         bits = bits - MAGIC_BITS
     return bits.astype(jnp.int8)
+
+
+def quantize_unit(p: jax.Array, axis: int, *, truncating_convert: bool = False) -> tuple[jax.Array, jax.Array]:
+    """INT8 codes of non-negative ``p`` (probabilities), one scale per slice along ``axis``.
+
+    The slice maximum maps to 127 (round half to even, one FFMA per element);
+    the dequantization scale is ``max / 127`` (1 for all-zero slices).
+
+    Args:
+      p: float32, non-negative.
+      axis: the reduction axis of the product the codes feed.
+      truncating_convert: see :func:`encode_unit_interval` (True only inside kernels).
+    Returns:
+      ``(codes int8 of p's shape, scale float32 with axis kept as size 1)``.
+    """
+    pmax = jnp.max(p, axis=axis, keepdims=True)
+    codes = encode_unit_interval(p * reciprocal_or_zero(pmax), truncating_convert=truncating_convert)
+    return codes, scale_from_amax(pmax)
