@@ -241,9 +241,9 @@ _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _backward(ops: SageOperands, o, lse, do, *, opts: SageOptions):
     sq_len, sk_len = opts.seq_q, opts.seq_k
-    bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     if opts.backward == "bf16":
         return _backward_16bit(ops, do, sq_len=sq_len, sk_len=sk_len, opts=opts)
+    bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     if opts.implementation == "pallas":
         return sage_bwd_kernels.sage_attention_bwd(
             ops.q, ops.q_scale, ops.q_t, ops.k, ops.k_scale, ops.k_t, ops.vt, ops.v_scale, ops.q_mean, bias,

@@ -10,6 +10,15 @@ import jax
 import orbax.checkpoint as ocp
 
 
+SUBDIR = "checkpoints"  # a run directory keeps its Orbax checkpoints here
+
+
+def resolve_dir(path: str | Path) -> Path:
+    """The checkpoint directory for a run directory (``<out>``) or the directory itself."""
+    path = Path(path)
+    return path / SUBDIR if (path / SUBDIR).exists() else path
+
+
 class Checkpoints:
     """Thin wrapper over ``ocp.CheckpointManager`` for {"params", "opt_state"} at integer steps."""
 
@@ -42,8 +51,8 @@ class Checkpoints:
 
 
 def read_config(directory: str | Path, step: int | None = None) -> dict[str, Any]:
-    """The JSON config saved beside a checkpoint (latest step by default)."""
-    directory = Path(directory)
+    """The JSON config saved beside a checkpoint (latest step by default); a run directory works too."""
+    directory = resolve_dir(directory)
     if not directory.exists():
         raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
     steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models import ModelConfig, TransformerLM
-from train.checkpoint import read_config
+from train.checkpoint import read_config, resolve_dir
 from train.data import ByteTokenizer
 from train.loop import TrainConfig, load_params, make_optimizer
 
 
 def load_model(checkpoint: str) -> TransformerLM:
     """A TransformerLM with the parameters of a training checkpoint directory."""
-    path = Path(checkpoint)
-    path = path / "checkpoints" if (path / "checkpoints").exists() else path
+    path = resolve_dir(checkpoint)
     saved = read_config(path)
     model = TransformerLM(ModelConfig(**saved["model"]), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)

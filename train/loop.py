@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from models import TransformerLM, model_config
-from train.checkpoint import Checkpoints, read_config
+from train.checkpoint import SUBDIR, Checkpoints, read_config, resolve_dir
 from train.data import PackedBatches, load_corpus, train_val_split
 from train.metrics import MetricsLog, plot_losses
 from train.parallel import DATA_AXIS, batch_sharding, data_parallel, init_distributed, make_mesh
@@ -142,7 +142,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     data = PackedBatches(train_tokens, cfg.seq, cfg.batch, cfg.accum, cfg.seed)
     val = PackedBatches(val_tokens, cfg.seq, cfg.batch, 1, cfg.seed + 1)
     params, opt_state = b["params"], b["tx"].init(b["params"])
-    ckpts = Checkpoints(out / "checkpoints")
+    ckpts = Checkpoints(out / SUBDIR)
     saved_config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(b["model_config"])}
     start = 0
     if ckpts.latest_step() is not None:
@@ -205,9 +205,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
 
 def load_params(checkpoint_dir: str, like_params, like_opt_state):
     """Parameters from a training checkpoint (``<out>`` or ``<out>/checkpoints``), shaped like ``like_params``."""
-    path = Path(checkpoint_dir)
-    if (path / "checkpoints").exists():
-        path = path / "checkpoints"
+    path = resolve_dir(checkpoint_dir)
     read_config(path)  # a clear error when there is no checkpoint
     mgr = Checkpoints(path)
     try:

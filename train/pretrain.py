@@ -31,9 +31,8 @@ def parser_for(config_cls=TrainConfig, description: str = "", defaults: dict | N
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         hint = hints[field.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(
-            hint, (types.UnionType, typing._UnionGenericAlias)) else [hint]  # type: ignore[attr-defined]
-        kind = args[0] if args else str
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kind = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
         conv = _parse_bool if kind is bool else kind
         default = (defaults or {}).get(field.name, field.default)
         parser.add_argument("--" + field.name.replace("_", "-"), type=conv, default=default,

@@ -7,6 +7,7 @@ attention method, and trains into its own ``--out``. Other flags as
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from train.checkpoint import read_config
@@ -15,24 +16,20 @@ from train.pretrain import run_cli
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--from" in argv:
-        i = argv.index("--from")
-        source = argv[i + 1]
-        argv[i:i + 2] = ["--init-from", source]
-    else:
+    source_parser = argparse.ArgumentParser(add_help=False)
+    source_parser.add_argument("--from", dest="source")
+    known, rest = source_parser.parse_known_args(argv)
+    if known.source is None:
         print("error: --from CHECKPOINT is required", file=sys.stderr)
         return 2
     try:
-        from pathlib import Path
-
-        path = Path(source) / "checkpoints" if (Path(source) / "checkpoints").exists() else Path(source)
-        saved = read_config(path)["train"]
+        saved = read_config(known.source)["train"]
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     defaults = {"preset": saved["preset"], "seq": saved["seq"], "batch": saved["batch"], "out": "runs/qat",
                 "lr": saved["lr"] * 0.3, "warmup": 10}
-    return run_cli(argv, __doc__.splitlines()[0], defaults)
+    return run_cli(rest + ["--init-from", known.source], __doc__.splitlines()[0], defaults)
 
 
 if __name__ == "__main__":
