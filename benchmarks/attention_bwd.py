@@ -95,6 +95,43 @@ def throughput(shapes, log, save, smoke=False):
     return rows
 
 
+BWD_SWEEP = [  # (fwd block_q, fwd block_k, bwd block_q, bwd block_k, bwd warps, bwd stages)
+    (64, 128, 64, 64, 8, 2), (64, 128, 64, 64, 4, 2), (64, 128, 64, 64, 4, 3), (64, 128, 64, 128, 8, 2),
+    (64, 128, 64, 128, 4, 2), (64, 128, 32, 64, 4, 2), (64, 128, 32, 128, 4, 2), (64, 128, 32, 128, 8, 2),
+    (64, 128, 64, 32, 4, 2), (64, 128, 32, 32, 4, 2), (128, 128, 128, 64, 8, 2), (128, 128, 128, 128, 8, 2),
+]
+
+
+def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, True)), smoke=False):
+    """Backward tiles: time of the SageBwd kernels alone (from the forward's residuals) per config."""
+    from lowbit_jax.sage import _backward, _forward, resolve_options
+
+    rows = []
+    for b, h, s, d, causal in shapes:
+        q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
+        do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
+        flops = 2.5 * attention_flops(b, h, s, s, d, causal)
+        for fq, fk, bq, bk, w, st in BWD_SWEEP[:2] if smoke else BWD_SWEEP:
+            cfg = lb.SageFwdConfig(block_q=fq, block_k=fk, num_warps=8 if fq == 128 else 4,
+                                   num_stages=2 if fq == 128 else 3, bwd_block_q=bq, bwd_block_k=bk, bwd_warps=w,
+                                   bwd_stages=st)
+            extra = dict(implementation="pallas", interpret=True) if smoke else {}
+            opts = resolve_options(q, k, v, causal=causal, config=cfg, **extra)
+            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st))
+            try:
+                o, lse, ops = _forward(q, k, v, opts=opts, transposed=True)
+                bwd = jax.jit(lambda ops, o, lse, do: _backward(ops, o, lse, do, opts=opts))  # noqa: B023
+                row["bwd_ms"] = time_fn(bwd, ops, o, lse, do, warmup=1, iters=3 if smoke else 10, batches=3)
+                row["bwd_tflops"] = flops / row["bwd_ms"] / 1e9
+                log(f"  bwd sweep B{b} S{s} D{d} causal={causal!s:5} fwd {fq}x{fk} bwd {bq}x{bk} w{w} s{st}: "
+                    f"{row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs)")
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"  bwd sweep {row['config']} failed: {row['error']}")
+            rows.append(row)
+    return rows
+
+
 def check_gradients(log, smoke=False):
     """Compiled kernels' gradients vs the xla reference (same quantization) and exact autodiff."""
     rows = []
@@ -175,6 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere")
     parser.add_argument("--memory", nargs=6, metavar=("METHOD", "B", "H", "S", "D", "CAUSAL"),
                         help="internal: print the peak memory of one fwd+bwd")
+    parser.add_argument("--sweep", action="store_true", help="only sweep the backward tiles")
     args = parser.parse_args(argv)
     if args.memory:
         m, b, h, s, d, c = args.memory
@@ -187,6 +225,14 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
+    if args.sweep:
+        rows = sweep_backward(log, smoke=args.smoke,
+                              shapes=((1, 2, 256, 64, True),) if args.smoke else sweep_backward.__defaults__[0])
+        for p in write_json("attention_bwd_sweep" + ("_smoke" if args.smoke else ""),
+                            dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py --sweep",
+                                 rows=rows)):
+            log(f"wrote {p}")
+        return 0
     name = "attention_bwd_smoke" if args.smoke else "attention_bwd"
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py " + " ".join(
         argv if argv is not None else sys.argv[1:]))

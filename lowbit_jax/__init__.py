@@ -8,12 +8,16 @@ from lowbit_jax import formats  # noqa: I001
 from lowbit_jax.formats import int8, nvfp4
 from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
 from lowbit_jax.sage import SageOptions, sage_attention, sage_forward
+from lowbit_jax.qat import qat_attention
 from lowbit_jax import diagnostics  # noqa: E402  (after sage: it builds on it)
-from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
+from pallas_kernels.configs import QatConfig, SageFwdConfig, qat_config, sage_fwd_config
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "QatConfig",
+    "qat_attention",
+    "qat_config",
     "SageFwdConfig",
     "SageOptions",
     "diagnostics",

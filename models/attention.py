@@ -1,10 +1,13 @@
 """Flax NNX attention with a choice of low-bit attention method, QK-norm, RoPE, GQA, KV cache.
 
 ``method``:
-* "dense" — ``jax.nn.dot_product_attention`` (cuDNN on GPU when it applies);
+* "dense" — ``jax.nn.dot_product_attention``: cuDNN flash attention on a GPU for
+  16-bit inputs (JAX's own default would be the XLA implementation), XLA elsewhere;
 * "sage"  — :func:`lowbit_jax.sage_attention` (INT8 forward + SageBwd backward);
-* "qat_fp4", "thrift" — reserved for Attn-QAT and ThriftAttention (not in this
-  release: constructing them raises a ValueError saying so).
+* "qat_fp4" — :func:`lowbit_jax.qat_attention` (NVFP4 fake quantization, Attn-QAT
+  backward; ``attention_options={"naive_backward": True}`` for the ablation);
+* "thrift" — reserved for ThriftAttention (not in this release: constructing it
+  raises a ValueError saying so).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import lowbit_jax as lb
+from pallas_kernels._triton import on_gpu
 
 METHODS = ("dense", "sage", "qat_fp4", "thrift")
-AVAILABLE_METHODS = ("dense", "sage")
+AVAILABLE_METHODS = ("dense", "sage", "qat_fp4")
 
 
 def check_method(method: str) -> None:
@@ -28,6 +32,16 @@ def check_method(method: str) -> None:
     if method not in AVAILABLE_METHODS:
         raise ValueError(f"attention method {method!r} is not available in this release (available: "
                          f"{AVAILABLE_METHODS})")
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
+    """16-bit attention: cuDNN on a GPU for bf16/fp16 and head dims it supports, XLA otherwise.
+
+    q: (B, S, Hq, D); k, v: (B, S, Hkv, D) → (B, S, Hq, D).
+    """
+    cudnn = (on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
+             and q.shape[-1] <= 128)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn" if cudnn else None)
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -61,7 +75,8 @@ class Attention(nnx.Module):
       smooth_k: K-smoothing in the sage kernels.
       causal: causal mask.
       attention_options: extra keyword options for the attention function
-        (e.g. ``implementation``, ``interpret``, ``config``).
+        (e.g. ``implementation``, ``interpret``, ``config``; ``naive_backward``
+        for qat_fp4).
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, method: str = "sage", qk_norm: bool = True,
@@ -97,7 +112,9 @@ class Attention(nnx.Module):
         b, s, _ = x.shape
         q, k, v = self._qkv(x, jnp.arange(s))
         if self.method == "dense":
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal)
+            o = dense_attention(q, k, v, causal=self.causal)
+        elif self.method == "qat_fp4":
+            o = lb.qat_attention(q, k, v, causal=self.causal, **self.attention_options)
         else:
             o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k, **self.attention_options)
         return self.o_proj(o.reshape(b, s, -1))

@@ -40,7 +40,7 @@ class SageFwdConfig:
     quant_warps: int = 4
     bwd_block_q: int | None = None  # default min(64, block_q)
     bwd_block_k: int | None = None  # default min(64, block_k)
-    bwd_warps: int = 8
+    bwd_warps: int = 4  # H200 sweep 2026-11-29 (second session): 64x64 w4 s2 13.6 ms vs w8 27.0 ms
     bwd_stages: int = 2
 
     def __post_init__(self) -> None:
@@ -109,3 +109,69 @@ def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None)
     if head_dim <= 128:
         return SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3)
     return SageFwdConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class QatConfig:
+    """Tiles of the Attn-QAT (NVFP4 fake-quant) kernels.
+
+    ``block_k`` is part of the forward's numerics: P̃ is fake-quantized per key
+    tile, normalized by the running row max at that tile (as the kernel does).
+    The backward's FQ(P) uses the final log-sum-exp and does not depend on tiles.
+
+    Attributes:
+      block_q, block_k: forward tiles (block_k a multiple of 16, the FP4 group).
+      num_warps, num_stages: forward launch parameters.
+      bwd_block_q, bwd_block_k, bwd_warps, bwd_stages: backward tiles/launch.
+      quant_block, quant_warps: rows per program of the fused Q/K/V fake-quant kernel.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    bwd_block_q: int = 64
+    bwd_block_k: int = 64
+    bwd_warps: int = 4
+    bwd_stages: int = 2
+    quant_block: int = 64
+    quant_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k", "num_warps", "bwd_block_q", "bwd_block_k", "bwd_warps", "quant_block",
+                     "quant_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not _is_pow2(value):
+                raise ValueError(f"QatConfig.{name} must be a power of two, got {value!r}")
+        for name in ("block_q", "bwd_block_q", "quant_block"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"QatConfig.{name} must be >= 16, got {getattr(self, name)}")
+        for name in ("block_k", "bwd_block_k"):
+            if getattr(self, name) < 32:
+                raise ValueError(f"QatConfig.{name} must be >= 32 (two FP4 groups), got {getattr(self, name)}")
+        if self.num_stages < 1 or self.bwd_stages < 1:
+            raise ValueError(f"QatConfig stages must be >= 1, got {self.num_stages}, {self.bwd_stages}")
+
+    @property
+    def pad(self) -> int:
+        """Sequence padding of the fake-quantized operands: a multiple of every tile."""
+        return max(self.block_q, self.block_k, self.bwd_block_q, self.bwd_block_k, self.quant_block)
+
+    def fitted(self, seq_q: int, seq_k: int) -> "QatConfig":
+        """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
+        fq = lambda b: max(16, min(b, _next_pow2(seq_q)))  # noqa: E731
+        fk = lambda b: max(32, min(b, _next_pow2(seq_k)))  # noqa: E731
+        fs = lambda b: max(16, min(b, _next_pow2(max(seq_q, seq_k))))  # noqa: E731
+        return dataclasses.replace(self, block_q=fq(self.block_q), block_k=fk(self.block_k),
+                                   bwd_block_q=fq(self.bwd_block_q), bwd_block_k=fk(self.bwd_block_k),
+                                   quant_block=fs(self.quant_block))
+
+
+TUNED_QAT: dict[tuple[str, int, bool], QatConfig] = {}
+
+
+def qat_config(head_dim: int, causal: bool, device_kind: str | None = None) -> QatConfig:
+    """The Attn-QAT config for a head dim and masking (tuned values where measured)."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    return TUNED_QAT.get((device_kind, head_dim, causal), QatConfig())

@@ -37,6 +37,7 @@ from jax import lax
 from lowbit_jax.formats import int8
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
+from pallas_kernels.tile_ranges import key_tile_range, query_tile_range
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
 LOG2E = math.log2(math.e)
@@ -132,11 +133,8 @@ def _dkdv_kernel(
     ragged_k = sk_pad != sk_len  # some tiles hold padding keys (possibly only padding)
     fwd_block = (lambda i: i) if q_ratio == 1 else (lambda i: lax.div(i, jnp.int32(q_ratio)))
     # Query tiles that see any key of this tile, and the first one that sees all of them.
-    if causal:
-        i_first = jnp.clip((k_start - offset) // block_q, 0, n_qblocks)
-        i_unmasked = jnp.clip(pl.cdiv(k_start + block_k - 1 - offset, block_q), i_first, n_qblocks)
-    else:
-        i_first, i_unmasked = 0, 0
+    i_first, i_unmasked = query_tile_range(k_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
+                                           causal=causal, n_qblocks=n_qblocks)
 
     def step(i, carry, g, masked):
         dk_acc, dv_acc = carry
@@ -205,14 +203,8 @@ def _dq_kernel(
     delta = delta_ref[...]
     dos = dos_ref[...]
     rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
-    n_all = pl.cdiv(sk_len, block_k)
-    n_unmasked_max = sk_len // block_k
-    if causal:
-        n_total = jnp.clip((q_start + block_q + offset + block_k - 1) // block_k, 0, n_all)
-        n_unmasked = jnp.minimum(jnp.minimum(jnp.maximum(q_start + offset + 1, 0) // block_k, n_unmasked_max),
-                                 n_total)
-    else:
-        n_total, n_unmasked = n_all, n_unmasked_max
+    n_unmasked, n_total = key_tile_range(q_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
+                                         causal=causal)
 
     def step(j, acc, masked):
         start = pl.multiple_of(j * block_k, block_k)

@@ -27,6 +27,7 @@ from jax import lax
 from lowbit_jax.formats import int8
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
+from pallas_kernels.tile_ranges import key_tile_range
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands (K-major)
 
@@ -48,16 +49,8 @@ def _sage_fwd_kernel(
     qs = qs_ref[...]
     fast = k_per_block and not has_bias
 
-    n_all = pl.cdiv(sk_len, block_k)
-    n_unmasked_max = sk_len // block_k
-    if causal:
-        last_visible = q_start + block_q + offset  # one past the last key the tile's last row sees
-        n_total = jnp.clip((last_visible + block_k - 1) // block_k, 0, n_all)
-        first_row_sees = jnp.maximum(q_start + offset + 1, 0)  # keys every row of the tile sees
-        n_unmasked = jnp.minimum(first_row_sees // block_k, n_unmasked_max)
-        n_unmasked = jnp.minimum(n_unmasked, n_total)
-    else:
-        n_total, n_unmasked = n_all, n_unmasked_max
+    n_unmasked, n_total = key_tile_range(q_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
+                                         causal=causal)
 
     rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
 

@@ -16,7 +16,8 @@ def oracle(x: np.ndarray) -> np.ndarray:
     # scales above e4m3's 448 saturate (ml_dtypes would give NaN): lowbit_jax.formats.nvfp4's documented choice
     sf = np.minimum(amax / np.float32(6), 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     sf = np.where(sf == 0, np.float32(1), sf)
-    q = (g / sf).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    q = (g * (np.float32(1) / sf)).astype(ml_dtypes.float4_e2m1fn)  # one reciprocal per group
+    q = q.astype(np.float32)
     return (q * sf).reshape(x.shape)
 
 
@@ -100,3 +101,27 @@ def test_fake_quant_value_and_straight_through_gradient():
 def test_bad_axis_size():
     with pytest.raises(ValueError, match="multiple of 16"):
         nvfp4.quantize(jnp.zeros((4, 24)))
+
+
+def test_f16_bit_placement_decode_exhaustive():
+    """The in-kernel decode: all 16 codes, bit placement into fp16 times 2**14 = ml_dtypes' value."""
+    codes = np.arange(16, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    got = np.asarray(nvfp4.e2m1_decode_f16(jnp.asarray(codes)), np.float32) * nvfp4.E2M1_F16_BIAS
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(nvfp4.e2m1_decode(jnp.asarray(codes))), want)
+
+
+def test_unpack_even_odd_halves():
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((3, 32)), jnp.float32)
+    t = nvfp4.quantize(x)
+    even, odd = nvfp4.e2m1_unpack(t.codes)
+    values, _ = nvfp4.quantize_groups(x.reshape(3, 2, 16))
+    codes = np.asarray(nvfp4.e2m1_code(values)).reshape(3, 32)
+    np.testing.assert_array_equal(np.asarray(even), codes[:, 0::2])
+    np.testing.assert_array_equal(np.asarray(odd), codes[:, 1::2])
+
+
+def test_fake_quant_last_matches_oracle_on_tiles():
+    x = np.random.default_rng(4).standard_normal((2, 8, 48)).astype(np.float32) * 0.01
+    np.testing.assert_array_equal(np.asarray(jax.jit(nvfp4.fake_quant_last)(jnp.asarray(x))), oracle(x))

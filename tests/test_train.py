@@ -9,7 +9,7 @@ import pytest
 
 from train import generate as generate_cli
 from train import pretrain, qat
-from train.checkpoint import Checkpoints
+from train.checkpoint import Checkpoints, read_config
 from train.data import ByteTokenizer, PackedBatches, load_corpus, stdlib_files, train_val_split
 from train.loop import TrainConfig, TrainingDiverged, build, train
 
@@ -88,6 +88,7 @@ def test_data_parallel_step_equals_single_device(method):
         (dict(tokens_per_step=1000), ValueError, "multiple of batch"),
         (dict(batch=6, devices=4), ValueError, "divisible by the number of devices"),
         (dict(steps=0), ValueError, "steps must be >= 1"),
+        (dict(method="sage", naive_backward=True), ValueError, "needs method='qat_fp4'"),
     ],
 )
 def test_bad_training_config(tmp_path, overrides, err, match):
@@ -102,11 +103,12 @@ def test_cli_pretrain_qat_generate(tmp_path, capsys):
     assert pretrain.main(["--out", str(run), "--steps", "4", "--batch", "4", "--seq", "32", "--eval-every", "4",
                           "--max-corpus-mb", "1", "--method", "dense", "--tokens-per-step", "256"]) == 0
     assert json.loads((run / "summary.json").read_text())["step"] == 4
-    assert qat.main(["--from", str(run), "--method", "sage", "--out", str(tmp_path / "qat"), "--steps", "2",
+    assert qat.main(["--from", str(run), "--out", str(tmp_path / "qat"), "--steps", "2",
                      "--eval-every", "2", "--max-corpus-mb", "1"]) == 0
     first_qat = json.loads((tmp_path / "qat" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     first_pre = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert first_qat < first_pre  # it started from the pretrained weights
+    assert read_config(str(tmp_path / "qat"))["train"]["method"] == "qat_fp4"  # train.qat's default method
     capsys.readouterr()
     assert generate_cli.main(["--from", str(tmp_path / "qat"), "--prompt", "import ", "--tokens", "20",
                               "--temperature", "0"]) == 0

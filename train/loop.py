@@ -38,6 +38,7 @@ class TrainConfig:
     smooth_k: bool = True
     dtype: str = "bfloat16"  # compute dtype of the model (parameters stay float32)
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
+    naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
     corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
     max_corpus_mb: int = 64
     steps: int = 200
@@ -100,6 +101,10 @@ def build(cfg: TrainConfig):
     if cfg.batch % mesh.size:
         raise ValueError(f"batch ({cfg.batch}) must be divisible by the number of devices ({mesh.size})")
     options = {} if cfg.implementation is None else {"implementation": cfg.implementation}
+    if cfg.naive_backward:
+        if cfg.method != "qat_fp4":
+            raise ValueError(f"naive_backward is an Attn-QAT ablation: it needs method='qat_fp4', got {cfg.method!r}")
+        options["naive_backward"] = True
     if cfg.implementation == "pallas" and jax.default_backend() == "cpu":
         options["interpret"] = True
     model = TransformerLM(mcfg, rngs=nnx.Rngs(cfg.seed), attention_options=options)

@@ -1,7 +1,8 @@
-"""Continued training with another attention method: ``python -m train.qat --from CHECKPOINT --method sage``.
+"""Quantization-aware continued training: ``python -m train.qat --from CHECKPOINT [--method qat_fp4]``.
 
 Starts from a pretraining checkpoint's parameters (fresh optimizer), switches the
-attention method, and trains into its own ``--out``. Other flags as
+attention method (default ``qat_fp4``, Attn-QAT; ``sage`` for INT8; add
+``--naive-backward`` for the mismatched-backward ablation), and trains into its own ``--out``. Other flags as
 ``train.pretrain``; the model preset must match the checkpoint's.
 """
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    defaults = {"preset": saved["preset"], "seq": saved["seq"], "batch": saved["batch"], "out": "runs/qat",
+    defaults = {"preset": saved["preset"], "seq": saved["seq"], "batch": saved["batch"], "out": "runs/qat", "method": "qat_fp4",
                 "lr": saved["lr"] * 0.3, "warmup": 10}
     return run_cli(rest + ["--init-from", known.source], __doc__.splitlines()[0], defaults)
 

@@ -2,7 +2,8 @@
 
 shared/SPEC.md ("Quantizers"): for each group of 16 elements along the axis of
 the product it feeds, ``sf = e4m3(amax / 6)`` (round to nearest even; a zero
-group gets ``sf = 1``); values ``e2m1 = rne(x / sf)`` on the grid
+group gets ``sf = 1``); values ``e2m1 = rne(x · (1/sf))`` (one reciprocal per group, as
+NVIDIA's encoders do) on the grid
 {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign, saturating at ±6; dequantized value
 ``e2m1 · sf`` (exact in bf16). Storage: two 4-bit codes per uint8 (element 2i in
 the low nibble, 2i+1 in the high nibble) plus one e4m3 byte per group —
@@ -70,9 +71,16 @@ def e4m3_round(x: jax.Array) -> jax.Array:
 
 
 def e2m1_round(y: jax.Array) -> jax.Array:
-    """Round |values| (non-negative float32) to the e2m1 grid, ties to even, saturating at 6."""
+    """Round |values| (non-negative float32) to the e2m1 grid, ties to even, saturating at 6.
+
+    The grid step is 0.5 below 2, 1 below 4 and 2 up to 6: one exact power-of-two
+    rescale, one integer rounding (a single int→float conversion per element).
+    """
     y = jnp.minimum(y, E2M1_MAX)
-    return jnp.where(y < 2.0, _rne(2.0 * y) * 0.5, jnp.where(y < 4.0, _rne(y), 2.0 * _rne(0.5 * y)))
+    small, mid = y < 2.0, y < 4.0
+    inv_step = jnp.where(small, 2.0, jnp.where(mid, 1.0, 0.5))
+    step = jnp.where(small, 0.5, jnp.where(mid, 1.0, 2.0))
+    return _rne(y * inv_step) * step
 
 
 def e2m1_code(signed_value: jax.Array) -> jax.Array:
@@ -82,13 +90,36 @@ def e2m1_code(signed_value: jax.Array) -> jax.Array:
     return jnp.where(signed_value < 0.0, idx | 8, idx)
 
 
+E2M1_F16_BIAS = 2.0**14  # e2m1_decode_f16 returns value / 2**14
+
+
+def e2m1_decode_f16(code: jax.Array) -> jax.Array:
+    """The in-kernel e2m1 decode: 4-bit codes (int32 or uint8 0..15) → float16 ``value · 2**-14``.
+
+    Pure bit placement, no gather and no table: the code's sign goes to bit 15,
+    its 2 exponent bits and 1 mantissa bit to fp16 bits 11..9. fp16's subnormal
+    range reproduces e2m1's subnormal 0.5 exactly, so the result is the value
+    times 2**-14 (fold :data:`E2M1_F16_BIAS` into the group scale). Every FP4
+    kernel decodes through this function.
+    """
+    c = code.astype(jnp.int32)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+
+
 def e2m1_decode(code: jax.Array) -> jax.Array:
     """float32 value of 4-bit codes (int32 or uint8 0..15), without a gather."""
-    c = code.astype(jnp.int32)
-    idx = c & 7
-    mag = jnp.where(idx < 4, 0.5 * idx.astype(jnp.float32),
-                    jnp.where(idx < 6, (idx - 2).astype(jnp.float32), 2.0 * (idx - 4).astype(jnp.float32)))
-    return jnp.where((c & 8) != 0, -mag, mag)
+    return e2m1_decode_f16(code).astype(jnp.float32) * E2M1_F16_BIAS
+
+
+def e2m1_unpack(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed bytes (..., n/2) → (codes of the even elements, codes of the odd elements), int32.
+
+    Kernels keep the two halves apart (a product over the packed axis is the sum
+    of the even and odd halves' products): Triton cannot interleave the last axis.
+    """
+    c = packed.astype(jnp.int32)
+    return c & 15, (c >> 4) & 15
 
 
 @jax.tree_util.register_dataclass
@@ -133,8 +164,20 @@ def quantize_groups(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     sf = e4m3_round(amax / E2M1_MAX)
     sf = jnp.where(sf == 0.0, 1.0, sf)
-    mag = e2m1_round(jnp.abs(xf) / sf)
+    mag = e2m1_round(jnp.abs(xf) * (1.0 / sf))  # one reciprocal per group, as NVFP4 encoders do
     return jnp.where(xf < 0.0, -mag, mag), sf
+
+
+def fake_quant_last(x: jax.Array) -> jax.Array:
+    """φ⁻¹(φ(x)) along the last axis (a multiple of 16), as float32; no custom gradient.
+
+    Works on whole arrays and on kernel tiles alike (a reshape to
+    (..., n/16, 16), a group max, element-wise rounding): the one fake quantizer
+    that the Attn-QAT kernels and their reference share.
+    """
+    g = x.reshape(x.shape[:-1] + (x.shape[-1] // GROUP, GROUP))
+    values, sf = quantize_groups(g)
+    return (values * sf).reshape(x.shape)
 
 
 def quantize(x: jax.Array, axis: int = -1) -> NVFP4Tensor:
@@ -155,8 +198,7 @@ def quantize(x: jax.Array, axis: int = -1) -> NVFP4Tensor:
 
 def dequantize(t: NVFP4Tensor) -> jax.Array:
     """Back to ``t.dtype`` with the original shape."""
-    c = t.codes.astype(jnp.int32)
-    codes = jnp.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[:-1] + (-1,))
+    codes = jnp.stack(e2m1_unpack(t.codes), axis=-1).reshape(t.codes.shape[:-1] + (-1,))
     values = e2m1_decode(codes).reshape(codes.shape[:-1] + (-1, GROUP))
     out = (values * t.scales.astype(jnp.float32)[..., None]).reshape(codes.shape)
     return jnp.moveaxis(out, -1, t.axis).astype(t.dtype)
@@ -164,9 +206,8 @@ def dequantize(t: NVFP4Tensor) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _fake_quant(x: jax.Array, axis: int) -> jax.Array:
-    g, ax = _groups(x, axis)
-    values, sf = quantize_groups(g)
-    out = (values * sf).reshape(g.shape[:-2] + (-1,))
+    _, ax = _groups(x, axis)
+    out = fake_quant_last(jnp.moveaxis(x, ax, -1))
     return jnp.moveaxis(out, -1, ax).astype(x.dtype)
 
 

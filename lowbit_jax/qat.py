@@ -1,0 +1,154 @@
+"""Attn-QAT: NVFP4 fake-quantized attention for quantization-aware training — public API and custom_vjp.
+
+shared/SPEC.md §2. Forward: Q̃, K̃, Ṽ = FQ(Q), FQ(K), FQ(V) (NVFP4 per token, groups
+of 16 along D); per key tile S = Q̃K̃ᵀ·scale, P = exp2(S − m), P̃ = FQ(P) (groups of
+16 keys per row); O = ΣP̃Ṽ/l (returned) and the high-precision O' = ΣPṼ/l (kept for
+the backward); l from the unquantized P. Backward: P recomputed from Q̃, K̃ and
+L; dV = FQ(P)ᵀdO; dP = dO·Ṽᵀ; D = rowsum(dO ∘ O'); dS = P ∘ (dP − D);
+dQ = dS·K̃·scale, dK = dSᵀ·Q̃·scale; straight-through to Q, K, V.
+
+``naive_backward=True`` is the failure mode Attn-QAT fixes, kept as an ablation:
+the 16-bit FlashAttention backward applied to the FP4 forward (dV = PᵀdO,
+D = rowsum(dO ∘ O) with the FP4 output O).
+
+The H200 has no FP4 tensor cores: fake-quantized values are exact in bf16/fp16,
+so every product is a 16-bit MMA on them with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+
+from lowbit_jax import _checks
+from lowbit_jax.qat_reference import (
+    fake_quant_operands,
+    mma_dtype,
+    padded,
+    qat_backward_reference,
+    qat_forward_reference,
+)
+from pallas_kernels import fake_quant as fake_quant_kernels
+from pallas_kernels import qat_bwd as qat_bwd_kernels
+from pallas_kernels import qat_fwd as qat_fwd_kernels
+from pallas_kernels.configs import QatConfig, qat_config
+
+
+@dataclasses.dataclass(frozen=True)
+class QatOptions:
+    """Resolved, hashable options (static under jit and custom_vjp)."""
+
+    causal: bool
+    scale: float
+    naive_backward: bool
+    implementation: str
+    interpret: bool
+    config: QatConfig
+    seq_q: int
+    seq_k: int
+
+
+def qat_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    naive_backward: bool = False,
+    implementation: Literal["pallas", "xla"] | None = None,
+    interpret: bool = False,
+    config: QatConfig | None = None,
+) -> jax.Array:
+    """NVFP4 fake-quantized attention (Attn-QAT); differentiable and jit-able.
+
+    Layout as ``jax.nn.dot_product_attention``; GQA/MQA: Hq a multiple of Hkv.
+
+    Args:
+      q: (B, Sq, Hq, D) bfloat16, float16 or float32.
+      k, v: (B, Sk, Hkv, D), q's dtype. D in {32, 64, 128, 256}; any Sq, Sk ≥ 1.
+      causal: causal mask, bottom-right aligned when Sq ≠ Sk (as
+        :func:`lowbit_jax.sage_attention`). Rows that see no key give zeros.
+      scale: softmax scale, default D**-0.5.
+      naive_backward: use the mismatched 16-bit backward (ablation only).
+      implementation: "pallas" (Triton kernels; on CPU only with
+        ``interpret=True``), "xla" (pure-JAX twin with identical
+        semantics), or None: pallas on GPU, xla elsewhere.
+      interpret: run the Pallas kernels in interpret mode.
+      config: :class:`QatConfig`; its forward ``block_k`` is part of the numerics.
+    Returns:
+      O, (B, Sq, Hq, D) in q's dtype (the FP4 output path). The products run in
+      bfloat16 (float16 for float16 inputs) with fp32 accumulation.
+    Raises:
+      ValueError / TypeError on bad shapes, dtypes or options (before compiling).
+    """
+    opts = resolve_qat_options(q, k, v, causal=causal, scale=scale, naive_backward=naive_backward,
+                               implementation=implementation, interpret=interpret, config=config)
+    return _qat_attention(q, k, v, opts)
+
+
+def resolve_qat_options(q, k, v, *, causal=False, scale=None, naive_backward=False, implementation=None,
+                        interpret=False, config=None) -> QatOptions:
+    """Validate eagerly and resolve defaults into static options."""
+    shape = _checks.check_qkv(q, k, v)
+    causal = _checks.check_bool("causal", causal)
+    naive_backward = _checks.check_bool("naive_backward", naive_backward)
+    interpret = _checks.check_bool("interpret", interpret)
+    scale = _checks.check_scale(scale, shape.head_dim)
+    impl = _checks.check_implementation(implementation, interpret)
+    if config is None:
+        config = qat_config(shape.head_dim, causal)
+    elif not isinstance(config, QatConfig):
+        raise TypeError(f"config must be a QatConfig, got {type(config).__name__}")
+    return QatOptions(causal=causal, scale=scale, naive_backward=naive_backward, implementation=impl,
+                      interpret=interpret, config=config.fitted(shape.seq_q, shape.seq_k), seq_q=shape.seq_q,
+                      seq_k=shape.seq_k)
+
+
+def quantize_operands(q, k, v, opts: QatOptions):
+    """Q̃, K̃, Ṽ head-major and padded, by the implementation ``opts`` names."""
+    cfg = opts.config
+    if opts.implementation != "pallas":
+        return fake_quant_operands(q, k, v, config=cfg)
+    fq = lambda x: fake_quant_kernels.fp4_fake_quant_heads(  # noqa: E731
+        x, seq_pad=padded(x.shape[1], cfg.pad), block=cfg.quant_block, out_dtype=mma_dtype(x.dtype),
+        num_warps=cfg.quant_warps, interpret=opts.interpret)
+    return fq(q), fq(k), fq(v)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "with_aux"))
+def qat_forward(q, k, v, *, opts: QatOptions, with_aux: bool):
+    """Forward with residuals: (o, o_aux or None, lse, (q̃, k̃, ṽ))."""
+    qf, kf, vf = quantize_operands(q, k, v, opts)
+    kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
+              out_dtype=q.dtype, with_aux=with_aux)
+    if opts.implementation == "pallas":
+        o, o_aux, lse = qat_fwd_kernels.qat_attention_fwd(qf, kf, vf, interpret=opts.interpret, **kw)
+    else:
+        o, o_aux, lse = qat_forward_reference(qf, kf, vf, **kw)
+    return o, o_aux, lse, (qf, kf, vf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _qat_attention(q, k, v, opts: QatOptions):
+    return qat_forward(q, k, v, opts=opts, with_aux=False)[0]
+
+
+def _qat_fwd(q, k, v, opts: QatOptions):
+    o, o_aux, lse, operands = qat_forward(q, k, v, opts=opts, with_aux=not opts.naive_backward)
+    return o, (operands, o if opts.naive_backward else o_aux, lse)
+
+
+def _qat_bwd(opts: QatOptions, residuals, do):
+    (qf, kf, vf), o_aux, lse = residuals
+    kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
+              naive=opts.naive_backward)
+    if opts.implementation == "pallas":
+        return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, do, interpret=opts.interpret, **kw)
+    return qat_backward_reference(qf, kf, vf, o_aux, lse, do, **kw)
+
+
+_qat_attention.defvjp(_qat_fwd, _qat_bwd)

@@ -1,0 +1,55 @@
+"""NVFP4 fake quantization of Q, K, V for Attn-QAT: one fused, memory-bound pass per tensor.
+
+Reads (B, S, H, D) rows, fake-quantizes each token in groups of 16 channels with
+:func:`lowbit_jax.formats.nvfp4.fake_quant_last` (the same function the
+reference uses) and writes the values head-major and zero-padded,
+(B, H, S_pad, D), in the 16-bit operand dtype of the attention kernels (exact:
+e2m1 · e4m3 fits bf16 and fp16).
+
+Doing this once per tensor instead of inside the attention kernels saves the
+attention kernel from re-quantizing every K/V tile once per query tile
+(2·D/block_q times the FP4 work of P). The outputs double as the backward's
+residuals (the same bytes as a 16-bit flash attention keeps).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lowbit_jax.formats import nvfp4
+from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
+
+
+def _fake_quant_kernel(x_ref, o_ref, *, block, seq_len, ragged):
+    valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
+    x = load_rows(x_ref, valid).astype(jnp.float32)
+    o_ref[...] = nvfp4.fake_quant_last(x).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "out_dtype", "num_warps", "interpret"))
+def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, num_warps: int = 4,
+                         interpret: bool = False) -> jax.Array:
+    """FQ(x) per token along D, transposed to head-major and padded.
+
+    Args:
+      x: (B, S, H, D), D a multiple of 16.
+      seq_pad: padded length, a multiple of ``block`` and ≥ S.
+      out_dtype: bfloat16 or float16.
+    Returns:
+      (B, H, seq_pad, D) out_dtype; rows ≥ S are zeros.
+    """
+    b, s, h, d = x.shape
+    kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s)
+    return pl.pallas_call(
+        kernel,
+        grid=(seq_pad // block, b, h),
+        in_specs=[pl.BlockSpec((None, block, None, d), lambda i, bi, hi: (bi, i, hi, 0))],
+        out_specs=pl.BlockSpec((None, None, block, d), lambda i, bi, hi: (bi, hi, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, h, seq_pad, d), out_dtype),
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="fp4_fake_quant",
+    )(x)

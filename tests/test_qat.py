@@ -1,0 +1,192 @@
+"""Attn-QAT: kernels (interpret on CPU) ↔ xla twin ↔ autodiff of the STE graph ↔ exact attention."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowbit_jax as lb
+from attention_base import INTERPRET, AttentionTestBase, make_qkv, metrics
+from lowbit_jax.formats import nvfp4
+from lowbit_jax.qat_reference import qat_attention_ste
+
+SMALL = lb.QatConfig(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=32, quant_block=32)
+
+
+def grads(q, k, v, do, **options):
+    """(o, dq, dk, dv) of qat_attention."""
+    options.setdefault("config", SMALL)
+    o, vjp = jax.vjp(functools.partial(lb.qat_attention, **options), q, k, v)
+    return (o, *vjp(do))
+
+
+def f32_grads(fn, q, k, v, do):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    o, vjp = jax.vjp(fn, *f32[:3])
+    return (o, *vjp(f32[3]))
+
+
+def cotangent(q, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), q.dtype)
+
+
+class QatXla(AttentionTestBase):
+    implementation = "xla"
+    min_cos = 0.98  # FP4: the paper's ≈ 0.98 kernel accuracy
+    max_rel_l1 = 0.2
+
+    def run(self, q, k, v, **options):
+        options.setdefault("config", SMALL)
+        return lb.qat_attention(q, k, v, implementation=self.implementation, interpret=self.interpret, **options)
+
+
+class TestQatXla(QatXla):
+    @pytest.mark.parametrize("case", AttentionTestBase.AWKWARD_CASES)
+    def test_close_to_exact(self, case):
+        self.check_awkward_case(case)
+
+    def test_empty_rows_are_zero(self):
+        q, k, v = make_qkv(1, 80, 30, 2, 2, 64, seed=7)
+        out = self.run(q, k, v, causal=True)
+        np.testing.assert_array_equal(np.asarray(out[:, :50], np.float32), 0.0)
+        assert np.all(np.abs(np.asarray(out[:, 50:], np.float32)).sum(-1) > 0)
+
+
+class TestQatPallas(TestQatXla):
+    implementation = "pallas"
+
+
+@pytest.mark.parametrize("case", AttentionTestBase.AWKWARD_CASES[:3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_matches_xla_forward_and_gradients(case, dtype):
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + sk)
+    do = cotangent(q)
+    g_p = grads(q, k, v, do, causal=causal, implementation="pallas", interpret=INTERPRET)
+    g_x = grads(q, k, v, do, causal=causal, implementation="xla")
+    for name, a, r in zip(("o", "dq", "dk", "dv"), g_p, g_x):
+        assert a.dtype == dtype and a.shape == r.shape
+        _, rel = metrics(a, r)
+        assert rel < 2e-3, (name, rel)  # same quantization; differences are accumulation order / 16-bit rounding
+
+
+def test_float32_inputs_and_naive_backward_kernel():
+    q, k, v = make_qkv(1, 64, 96, 2, 1, 128, dtype=jnp.float32, seed=3)
+    do = cotangent(q)
+    for naive in (False, True):
+        g_p = grads(q, k, v, do, naive_backward=naive, implementation="pallas", interpret=INTERPRET)
+        g_x = grads(q, k, v, do, naive_backward=naive, implementation="xla")
+        for a, r in zip(g_p, g_x):
+            assert a.dtype == jnp.float32
+            assert metrics(a, r)[1] < 2e-3
+
+
+def test_forward_semantics_single_tile():
+    """With one key tile, O = FQ(exp2(S − rowmax))·Ṽ / l (l from the unquantized P), O' alone is not returned."""
+    q, k, v = make_qkv(1, 32, 64, 1, 1, 64, dtype=jnp.float32, seed=4)
+    cfg = lb.QatConfig(block_q=32, block_k=64, bwd_block_q=32, bwd_block_k=64, quant_block=32)
+    out = lb.qat_attention(q, k, v, implementation="xla", config=cfg)
+    qt, kt, vt = (np.asarray(nvfp4.fake_quant_last(x[0, :, 0]), np.float64) for x in (q, k, v))
+    s = qt @ kt.T * (64**-0.5) * np.log2(np.e)
+    e = np.exp2(s - s.max(-1, keepdims=True))
+    eq = np.asarray(nvfp4.fake_quant_last(jnp.asarray(e, jnp.float32)), np.float64)
+    want = (eq @ vt) / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(out[0, :, 0]), want, rtol=2e-2, atol=2e-2)  # bf16 MMA operands
+    assert metrics(out[0, :, 0], want)[1] < 4e-3
+    # and FP4 matters: the unquantized P gives a measurably different output
+    assert metrics((e @ vt) / e.sum(-1, keepdims=True), want)[1] > 0.02
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_is_autodiff_of_the_ste_graph(causal):
+    """dV = FQ(P)ᵀdO, dP = dO·Ṽᵀ, D from O' — the autodiff of P + sg(FQ(P) − P) with STE quantizers."""
+    q, k, v = make_qkv(1, 96, 80, 2, 1, 64, dtype=jnp.float32, seed=8)
+    do = cotangent(q)
+    ste = f32_grads(functools.partial(qat_attention_ste, causal=causal), q, k, v, do)
+    ours = grads(q, k, v, do, causal=causal, implementation="xla")
+    naive = grads(q, k, v, do, causal=causal, implementation="xla", naive_backward=True)
+    for i in (1, 2, 3):
+        rel = metrics(ours[i], ste[i])[1]
+        assert rel < 6e-3, (i, rel)  # bf16 operands of dS, dO in the products
+        assert metrics(naive[i], ste[i])[1] > 2.5 * rel  # the mismatched backward is measurably different
+
+
+def test_naive_backward_is_the_16bit_flash_backward():
+    """naive: P from Q̃K̃ᵀ, dV = PᵀdO, D = rowsum(dO ∘ O) with the FP4 output O."""
+    q, k, v = make_qkv(1, 64, 64, 1, 1, 64, dtype=jnp.float32, seed=9)
+    do = cotangent(q)
+    o, dq, dk, dv = grads(q, k, v, do, implementation="xla", naive_backward=True)
+    qt, kt, vt = (np.asarray(nvfp4.fake_quant_last(x[0, :, 0]), np.float64) for x in (q, k, v))
+    dO, O = np.asarray(do[0, :, 0], np.float64), np.asarray(o[0, :, 0], np.float64)
+    sc = 64**-0.5
+    s = qt @ kt.T * sc
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ds = p * (dO @ vt.T - (dO * O).sum(-1, keepdims=True))
+    for got, want in ((dv, p.T @ dO), (dq, ds @ kt * sc), (dk, ds.T @ qt * sc)):
+        assert metrics(got[0, :, 0], want)[1] < 6e-3
+
+
+def test_gradients_close_to_exact_attention():
+    q, k, v = make_qkv(1, 256, 256, 2, 2, 64, seed=10)
+    do = cotangent(q)
+    exact = f32_grads(lb.reference_attention, q, k, v, do)
+    ours = grads(q, k, v, do, implementation="xla")
+    for i, name in enumerate(("o", "dq", "dk", "dv")):
+        cos, _ = metrics(ours[i], exact[i])
+        assert cos >= 0.97, (name, cos)  # ≈ 0.98 in the paper; measured at S=4096 by benchmarks/qat.py
+
+
+def test_primal_without_grad_equals_forward_of_vjp():
+    q, k, v = make_qkv(1, 40, 50, 2, 2, 64, seed=11)
+    for impl in ("xla", "pallas"):
+        f = functools.partial(lb.qat_attention, causal=True, implementation=impl, interpret=INTERPRET, config=SMALL)
+        o_vjp, _ = jax.vjp(f, q, k, v)
+        np.testing.assert_array_equal(np.asarray(jax.jit(f)(q, k, v), np.float32), np.asarray(o_vjp, np.float32))
+
+
+def test_fully_masked_rows_have_finite_zero_gradients():
+    q, k, v = make_qkv(1, 80, 30, 2, 2, 64, seed=5)
+    do = cotangent(q)
+    for impl in ("xla", "pallas"):
+        out = grads(q, k, v, do, causal=True, implementation=impl, interpret=INTERPRET)
+        for g in out:
+            assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+        np.testing.assert_array_equal(np.asarray(out[1][:, :50], np.float32), 0.0)
+
+
+def test_grad_under_jit_and_vmap():
+    q, k, v = make_qkv(1, 48, 40, 2, 1, 64, seed=6)
+    f = functools.partial(lb.qat_attention, causal=True, implementation="xla", config=SMALL)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    eager = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    batched = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(*[jnp.stack([x, x * 0.5]) for x in (q, k, v)])
+    for e, j, bt in zip(eager, jitted, batched):
+        # XLA may keep f32 where the eager graph rounds dS/P to bf16 (excess precision): bf16-level agreement
+        assert metrics(j, e)[1] < 5e-3
+        assert metrics(bt[0], e)[1] < 5e-3
+        assert float(jnp.max(jnp.abs(bt[1].astype(jnp.float32)))) > 0
+
+
+@pytest.mark.parametrize("args, kwargs, err, match", [
+    ((jnp.zeros((2, 8, 64)),) * 3, {}, ValueError, "rank 4"),
+    ((jnp.zeros((1, 8, 3, 64)), jnp.zeros((1, 8, 2, 64)), jnp.zeros((1, 8, 2, 64))), {}, ValueError, "multiple"),
+    ((jnp.zeros((1, 8, 2, 48)),) * 3, {}, ValueError, "head_dim"),
+    ((jnp.zeros((1, 8, 2, 64), jnp.int8),) * 3, {}, TypeError, "bfloat16"),
+    ((jnp.zeros((1, 8, 2, 64)),) * 3, {"naive_backward": "yes"}, TypeError, "naive_backward"),
+    ((jnp.zeros((1, 8, 2, 64)),) * 3, {"config": lb.SageFwdConfig()}, TypeError, "QatConfig"),
+    ((jnp.zeros((1, 8, 2, 64)),) * 3, {"implementation": "triton"}, ValueError, "implementation"),
+])
+def test_bad_input(args, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        lb.qat_attention(*args, **kwargs)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="block_k"):
+        lb.QatConfig(block_k=16)
+    with pytest.raises(ValueError, match="power of two"):
+        lb.QatConfig(block_q=48)
