@@ -3,8 +3,9 @@
 shared/SPEC.md §2. Forward: Q̃, K̃, Ṽ = FQ(Q), FQ(K), FQ(V) (NVFP4 per token, groups
 of 16 along D); per key tile S = Q̃K̃ᵀ·scale, P = exp2(S − m), P̃ = FQ(P) (groups of
 16 keys per row); O = ΣP̃Ṽ/l (returned) and the high-precision O' = ΣPṼ/l (kept for
-the backward); l from the unquantized P. Backward: P recomputed from Q̃, K̃ and
-L; dV = FQ(P)ᵀdO; dP = dO·Ṽᵀ; D = rowsum(dO ∘ O'); dS = P ∘ (dP − D);
+the backward); l from the unquantized P. Backward: P recomputed from Q̃, K̃, the
+row max m and L; dV = FQ(P)ᵀdO with FQ relative to the row max (as in the
+forward: the normalized P of a long row would fall below e4m3's smallest scale); dP = dO·Ṽᵀ; D = rowsum(dO ∘ O'); dS = P ∘ (dP − D);
 dQ = dS·K̃·scale, dK = dSᵀ·Q̃·scale; straight-through to Q, K, V.
 
 ``naive_backward=True`` is the failure mode Attn-QAT fixes, kept as an ablation:
@@ -121,15 +122,15 @@ def quantize_operands(q, k, v, opts: QatOptions):
 
 @functools.partial(jax.jit, static_argnames=("opts", "with_aux"))
 def qat_forward(q, k, v, *, opts: QatOptions, with_aux: bool):
-    """Forward with residuals: (o, o_aux or None, lse, (q̃, k̃, ṽ))."""
+    """Forward with residuals: (o, o_aux or None, lse, m, (q̃, k̃, ṽ))."""
     qf, kf, vf = quantize_operands(q, k, v, opts)
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               out_dtype=q.dtype, with_aux=with_aux)
     if opts.implementation == "pallas":
-        o, o_aux, lse = qat_fwd_kernels.qat_attention_fwd(qf, kf, vf, interpret=opts.interpret, **kw)
+        o, o_aux, lse, m = qat_fwd_kernels.qat_attention_fwd(qf, kf, vf, interpret=opts.interpret, **kw)
     else:
-        o, o_aux, lse = qat_forward_reference(qf, kf, vf, **kw)
-    return o, o_aux, lse, (qf, kf, vf)
+        o, o_aux, lse, m = qat_forward_reference(qf, kf, vf, **kw)
+    return o, o_aux, lse, m, (qf, kf, vf)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -138,17 +139,17 @@ def _qat_attention(q, k, v, opts: QatOptions):
 
 
 def _qat_fwd(q, k, v, opts: QatOptions):
-    o, o_aux, lse, operands = qat_forward(q, k, v, opts=opts, with_aux=not opts.naive_backward)
-    return o, (operands, o if opts.naive_backward else o_aux, lse)
+    o, o_aux, lse, m, operands = qat_forward(q, k, v, opts=opts, with_aux=not opts.naive_backward)
+    return o, (operands, o if opts.naive_backward else o_aux, lse, m)
 
 
 def _qat_bwd(opts: QatOptions, residuals, do):
-    (qf, kf, vf), o_aux, lse = residuals
+    (qf, kf, vf), o_aux, lse, m = residuals
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               naive=opts.naive_backward)
     if opts.implementation == "pallas":
-        return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, do, interpret=opts.interpret, **kw)
-    return qat_backward_reference(qf, kf, vf, o_aux, lse, do, **kw)
+        return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, interpret=opts.interpret, **kw)
+    return qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, **kw)
 
 
 _qat_attention.defvjp(_qat_fwd, _qat_bwd)

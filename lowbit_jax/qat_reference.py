@@ -74,7 +74,7 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
       qf: (B, Hq, Sq_pad, D); kf, vf: (B, Hkv, Sk_pad, D) fake-quantized operands.
     Returns:
       o (B, Sq, Hq, D), o_aux (same, or None without ``with_aux``), base-2 lse float32 (B, Hq, Sq)
-      (+inf where a row sees no key).
+      (+inf where a row sees no key), base-2 row max m float32 (B, Hq, Sq; −inf there).
     """
     b, hq, sq_pad, d = qf.shape
     group = hq // kf.shape[1]
@@ -116,15 +116,23 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))[..., None]
     lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     out = lambda a: jnp.swapaxes(a * inv_l, 1, 2)[:, :sq_len].astype(out_dtype)  # noqa: E731
-    return out(acc), (out(acc2) if with_aux else None), lse[:, :, :sq_len]
+    return out(acc), (out(acc2) if with_aux else None), lse[:, :, :sq_len], m[:, :, :sq_len]
 
 
-def qat_backward_reference(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
+def softmax_rows(m: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(m with −inf → 0, 1/l = exp2(m − L) with 0 for empty rows): P = exp2(S − m)·(1/l)."""
+    m_ref = jnp.where(m == -jnp.inf, 0.0, m)
+    return m_ref, jnp.where(lse == jnp.inf, 0.0, jnp.exp2(m_ref - lse))
+
+
+def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
                            config: QatConfig, naive: bool = False):
     """Twin of :func:`pallas_kernels.qat_bwd.qat_attention_bwd`.
 
-    Recompute S from Q̃, K̃ and P = exp2(S − L); dV = FQ(P)ᵀdO (Pᵀ dO if
-    ``naive``); dP = dO·Ṽᵀ; D = rowsum(dO ∘ o_aux) with o_aux = O' (O if naive);
+    Recompute S from Q̃, K̃; E = exp2(S − m) (row max 1), P = E/l; dV = (FQ(E)/l)ᵀdO
+    — FQ(P) taken relative to the row max as in the forward (the normalized P of a
+    long row lies below e4m3's smallest group scale) — or PᵀdO if ``naive``;
+    dP = dO·Ṽᵀ; D = rowsum(dO ∘ o_aux) with o_aux = O' (O if naive);
     dS = P ∘ (dP − D); dQ = dS·K̃·scale; dK = dSᵀ·Q̃·scale. Scans over query tiles.
 
     Returns:
@@ -139,7 +147,9 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: i
     k_all, v_all = _repeat_kv(kf, group), _repeat_kv(vf, group)
     delta = jnp.sum(o_aux.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # (B, Sq, Hq)
     delta = jnp.pad(jnp.swapaxes(delta, 1, 2), ((0, 0), (0, 0), (0, sq_pad - sq_len)))
-    lse_p = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
+    m_ref, inv_l = softmax_rows(m, lse)
+    m_p = jnp.pad(m_ref, ((0, 0), (0, 0), (0, sq_pad - sq_len)))
+    inv_l = jnp.pad(inv_l, ((0, 0), (0, 0), (0, sq_pad - sq_len)))
     do_h = head_major(do, sq_pad, dt)
     tiles = lambda x: jnp.moveaxis(x.reshape(x.shape[:2] + (nqb, bq) + x.shape[3:]), 2, 0)  # noqa: E731
     c = scale * LOG2E
@@ -147,12 +157,13 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: i
 
     def step(carry, xs):
         dk, dv = carry
-        i, q_i, do_i, lse_i, delta_i = xs
+        i, q_i, do_i, m_i, inv_l_i, delta_i = xs
         rows = i * bq + jnp.arange(bq)[:, None]
         s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_all, preferred_element_type=jnp.float32) * c
         s = jnp.where(visible(rows, cols, sq_len, sk_len, causal), s, -jnp.inf)
-        p = jnp.exp2(s - lse_i[..., None])
-        pv = p if naive else nvfp4.fake_quant_last(p)
+        e = jnp.exp2(s - m_i[..., None])
+        p = e * inv_l_i[..., None]
+        pv = p if naive else nvfp4.fake_quant_last(e) * inv_l_i[..., None]
         dv = dv + jnp.einsum("bhqk,bhqd->bhkd", pv.astype(dt), do_i, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_all, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_i[..., None])).astype(dt)
@@ -161,7 +172,7 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: i
         return (dk, dv), dq_i
 
     zeros = jnp.zeros((b, hq, sk_pad, d), jnp.float32)
-    xs = (jnp.arange(nqb), tiles(qf), tiles(do_h), tiles(lse_p), tiles(delta))
+    xs = (jnp.arange(nqb), tiles(qf), tiles(do_h), tiles(m_p), tiles(inv_l), tiles(delta))
     (dk, dv), dq = jax.lax.scan(step, (zeros, zeros), xs)
     dq = jnp.moveaxis(dq, 0, 2).reshape(b, hq, sq_pad, d)
     dq = jnp.swapaxes(dq, 1, 2)[:, :sq_len].astype(do.dtype)
@@ -178,7 +189,8 @@ def qat_attention_ste(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     """Attn-QAT as a differentiable JAX graph (float32): its autodiff is the Attn-QAT gradient.
 
     Q̃, K̃, Ṽ = fake_quant (straight-through); P = softmax(Q̃K̃ᵀ·scale) exact;
-    O = (P + sg(FQ(P) − P))·Ṽ. Autodiff gives dV = FQ(P)ᵀdO, dP = dO·Ṽᵀ and the
+    P̃ = FQ(P / rowmax P)·rowmax P (quantized relative to the row max, as the
+    kernels do); O = (P + sg(P̃ − P))·Ṽ. Autodiff gives dV = P̃ᵀdO, dP = dO·Ṽᵀ and the
     softmax backward with rowsum(P ∘ dP) = rowsum(dO ∘ PṼ) = rowsum(dO ∘ O').
     (Its forward value quantizes the *normalized* P, the kernels the per-tile P:
     compare gradients, not outputs, with it.)
@@ -204,5 +216,7 @@ def qat_attention_ste(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     sk = k.shape[1]
     pad = padded(sk, nvfp4.GROUP) - sk
     p_pad = jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, pad)))
-    pq = jax.lax.stop_gradient(nvfp4.fake_quant_last(p_pad)[..., :sk] - p)
+    pmax = jnp.max(p_pad, axis=-1, keepdims=True)
+    rel = p_pad * jnp.where(pmax > 0, 1.0 / jnp.where(pmax > 0, pmax, 1.0), 0.0)
+    pq = jax.lax.stop_gradient(nvfp4.fake_quant_last(rel)[..., :sk] * pmax - p)
     return jnp.einsum("bhqk,bkhd->bqhd", p + pq, vt, precision=jax.lax.Precision.HIGHEST)

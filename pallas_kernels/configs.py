@@ -126,10 +126,12 @@ class QatConfig:
       quant_block, quant_warps: rows per program of the fused Q/K/V fake-quant kernel.
     """
 
+    # H200 sweep 2026-11-29 (benchmarks/results/qat.json, B4 H32 S4096 D128): forward 64x64 w4 s3
+    # 5.0 ms beat 64x64 s2, 128x64, 64x128, 128x128; backward 64x64 w4 s2 beat 32/128-row tiles and 8 warps.
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     bwd_block_q: int = 64
     bwd_block_k: int = 64
     bwd_warps: int = 4

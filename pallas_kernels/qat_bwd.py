@@ -1,8 +1,9 @@
 """Attn-QAT backward: recompute P with the forward's FP4 fake quantization, Pallas lowered through Triton.
 
 shared/SPEC.md §2, the two principles: (1) P is recomputed from Q̃, K̃ and the
-forward's L, and dV uses FQ(P) — the same NVFP4 fake quantization (groups of 16
-keys per row) as the forward's output path; (2) D = rowsum(dO ∘ O') with the
+forward's row max m and L (P = exp2(S − m)/l), and dV uses FQ(P) — the same NVFP4
+fake quantization (groups of 16 keys per row, relative to the row max) as the
+forward's output path; (2) D = rowsum(dO ∘ O') with the
 high-precision O' (computed by the XLA-fused preprocess, a memory-bound op).
 Straight-through to Q, K, V: the gradients w.r.t. Q̃, K̃, Ṽ are returned as is.
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.formats import nvfp4
+from lowbit_jax.qat_reference import softmax_rows
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
 from pallas_kernels.tile_ranges import key_tile_range, query_tile_range
@@ -38,7 +40,7 @@ DOT_NN = (((1,), (0,)), ((), ()))  # A·B
 DOT_TN = (((0,), (0,)), ((), ()))  # Aᵀ·B
 
 
-def _dkdv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, block_q, block_k, sq_len,
+def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, block_q, block_k, sq_len,
                  sk_len, sk_pad, causal, score_scale, scale, group, n_qblocks, naive):
     kj = pl.program_id(0)
     k_start = kj * block_k
@@ -62,8 +64,10 @@ def _dkdv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref
                 q_idx = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
                 mask = mask & (cols[None, :] <= q_idx[:, None] + offset)
             s = jnp.where(mask, s, -jnp.inf)
-        p = jnp.exp2(s - lse_ref[g, rows][:, None])  # +inf LSE (padding, empty rows) gives 0
-        pv = p if naive else nvfp4.fake_quant_last(p)
+        e = jnp.exp2(s - m_ref[g, rows][:, None])  # row max 1: FQ relative to it, as the forward
+        inv_l = il_ref[g, rows][:, None]  # 0 for padding and rows that see no key
+        p = e * inv_l
+        pv = p if naive else nvfp4.fake_quant_last(e) * inv_l
         dv = dv + lax.dot_general(pv.astype(do.dtype), do, DOT_TN, preferred_element_type=jnp.float32)
         dp = lax.dot_general(do, v, DOT_NT, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_ref[g, rows][:, None])).astype(q.dtype)
@@ -82,13 +86,14 @@ def _dkdv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref
     store_rows(dv_ref, dv.astype(dv_ref.dtype), valid)
 
 
-def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *, block_q, block_k, sq_len, sk_len, sq_pad,
+def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref, *, block_q, block_k, sq_len, sk_len, sq_pad,
                causal, score_scale, scale):
     q_start = pl.program_id(0) * block_q
     offset = sk_len - sq_len
     q = q_ref[...]
     do = do_ref[...]
-    lse = lse_ref[...]
+    m = m_ref[...]
+    inv_l = il_ref[...]
     delta = delta_ref[...]
     rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
     n_unmasked, n_total = key_tile_range(q_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
@@ -104,7 +109,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *, block
             if causal:
                 mask = mask & (cols[None, :] <= rows[:, None] + offset)
             s = jnp.where(mask, s, -jnp.inf)
-        p = jnp.exp2(s - lse[:, None])
+        p = jnp.exp2(s - m[:, None]) * inv_l[:, None]
         dp = lax.dot_general(do, v_ref[keys, :], DOT_NT, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta[:, None])).astype(k.dtype)
         return dq + lax.dot_general(ds, k, DOT_NN, preferred_element_type=jnp.float32)
@@ -118,14 +123,15 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *, block
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "config", "naive", "interpret"))
-def qat_attention_bwd(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
+def qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
                       config: QatConfig, naive: bool = False, interpret: bool = False):
     """Attn-QAT gradients w.r.t. the fake-quantized operands (= w.r.t. q, k, v by the STE).
 
     Args:
       qf: (B, Hq, Sq_pad, D); kf, vf: (B, Hkv, Sk_pad, D) — the forward's residuals.
       o_aux: O' (B, Sq, Hq, D), or the FP4 output O when ``naive``.
-      lse: base-2 log-sum-exp float32 (B, Hq, Sq). do: (B, Sq, Hq, D).
+      lse, m: the forward's base-2 log-sum-exp and row max, float32 (B, Hq, Sq).
+      do: (B, Sq, Hq, D).
     Returns:
       dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
     """
@@ -137,7 +143,9 @@ def qat_attention_bwd(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: int, c
     # preprocess (memory-bound, XLA fuses it): D = rowsum(dO ∘ O'), dO head-major in the MMA dtype
     delta = jnp.sum(o_aux.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = jnp.pad(jnp.swapaxes(delta, 1, 2), ((0, 0), (0, 0), (0, sq_pad - sq_len)))
-    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
+    m, inv_l = softmax_rows(m, lse)
+    row_pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, sq_pad - sq_len)))  # noqa: E731
+    m, inv_l = row_pad(m), row_pad(inv_l)
     do_h = jnp.pad(jnp.swapaxes(do, 1, 2), ((0, 0), (0, 0), (0, sq_pad - sq_len), (0, 0))).astype(qf.dtype)
     params = compiler_params(config.bwd_warps, config.bwd_stages)
     common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, causal=causal, score_scale=scale * LOG2E,
@@ -149,24 +157,24 @@ def qat_attention_bwd(qf, kf, vf, o_aux, lse, do, *, sq_len: int, sk_len: int, c
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, sk_pad=sk_pad, group=group, n_qblocks=nqb, naive=naive, **common),
         grid=(nkb, b, hkv),
-        in_specs=[grp(sq_pad, d), grp(sq_pad, d), grp(sq_pad), grp(sq_pad), kv_tile, kv_tile],
+        in_specs=[grp(sq_pad, d), grp(sq_pad, d), grp(sq_pad), grp(sq_pad), grp(sq_pad), kv_tile, kv_tile],
         out_specs=[out_spec, out_spec],
         out_shape=[jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2,
         compiler_params=params,
         interpret=interpret,
         name="qat_bwd_dkdv",
-    )(qf, do_h, lse, delta, kf, vf)
+    )(qf, do_h, m, inv_l, delta, kf, vf)
 
     q_tile = lambda *tail: pl.BlockSpec((None, None, bq) + tail, lambda i, bi, hi: (bi, hi, i) + (0,) * len(tail))  # noqa: E731
     kv_full = pl.BlockSpec((None, None, sk_pad, d), lambda i, bi, hi: (bi, hi // group, 0, 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, sq_pad=sq_pad, **common),
         grid=(nqb, b, hq),
-        in_specs=[q_tile(d), q_tile(d), q_tile(), q_tile(), kv_full, kv_full],
+        in_specs=[q_tile(d), q_tile(d), q_tile(), q_tile(), q_tile(), kv_full, kv_full],
         out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype),
         compiler_params=params,
         interpret=interpret,
         name="qat_bwd_dq",
-    )(qf, do_h, lse, delta, kf, vf)
+    )(qf, do_h, m, inv_l, delta, kf, vf)
     return dq, dk, dv

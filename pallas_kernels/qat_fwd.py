@@ -6,8 +6,8 @@ and loops over key tiles of the fake-quantized K̃, Ṽ (from
 accumulation), online softmax in base 2, P = exp2(S − m), P̃ = FQ(P) in groups of
 16 keys per row (in registers, :func:`lowbit_jax.formats.nvfp4.fake_quant_last`),
 O += P̃Ṽ and — for the backward — the high-precision O' += PṼ; l from the
-unquantized P. Writes O, O' (optional) and the base-2 log-sum-exp L (+inf for
-rows that see no key). The H200 has no FP4 tensor cores: FP4 is emulated, the
+unquantized P. Writes O, O' (optional), the base-2 log-sum-exp L (+inf for
+rows that see no key) and the row max m (the backward's FQ(P) reference point). The H200 has no FP4 tensor cores: FP4 is emulated, the
 MMAs are bf16/fp16 on exactly representable values.
 """
 
@@ -33,9 +33,9 @@ DOT_NN = (((1,), (0,)), ((), ()))
 def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len, causal, score_scale, with_aux,
                     n_qblocks):
     if with_aux:
-        o_ref, o2_ref, lse_ref = refs
+        o_ref, o2_ref, lse_ref, m_ref_out = refs
     else:
-        (o_ref, lse_ref), o2_ref = refs, None
+        (o_ref, lse_ref, m_ref_out), o2_ref = refs, None
     qi = pl.program_id(0)
     if causal:  # heaviest query tiles first
         qi = n_qblocks - 1 - qi
@@ -84,6 +84,7 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
     if with_aux:
         store_rows(o2_ref, (acc2 * inv_l).astype(o2_ref.dtype), valid)
     store_rows(lse_ref, lse, (rows < sq_len) if sq_len % block_q else None)
+    store_rows(m_ref_out, m, (rows < sq_len) if sq_len % block_q else None)
 
 
 @functools.partial(
@@ -101,7 +102,9 @@ def qat_attention_fwd(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_len: in
       config: tiles (``block_k`` sets the FP4 groups of P̃ relative to the running max).
       with_aux: also return O' (needed for the backward).
     Returns:
-      o (B, Sq, Hq, D), o_aux (same, or None), base-2 lse float32 (B, Hq, Sq).
+      o (B, Sq, Hq, D), o_aux (same, or None), base-2 lse float32 (B, Hq, Sq), and
+      the base-2 row max m of the scores float32 (B, Hq, Sq; −inf for rows that see
+      no key) — the backward quantizes P relative to it, as the forward did.
     """
     b, hq, sq_pad, d = qf.shape
     hkv, sk_pad = kf.shape[1], kf.shape[2]
@@ -112,9 +115,10 @@ def qat_attention_fwd(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_len: in
     kv_spec = pl.BlockSpec((None, None, sk_pad, d), lambda i, bi, hi: (bi, hi // group, 0, 0))
     o_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, qblk(i), hi, 0))
     o_shape = jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype)
-    out_specs = [o_spec] + ([o_spec] if with_aux else []) + [
-        pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qblk(i)))]
-    out_shape = [o_shape] + ([o_shape] if with_aux else []) + [jax.ShapeDtypeStruct((b, hq, sq_len), jnp.float32)]
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, qblk(i)))
+    row_shape = jax.ShapeDtypeStruct((b, hq, sq_len), jnp.float32)
+    out_specs = [o_spec] + ([o_spec] if with_aux else []) + [row_spec, row_spec]
+    out_shape = [o_shape] + ([o_shape] if with_aux else []) + [row_shape, row_shape]
     kernel = functools.partial(_qat_fwd_kernel, block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, causal=causal,
                                score_scale=scale * LOG2E, with_aux=with_aux, n_qblocks=nqb)
     outs = pl.pallas_call(
@@ -129,4 +133,4 @@ def qat_attention_fwd(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_len: in
     )(qf, kf, vf)
     if with_aux:
         return tuple(outs)
-    return outs[0], None, outs[1]
+    return outs[0], None, outs[1], outs[2]

@@ -115,15 +115,15 @@ def encode_unit_interval(e: jax.Array, *, truncating_convert: bool = False) -> j
 
     Args:
       e: float32 values in [0, 1].
-      truncating_convert: rely on the int32 → int8 conversion keeping the low
-        byte (Triton's ``trunci``, inside kernels), which already is the rounded
-        integer, and skip one integer subtract. Outside kernels leave it False:
-        the result then never depends on how a backend converts out-of-range
-        integers.
+      truncating_convert: the kernels' form: the magic-number FFMA, then the
+        int32 → int8 conversion keeping the low byte (Triton's ``trunci``),
+        which already is the rounded integer. Outside kernels leave it False:
+        the same round-half-to-even through ``jnp.round`` (XLA on the H200 gave
+        wrong codes from the bit form in SageBwd's reference, benchmarks/NOTES.md).
     """
-    bits = jax.lax.bitcast_convert_type(e * QMAX + MAGIC, jnp.int32)
     if not truncating_convert:
-        bits = bits - MAGIC_BITS
+        return jnp.round(e * QMAX).astype(jnp.int8)  # round half to even, as the magic number
+    bits = jax.lax.bitcast_convert_type(e * QMAX + MAGIC, jnp.int32)
     return bits.astype(jnp.int8)
 
 
