@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--name", default="qat_training", help="results file name (JSON and PNG)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.preset, args.seq, args.batch, args.steps = "tiny", 64, 4, 4
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
                 res["diverged_at"] = (records[-1]["step"] + 1) if records else 1
             results[label] = res
     title = f"{args.preset} model, seq {args.seq}, batch {args.batch}, lr {args.lr}"
-    name = "qat_training_smoke" if args.smoke else "qat_training"
+    name = args.name + ("_smoke" if args.smoke else "")
     png = RESULTS_DIR / f"{name}.png"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot(results, png, title)
