@@ -83,7 +83,7 @@ def render_backward(data: dict) -> list[str]:
            f"Device {env['device']}, jax {env['jax']}, {env['date']}. Command (repo root, GPU machine):", "",
            f"    {data['command'].strip()}", "",
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
-           "causal). bf16 inputs. Backward tiles: the config's defaults (64×64, 8 warps, 2 stages), not swept.", "",
+           "causal). bf16 inputs. Backward tiles: the config's defaults (64×64, 4 warps, 2 stages; sweep below).", "",
            "| B | H | S | D | causal | sage ms | sage | cuDNN bf16 | Pallas mha bf16 | XLA bf16 | sage / cuDNN |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("throughput", []):
@@ -124,6 +124,85 @@ def render_backward(data: dict) -> list[str]:
     return out
 
 
+def render_backward_sweep(data: dict) -> list[str]:
+    out = ["", "### SageBwd tile sweep (backward kernels alone, from the forward's residuals)", "",
+           f"{data['env']['date']}, `{data['command'].strip()}`. TOP/s count 2.5× the forward's FLOPs.", "",
+           "| shape | forward tiles | backward tiles | warps | stages | ms | TOP/s |", "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        c = r["config"]
+        out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | {c['fwd'][0]}×{c['fwd'][1]} | "
+                   f"{c['bwd'][0]}×{c['bwd'][1]} | {c['warps']} | {c['stages']} | "
+                   f"{_f(r.get('bwd_ms'), '{:.2f}')} | {_f(r.get('bwd_tflops'))} |")
+    return out
+
+
+def render_qat(data: dict, sweep: dict | None) -> list[str]:
+    env = data["env"]
+    out = ["", "## Attn-QAT (NVFP4 fake-quantized attention)", "",
+           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Command (repo root, GPU machine):", "",
+           f"    {data['command'].strip()}", "",
+           "TFLOP/s count 4·B·H·S²·D (halved if causal), fwd+bwd 3.5× that, for every method. bf16 inputs. "
+           "The H200 has no FP4 tensor cores: FP4 is emulated (fake-quantized values, bf16 MMAs), so the cost is "
+           "the in-register quantization of P plus the extra O' product. `qat naive` = FP4 forward with the "
+           "mismatched 16-bit backward (ablation).", "",
+           "| B | H | S | D | causal | fwd: qat | sage | cuDNN bf16 | qat / cuDNN | fwd+bwd: qat | qat naive | sage "
+           "| cuDNN bf16 | **qat / cuDNN** |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data.get("throughput", []):
+        f, fb = r["fwd_tflops"], r["fwd_bwd_tflops"]
+        out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(f.get('qat'))} | "
+                   f"{_f(f.get('sage'))} | {_f(f.get('cudnn_bf16'))} | "
+                   f"{_f(r['fwd_vs_cudnn_bf16'].get('qat'), '{:.2f}')}× | {_f(fb.get('qat'))} | "
+                   f"{_f(fb.get('qat_naive_bwd'))} | {_f(fb.get('sage'))} | {_f(fb.get('cudnn_bf16'))} | "
+                   f"**{_f(r['fwd_bwd_vs_cudnn_bf16'].get('qat'), '{:.2f}')}×** |")
+    if data.get("accuracy"):
+        r0 = data["accuracy"][0]
+        out += ["", f"### Accuracy vs exact fp32 (B{r0['b']} H{r0['h']} S{r0['s']} D{r0['d']}, N(0,1), non-causal; "
+                "cos-sim / rel-L2)", "", "| variant | O | dQ | dK | dV |", "|---|---|---|---|---|"]
+        for r in data["accuracy"]:
+            out.append(f"| {r['variant']} | " + " | ".join(
+                f"{r['metrics'][n]['cos_sim']:.4f} / {r['metrics'][n]['rel_l2']:.3f}" for n in ("o", "dq", "dk", "dv"))
+                + " |")
+        out += ["| Attn-QAT paper (≈) | 0.98 | 0.98 | 0.98 | 0.98 |"]
+    if data.get("kernel_checks"):
+        worst = max(r[n]["rel_l1"] for r in data["kernel_checks"] for n in ("o", "dq", "dk", "dv"))
+        out += ["", f"Compiled kernels vs the xla twin on awkward shapes (ragged, GQA/MQA, causal Sq≠Sk): "
+                f"{len(data['kernel_checks'])} cases, O and gradients, worst rel-L1 {worst:.1e}."]
+    if sweep:
+        out += ["", f"### Tile sweep ({sweep['env']['date']}, `{sweep['command'].strip()}`, B4 H32 S4096 D128)", "",
+                "| part | tiles (bq×bk w s) | ms | TFLOP/s |", "|---|---|---|---|"]
+        for r in sweep["sweep"]:
+            t = r["tile"]
+            out.append(f"| {r['kind']} | {t[0]}×{t[1]} w{t[2]} s{t[3]} | {r['ms']:.2f} | {r['tflops']:.0f} |")
+        out += ["", "(fwd+bwd rows vary the backward tiles with the best forward tiles.)"]
+    return out
+
+
+def render_qat_training(runs: list[dict]) -> list[str]:
+    out = ["", "### Training comparison: 16-bit vs FP4 forward + naive backward vs Attn-QAT", ""]
+    for data in runs:
+        out += [f"{data['title']} ({data['env']['device']}, {data['env']['date']}): `{data['command'].strip()}` → "
+                f"`{data['plot']}`", "", "| variant | final train loss | final val loss | diverged |",
+                "|---|---|---|---|"]
+        for label, s in data["summary"].items():
+            out.append(f"| {label} | {_f(s.get('final_loss'), '{:.4f}')} | {_f(s.get('final_val_loss'), '{:.4f}')} | "
+                       f"{s.get('diverged_at', 'no')} |")
+        out += [""]
+    return out
+
+
+def render_training(data: dict) -> list[str]:
+    out = ["", "## Training step throughput (dense vs sage attention, same run)", "",
+           f"Device {data['env']['device']}, jax {data['env']['jax']}, {data['env']['date']}. "
+           f"Command: `{data['command'].strip()}`. Jitted train step (fwd + bwd + AdamW, bf16 compute), "
+           "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention.", "",
+           "| method | params | batch × seq | ms / step | tokens/s | MFU |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        out.append(f"| {r['method']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq']} | {r['step_ms']:.1f} | "
+                   f"{r['tokens_per_s']:,.0f} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} |")
+    out += ["", f"sage / dense tokens/s: **{data['sage_vs_dense']:.2f}**"]
+    return out
+
+
 def main() -> None:
     lines = ["# Benchmark results", "", "Generated by `benchmarks/render_results.py` from `benchmarks/results/*.json`; "
              "do not edit by hand. Notes on what was tried and why: `benchmarks/NOTES.md`.", ""]
@@ -133,6 +212,21 @@ def main() -> None:
     path = HERE / "results" / "attention_bwd.json"
     if path.exists():
         lines += render_backward(json.loads(path.read_text()))
+    path = HERE / "results" / "attention_bwd_sweep.json"
+    if path.exists():
+        lines += render_backward_sweep(json.loads(path.read_text()))
+    path = HERE / "results" / "training.json"
+    if path.exists():
+        lines += render_training(json.loads(path.read_text()))
+    path = HERE / "results" / "qat.json"
+    if path.exists():
+        sweep_path = HERE / "results" / "qat_sweep.json"
+        sweep = json.loads(sweep_path.read_text()) if sweep_path.exists() else None
+        lines += render_qat(json.loads(path.read_text()), sweep)
+    runs = [json.loads(p.read_text()) for p in sorted((HERE / "results").glob("qat_training*.json"))
+            if not p.name.endswith("_smoke.json")]
+    if runs:
+        lines += render_qat_training(runs)
     (HERE / "RESULTS.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {HERE / 'RESULTS.md'}")
 

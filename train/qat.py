@@ -2,7 +2,7 @@
 
 Starts from a pretraining checkpoint's parameters (fresh optimizer), switches the
 attention method (default ``qat_fp4``, Attn-QAT; ``sage`` for INT8; add
-``--naive-backward`` for the mismatched-backward ablation), and trains into its own ``--out``. Other flags as
+``--naive-backward true`` for the mismatched-backward ablation), and trains into its own ``--out``. Other flags as
 ``train.pretrain``; the model preset must match the checkpoint's.
 """
 
