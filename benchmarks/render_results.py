@@ -199,7 +199,9 @@ def render_training(data: dict) -> list[str]:
     for r in data["rows"]:
         out.append(f"| {r['method']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq']} | {r['step_ms']:.1f} | "
                    f"{r['tokens_per_s']:,.0f} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} |")
-    out += ["", f"sage / dense tokens/s: **{data['sage_vs_dense']:.2f}**"]
+    ratios = data.get("vs_dense") or {"sage": data["sage_vs_dense"]}
+    out += ["", "tokens/s relative to dense: " + ", ".join(f"{m} **{r:.2f}**" for m, r in ratios.items()
+                                                         if m != "dense")]
     return out
 
 

@@ -63,17 +63,22 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--methods", nargs="+", default=["dense", "sage"], help="attention methods, dense first")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/training.py needs a GPU (or --smoke)")
         return 2
     preset, seq, batch = ("tiny", 128, 8) if args.smoke else ("50m", 2048, args.batch)
-    rows = [measure(m, preset, batch, seq, 2 if args.smoke else args.steps, print) for m in ("dense", "sage")]
-    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    print(f"sage / dense tokens/s: {ratio:.2f}")
-    write_json("training_smoke" if args.smoke else "training",
-               dict(env=environment(), command="PYTHONPATH=. python benchmarks/training.py " + " ".join(
-                   argv if argv is not None else sys.argv[1:]), rows=rows, sage_vs_dense=ratio))
+    payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/training.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), rows=[])
+    rows = payload["rows"]
+    for method in args.methods:
+        rows.append(measure(method, preset, batch, seq, 2 if args.smoke else args.steps, print))
+        by = {r["method"]: r["tokens_per_s"] for r in rows}
+        payload["vs_dense"] = {m: t / by["dense"] for m, t in by.items()} if "dense" in by else {}
+        payload["sage_vs_dense"] = payload["vs_dense"].get("sage")
+        write_json("training_smoke" if args.smoke else "training", payload)
+    print("tokens/s relative to dense: " + ", ".join(f"{m} {r:.2f}" for m, r in payload["vs_dense"].items()))
     np.testing.assert_(all(np.isfinite(r["final_loss"]) for r in rows))
     return 0
 
