@@ -16,10 +16,12 @@ import numpy as np
 
 from lowbit_jax import _checks
 from lowbit_jax.reference import causal_mask, error_metrics, reference_attention
+from lowbit_jax.qat import qat_attention, qat_forward, resolve_qat_options
+from lowbit_jax.qat_reference import qat_backward_reference
 from lowbit_jax.sage import _forward, resolve_options, sage_attention
 from lowbit_jax.sage_reference import sage_backward_reference, smoothing_bias
 
-METHODS = ("sage",)
+METHODS = ("sage", "qat")
 ORDER = ("O", "D", "P", "dP", "dS", "dQ", "dK", "dV")
 
 
@@ -57,14 +59,15 @@ def attention_error_report(
     """Error of each attention intermediate against exact fp32 attention.
 
     O, dQ, dK, dV come from the method as configured (``options`` as for
-    :func:`lowbit_jax.sage_attention`, e.g. ``causal``, ``smooth_k``,
-    ``implementation``); D, P, dP, dS from its pure-JAX reference with the same
-    quantization (the kernels do not expose them). Materializes (B, H, Sq, Sk)
+    :func:`lowbit_jax.sage_attention` or :func:`lowbit_jax.qat_attention`, e.g.
+    ``causal``, ``smooth_k``, ``naive_backward``, ``implementation``); D, P, dP, dS
+    from its pure-JAX reference with the same quantization (the kernels do not
+    expose them). Materializes (B, H, Sq, Sk)
     matrices: use it at diagnostic sizes.
 
     Args:
       q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D); do: (B, Sq, Hq, D), q's dtype.
-      method: "sage".
+      method: "sage" (INT8 SageAttention/SageBwd) or "qat" (NVFP4 Attn-QAT).
       print_table: print a table (rich) as well as returning it.
     Returns:
       {"O"|"D"|"P"|"dP"|"dS"|"dQ"|"dK"|"dV": {"cos_sim", "rel_l1", "rel_l2", "rmse"}}.
@@ -81,23 +84,39 @@ def attention_error_report(
     scale = _checks.check_scale(options.get("scale"), shape.head_dim)
     exact = _exact_intermediates(q, k, v, do, causal=causal, scale=scale)
 
-    o, vjp = jax.vjp(functools.partial(sage_attention, **options), q, k, v)
+    fn = sage_attention if method == "sage" else qat_attention
+    o, vjp = jax.vjp(functools.partial(fn, **options), q, k, v)
     dq, dk, dv = vjp(do)
     # Intermediates from the reference with the same quantization.
     ref_opts = {**options, "implementation": "xla", "interpret": False}
-    ref_opts.pop("backward", None)
-    opts = resolve_options(q, k, v, **ref_opts)
-    o_ref, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
-    bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
-    _, inter = sage_backward_reference(ops, bias, o_ref, lse, do, sq_len=shape.seq_q, sk_len=shape.seq_k,
-                                       causal=opts.causal, per_block=opts.per_block, scale=opts.scale,
-                                       config=opts.config, intermediates=True)
+    inter = _sage_intermediates(q, k, v, do, ref_opts) if method == "sage" else _qat_intermediates(
+        q, k, v, do, ref_opts)
     ours = {"O": o, "D": inter["D"], "P": inter["P"], "dP": inter["dP"], "dS": inter["dS"], "dQ": dq, "dK": dk,
             "dV": dv}
     report = {name: error_metrics(ours[name], exact[name]) for name in ORDER}
     if print_table:
         _print(report, title=f"{method} vs exact fp32, q {tuple(q.shape)} k {tuple(k.shape)} {np.dtype(q.dtype).name}")
     return report
+
+
+def _sage_intermediates(q, k, v, do, ref_opts: dict) -> dict:
+    ref_opts.pop("backward", None)
+    opts = resolve_options(q, k, v, **ref_opts)
+    o_ref, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
+    bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
+    _, inter = sage_backward_reference(ops, bias, o_ref, lse, do, sq_len=opts.seq_q, sk_len=opts.seq_k,
+                                       causal=opts.causal, per_block=opts.per_block, scale=opts.scale,
+                                       config=opts.config, intermediates=True)
+    return inter
+
+
+def _qat_intermediates(q, k, v, do, ref_opts: dict) -> dict:
+    opts = resolve_qat_options(q, k, v, **ref_opts)
+    o, o_aux, lse, m, (qf, kf, vf) = qat_forward(q, k, v, opts=opts, with_aux=True)
+    _, inter = qat_backward_reference(qf, kf, vf, o if opts.naive_backward else o_aux, lse, m, do,
+                                      sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale,
+                                      config=opts.config, naive=opts.naive_backward, intermediates=True)
+    return inter
 
 
 def _print(report: dict[str, dict[str, float]], title: str) -> None:

@@ -126,7 +126,7 @@ def softmax_rows(m: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
-                           config: QatConfig, naive: bool = False):
+                           config: QatConfig, naive: bool = False, intermediates: bool = False):
     """Twin of :func:`pallas_kernels.qat_bwd.qat_attention_bwd`.
 
     Recompute S from Q̃, K̃; E = exp2(S − m) (row max 1), P = E/l; dV = (FQ(E)/l)ᵀdO
@@ -135,8 +135,10 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len
     dP = dO·Ṽᵀ; D = rowsum(dO ∘ o_aux) with o_aux = O' (O if naive);
     dS = P ∘ (dP − D); dQ = dS·K̃·scale; dK = dSᵀ·Q̃·scale. Scans over query tiles.
 
+    Args:
+      intermediates: also return {"D", "P", "dP", "dS"} (head-major, (B, Hq, Sq[, Sk])).
     Returns:
-      dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) in do's dtype.
+      dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) in do's dtype [, intermediates].
     """
     b, hq, sq_pad, d = qf.shape
     hkv, sk_pad = kf.shape[1], kf.shape[2]
@@ -169,19 +171,24 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len
         ds = (p * (dp - delta_i[..., None])).astype(dt)
         dk = dk + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i, preferred_element_type=jnp.float32)
         dq_i = jnp.einsum("bhqk,bhkd->bhqd", ds, k_all, preferred_element_type=jnp.float32) * scale
-        return (dk, dv), dq_i
+        extra = (p, dp, ds.astype(jnp.float32)) if intermediates else ()
+        return (dk, dv), (dq_i,) + extra
 
     zeros = jnp.zeros((b, hq, sk_pad, d), jnp.float32)
     xs = (jnp.arange(nqb), tiles(qf), tiles(do_h), tiles(m_p), tiles(inv_l), tiles(delta))
-    (dk, dv), dq = jax.lax.scan(step, (zeros, zeros), xs)
-    dq = jnp.moveaxis(dq, 0, 2).reshape(b, hq, sq_pad, d)
+    (dk, dv), outs = jax.lax.scan(step, (zeros, zeros), xs)
+    dq = jnp.moveaxis(outs[0], 0, 2).reshape(b, hq, sq_pad, d)
     dq = jnp.swapaxes(dq, 1, 2)[:, :sq_len].astype(do.dtype)
 
     def kv_grad(x, factor=1.0):
         x = x.reshape(b, hkv, group, sk_pad, d).sum(axis=2) * factor
         return jnp.swapaxes(x, 1, 2)[:, :sk_len].astype(do.dtype)
 
-    return dq, kv_grad(dk, scale), kv_grad(dv)
+    grads = (dq, kv_grad(dk, scale), kv_grad(dv))
+    if not intermediates:
+        return grads
+    full = lambda x: jnp.moveaxis(x, 0, 2).reshape(b, hq, sq_pad, sk_pad)[:, :, :sq_len, :sk_len]  # noqa: E731
+    return grads, {"D": delta[:, :, :sq_len], "P": full(outs[1]), "dP": full(outs[2]), "dS": full(outs[3])}
 
 
 def qat_attention_ste(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,

@@ -192,3 +192,37 @@ def test_bad_config():
         lb.QatConfig(block_k=16)
     with pytest.raises(ValueError, match="power of two"):
         lb.QatConfig(block_q=48)
+
+
+def test_error_report_for_qat():
+    q, k, v = make_qkv(1, 96, 80, 2, 1, 64, seed=12)
+    do = cotangent(q)
+    rep = lb.diagnostics.attention_error_report(q, k, v, do, method="qat", causal=True, print_table=False,
+                                                config=SMALL)
+    assert list(rep) == ["O", "D", "P", "dP", "dS", "dQ", "dK", "dV"]
+    for name, m in rep.items():
+        assert 0.95 <= m["cos_sim"] <= 1.0 + 1e-6, name
+        assert 0.0 < m["rel_l2"] < 0.35, name  # FP4: far from exact, never exactly equal
+    assert rep["O"]["rel_l2"] > 0.05  # the forward really is 4-bit
+    naive = lb.diagnostics.attention_error_report(q, k, v, do, method="qat", causal=True, print_table=False,
+                                                  config=SMALL, naive_backward=True)
+    assert naive["D"]["rel_l2"] > rep["D"]["rel_l2"]  # D from the FP4 output O instead of O'
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_grad_inside_shard_map_matches_single_device(impl):
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+    mesh = Mesh(np.array(devices), ("data",))
+    q, k, v = make_qkv(4, 40, 40, 2, 2, 64, seed=7)
+    f = functools.partial(lb.qat_attention, causal=True, implementation=impl, interpret=INTERPRET, config=SMALL)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    spec = P("data")
+    sharded = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
+                                    out_specs=(spec,) * 3, check_vma=False))
+    for a, r in zip(sharded(q, k, v), ref):
+        assert metrics(a, r)[1] < 5e-3

@@ -45,6 +45,8 @@ def test_loss_decreases_and_resume_is_exact(tmp_path):
     train(TrainConfig(out=str(tmp_path / "b"), stop_after=4, **cfg), log=lambda *_: None)  # "preempted" at 4
     resumed = train(TrainConfig(out=str(tmp_path / "b"), **cfg), log=lambda *_: None)
     assert resumed["loss"] == full["loss"] and resumed["val_loss"] == full["val_loss"]
+    again = train(TrainConfig(out=str(tmp_path / "b"), **cfg), log=lambda *_: None)  # finished: nothing to do
+    assert again["loss"] == full["loss"] and again["val_loss"] == full["val_loss"]
     recs_a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     recs_b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in recs_a] == [r["loss"] for r in recs_b]

@@ -171,6 +171,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
 
     last_loss, val_loss, tok_s = float("nan"), None, 0.0
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    if start >= end:  # resumed a finished run: report its last numbers instead of NaN
+        previous = metrics.read()
+        if previous:
+            last_loss = previous[-1].get("loss", last_loss)
+            val_loss = next((r["val_loss"] for r in reversed(previous) if "val_loss" in r), None)
+        log(f"run already at step {start} of {cfg.steps}: nothing to train (use a new --out or more --steps)")
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train", disable=None)
     t_last = time.perf_counter()
     for step in bar:
