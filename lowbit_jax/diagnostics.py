@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit_jax import _checks
-from lowbit_jax.reference import causal_mask, error_metrics, reference_attention
+from lowbit_jax.formats import smoothing
 from lowbit_jax.qat import qat_attention, qat_forward, resolve_qat_options
 from lowbit_jax.qat_reference import qat_backward_reference
+from lowbit_jax.reference import causal_mask, error_metrics, reference_attention
 from lowbit_jax.sage import _forward, resolve_options, sage_attention
 from lowbit_jax.sage_reference import sage_backward_reference, smoothing_bias
 
@@ -112,6 +113,8 @@ def _sage_intermediates(q, k, v, do, ref_opts: dict) -> dict:
 
 def _qat_intermediates(q, k, v, do, ref_opts: dict) -> dict:
     opts = resolve_qat_options(q, k, v, **ref_opts)
+    if opts.smooth_k:
+        k = smoothing.subtract_token_mean(k)
     o, o_aux, lse, m, (qf, kf, vf) = qat_forward(q, k, v, opts=opts, with_aux=True)
     _, inter = qat_backward_reference(qf, kf, vf, o if opts.naive_backward else o_aux, lse, m, do,
                                       sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale,

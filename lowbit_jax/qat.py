@@ -25,6 +25,7 @@ from typing import Literal
 import jax
 
 from lowbit_jax import _checks
+from lowbit_jax.formats import smoothing
 from lowbit_jax.qat_reference import (
     fake_quant_operands,
     mma_dtype,
@@ -45,6 +46,7 @@ class QatOptions:
     causal: bool
     scale: float
     naive_backward: bool
+    smooth_k: bool
     implementation: str
     interpret: bool
     config: QatConfig
@@ -60,6 +62,7 @@ def qat_attention(
     causal: bool = False,
     scale: float | None = None,
     naive_backward: bool = False,
+    smooth_k: bool = False,
     implementation: Literal["pallas", "xla"] | None = None,
     interpret: bool = False,
     config: QatConfig | None = None,
@@ -75,6 +78,9 @@ def qat_attention(
         :func:`lowbit_jax.sage_attention`). Rows that see no key give zeros.
       scale: softmax scale, default D**-0.5.
       naive_backward: use the mismatched 16-bit backward (ablation only).
+      smooth_k: subtract K's token mean (per batch, kv head, channel) before
+        fake-quantizing it; the softmax is unchanged and the gradient w.r.t. k
+        follows by autodiff (its token mean is projected out). Off by default (SPEC).
       implementation: "pallas" (Triton kernels; on CPU only with
         ``interpret=True``), "xla" (pure-JAX twin with identical
         semantics), or None: pallas on GPU, xla elsewhere.
@@ -87,16 +93,20 @@ def qat_attention(
       ValueError / TypeError on bad shapes, dtypes or options (before compiling).
     """
     opts = resolve_qat_options(q, k, v, causal=causal, scale=scale, naive_backward=naive_backward,
-                               implementation=implementation, interpret=interpret, config=config)
+                               smooth_k=smooth_k, implementation=implementation, interpret=interpret,
+                               config=config)
+    if opts.smooth_k:
+        k = smoothing.subtract_token_mean(k)
     return _qat_attention(q, k, v, opts)
 
 
-def resolve_qat_options(q, k, v, *, causal=False, scale=None, naive_backward=False, implementation=None,
-                        interpret=False, config=None) -> QatOptions:
+def resolve_qat_options(q, k, v, *, causal=False, scale=None, naive_backward=False, smooth_k=False,
+                        implementation=None, interpret=False, config=None) -> QatOptions:
     """Validate eagerly and resolve defaults into static options."""
     shape = _checks.check_qkv(q, k, v)
     causal = _checks.check_bool("causal", causal)
     naive_backward = _checks.check_bool("naive_backward", naive_backward)
+    smooth_k = _checks.check_bool("smooth_k", smooth_k)
     interpret = _checks.check_bool("interpret", interpret)
     scale = _checks.check_scale(scale, shape.head_dim)
     impl = _checks.check_implementation(implementation, interpret)
@@ -104,7 +114,8 @@ def resolve_qat_options(q, k, v, *, causal=False, scale=None, naive_backward=Fal
         config = qat_config(shape.head_dim, causal)
     elif not isinstance(config, QatConfig):
         raise TypeError(f"config must be a QatConfig, got {type(config).__name__}")
-    return QatOptions(causal=causal, scale=scale, naive_backward=naive_backward, implementation=impl,
+    return QatOptions(causal=causal, scale=scale, naive_backward=naive_backward, smooth_k=smooth_k,
+                      implementation=impl,
                       interpret=interpret, config=config.fitted(shape.seq_q, shape.seq_k), seq_q=shape.seq_q,
                       seq_k=shape.seq_k)
 

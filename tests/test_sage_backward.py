@@ -165,4 +165,4 @@ def test_bad_backward_option():
     with pytest.raises(ValueError, match="backward must be one of"):
         lb.sage_attention(q, k, v, backward="fp8")
     with pytest.raises(ValueError, match="method must be one of"):
-        lb.diagnostics.attention_error_report(q, k, v, q, method="qat")
+        lb.diagnostics.attention_error_report(q, k, v, q, method="thrift")

@@ -27,6 +27,13 @@ def token_mean(x: jax.Array, axis: int = 1) -> jax.Array:
     return jnp.mean(x.astype(jnp.float32), axis=axis)
 
 
+def subtract_token_mean(k: jax.Array) -> jax.Array:
+    """K-smoothing on a whole (B, S, H, D) array, in k's dtype (differentiable; the mean is removed from
+    the gradient too, which attention's gradient w.r.t. k never has)."""
+    kf = k.astype(jnp.float32)
+    return (kf - jnp.mean(kf, axis=1, keepdims=True)).astype(k.dtype)
+
+
 def masked_tile_mean(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Mean over the rows of a tile that are ``valid`` (at least one row counted).
 
