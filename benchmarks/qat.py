@@ -43,6 +43,7 @@ def qat_fn(causal, config=None, naive=False, **kw):
     return functools.partial(lb.qat_attention, causal=causal, config=config, naive_backward=naive, **kw)
 
 
+
 def method_fns(d, causal, config):
     return {
         "qat": qat_fn(causal, config),
@@ -145,18 +146,21 @@ def throughput(shapes, config, log, save, smoke):
 
 def accuracy(log, smoke):
     b, h, s, d = (1, 2, 128, 64) if smoke else (1, 8, 4096, 128)
-    q, k, v = make_inputs(jax.random.PRNGKey(11), b, h, s, d)
-    do = jax.random.normal(jax.random.PRNGKey(12), q.shape, q.dtype)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    exact = fwd_bwd(lb.reference_attention)(*f32)
     rows = []
     extra = dict(implementation="pallas", interpret=True) if smoke else {}
-    for variant, naive in (("qat", False), ("qat naive backward", True)):
-        got = fwd_bwd(qat_fn(False, naive=naive, **extra))(q, k, v, do)
-        rep = {n: lb.error_metrics(got[i], exact[i]) for i, n in enumerate(("o", "dq", "dk", "dv"))}
-        rows.append(dict(b=b, h=h, s=s, d=d, variant=variant, metrics=rep))
-        log(f"  accuracy {variant:20s} " + " ".join(f"{n}: cos {m['cos_sim']:.4f} rel-L2 {m['rel_l2']:.3f}"
-                                                    for n, m in rep.items()))
+    variants = {"normal": (("qat", {}), ("qat naive backward", dict(naive=True))),
+                "k_outlier_8x": (("qat", {}), ("qat smooth_k", dict(smooth_k=True)))}
+    for inputs, outlier in (("normal", 0.0), ("k_outlier_8x", 8.0)):
+        q, k, v = make_inputs(jax.random.PRNGKey(11), b, h, s, d, k_outlier=outlier)
+        do = jax.random.normal(jax.random.PRNGKey(12), q.shape, q.dtype)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+        exact = fwd_bwd(lb.reference_attention)(*f32)
+        for variant, kw in variants[inputs]:
+            got = fwd_bwd(qat_fn(False, **kw, **extra))(q, k, v, do)
+            rep = {n: lb.error_metrics(got[i], exact[i]) for i, n in enumerate(("o", "dq", "dk", "dv"))}
+            rows.append(dict(b=b, h=h, s=s, d=d, inputs=inputs, variant=variant, metrics=rep))
+            log(f"  accuracy {inputs:13s} {variant:20s} " + " ".join(
+                f"{n}: cos {m['cos_sim']:.4f} rel-L2 {m['rel_l2']:.3f}" for n, m in rep.items()))
     return rows
 
 

@@ -157,12 +157,12 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
     if data.get("accuracy"):
         r0 = data["accuracy"][0]
         out += ["", f"### Accuracy vs exact fp32 (B{r0['b']} H{r0['h']} S{r0['s']} D{r0['d']}, N(0,1), non-causal; "
-                "cos-sim / rel-L2)", "", "| variant | O | dQ | dK | dV |", "|---|---|---|---|---|"]
+                "cos-sim / rel-L2)", "", "| inputs | variant | O | dQ | dK | dV |", "|---|---|---|---|---|---|"]
         for r in data["accuracy"]:
-            out.append(f"| {r['variant']} | " + " | ".join(
+            out.append(f"| {r.get('inputs', 'normal')} | {r['variant']} | " + " | ".join(
                 f"{r['metrics'][n]['cos_sim']:.4f} / {r['metrics'][n]['rel_l2']:.3f}" for n in ("o", "dq", "dk", "dv"))
                 + " |")
-        out += ["| Attn-QAT paper (≈) | 0.98 | 0.98 | 0.98 | 0.98 |"]
+        out += ["| | Attn-QAT paper (≈) | 0.98 | 0.98 | 0.98 | 0.98 |"]
     if data.get("kernel_checks"):
         worst = max(r[n]["rel_l1"] for r in data["kernel_checks"] for n in ("o", "dq", "dk", "dv"))
         out += ["", f"Compiled kernels vs the xla twin on awkward shapes (ragged, GQA/MQA, causal Sq≠Sk): "
