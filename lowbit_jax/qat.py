@@ -5,8 +5,9 @@ of 16 along D); per key tile S = Q̃K̃ᵀ·scale, P = exp2(S − m), P̃ = FQ(P
 16 keys per row); O = ΣP̃Ṽ/l (returned) and the high-precision O' = ΣPṼ/l (kept for
 the backward); l from the unquantized P. Backward: P recomputed from Q̃, K̃, the
 row max m and L; dV = FQ(P)ᵀdO with FQ relative to the row max (as in the
-forward: the normalized P of a long row would fall below e4m3's smallest scale); dP = dO·Ṽᵀ; D = rowsum(dO ∘ O'); dS = P ∘ (dP − D);
-dQ = dS·K̃·scale, dK = dSᵀ·Q̃·scale; straight-through to Q, K, V.
+forward: the normalized P of a long row would fall below e4m3's smallest scale);
+dP = dO·Ṽᵀ; D = rowsum(dO ∘ O'); dS = P ∘ (dP − D); dQ = dS·K̃·scale,
+dK = dSᵀ·Q̃·scale; straight-through to Q, K, V.
 
 ``naive_backward=True`` is the failure mode Attn-QAT fixes, kept as an ablation:
 the 16-bit FlashAttention backward applied to the FP4 forward (dV = PᵀdO,
@@ -100,9 +101,11 @@ def qat_attention(
     return _qat_attention(q, k, v, opts)
 
 
-def resolve_qat_options(q, k, v, *, causal=False, scale=None, naive_backward=False, smooth_k=False,
-                        implementation=None, interpret=False, config=None) -> QatOptions:
-    """Validate eagerly and resolve defaults into static options."""
+def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                        scale: float | None = None, naive_backward: bool = False, smooth_k: bool = False,
+                        implementation: str | None = None, interpret: bool = False,
+                        config: QatConfig | None = None) -> QatOptions:
+    """Validate eagerly (shapes, dtypes, option types) and resolve defaults into static options."""
     shape = _checks.check_qkv(q, k, v)
     causal = _checks.check_bool("causal", causal)
     naive_backward = _checks.check_bool("naive_backward", naive_backward)
@@ -115,13 +118,13 @@ def resolve_qat_options(q, k, v, *, causal=False, scale=None, naive_backward=Fal
     elif not isinstance(config, QatConfig):
         raise TypeError(f"config must be a QatConfig, got {type(config).__name__}")
     return QatOptions(causal=causal, scale=scale, naive_backward=naive_backward, smooth_k=smooth_k,
-                      implementation=impl,
-                      interpret=interpret, config=config.fitted(shape.seq_q, shape.seq_k), seq_q=shape.seq_q,
-                      seq_k=shape.seq_k)
+                      implementation=impl, interpret=interpret, config=config.fitted(shape.seq_q, shape.seq_k),
+                      seq_q=shape.seq_q, seq_k=shape.seq_k)
 
 
-def quantize_operands(q, k, v, opts: QatOptions):
-    """Q̃, K̃, Ṽ head-major and padded, by the implementation ``opts`` names."""
+def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array,
+                      opts: QatOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Q̃, K̃, Ṽ: (B, H, S_pad, D) bf16/fp16, head-major and padded, by the implementation ``opts`` names."""
     cfg = opts.config
     if opts.implementation != "pallas":
         return fake_quant_operands(q, k, v, config=cfg)
@@ -132,8 +135,11 @@ def quantize_operands(q, k, v, opts: QatOptions):
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "with_aux"))
-def qat_forward(q, k, v, *, opts: QatOptions, with_aux: bool):
-    """Forward with residuals: (o, o_aux or None, lse, m, (q̃, k̃, ṽ))."""
+def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, with_aux: bool):
+    """Forward with residuals: (o, o_aux or None, lse, m, (q̃, k̃, ṽ)).
+
+    Shapes as :func:`pallas_kernels.qat_fwd.qat_attention_fwd` and :func:`quantize_operands`.
+    """
     qf, kf, vf = quantize_operands(q, k, v, opts)
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               out_dtype=q.dtype, with_aux=with_aux)
