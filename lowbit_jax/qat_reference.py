@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.reference import causal_mask
-from lowbit_jax.sage_reference import visible
 from pallas_kernels.configs import QatConfig
+from pallas_kernels.tile_ranges import visible
 
 LOG2E = math.log2(math.e)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from lowbit_jax.formats import int8, sage_tiles, smoothing
 from lowbit_jax.formats.sage_tiles import SageOperands
 from pallas_kernels.configs import SageFwdConfig
+from pallas_kernels.tile_ranges import visible
 
 LOG2E = math.log2(math.e)
 
@@ -83,14 +84,6 @@ def smoothing_bias(ops: SageOperands, *, scale: float) -> jax.Array:
     k_deq = jnp.repeat(int8.dequantize(ops.k, ops.k_scale[..., None]), group, axis=1)
     bias = jnp.einsum("bhnd,bhkd->bhnk", ops.q_mean, k_deq, precision=jax.lax.Precision.HIGHEST)
     return bias * (scale * LOG2E)
-
-
-def visible(rows: jax.Array, cols: jax.Array, sq_len: int, sk_len: int, causal: bool) -> jax.Array:
-    """bool mask: key col exists and (if causal) row sees it, bottom-right aligned."""
-    mask = cols < sk_len
-    if causal:
-        mask = mask & (cols <= rows + (sk_len - sq_len))
-    return mask
 
 
 def sage_attention_reference(

@@ -32,7 +32,7 @@ from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import softmax_rows
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
-from pallas_kernels.tile_ranges import key_tile_range, query_tile_range
+from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))  # A·Bᵀ
@@ -44,7 +44,6 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
                  sk_len, sk_pad, causal, score_scale, scale, group, n_qblocks, naive):
     kj = pl.program_id(0)
     k_start = kj * block_k
-    offset = sk_len - sq_len
     k = k_ref[...]
     v = v_ref[...]
     cols = k_start + jnp.arange(block_k, dtype=jnp.int32)
@@ -59,11 +58,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
         do = do_ref[g, rows, :]
         s = lax.dot_general(q, k, DOT_NT, preferred_element_type=jnp.float32) * score_scale
         if masked or ragged_k:
-            mask = cols[None, :] < sk_len
-            if causal:
-                q_idx = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
-                mask = mask & (cols[None, :] <= q_idx[:, None] + offset)
-            s = jnp.where(mask, s, -jnp.inf)
+            q_idx = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
+            s = jnp.where(visible(q_idx[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
         e = jnp.exp2(s - m_ref[g, rows][:, None])  # row max 1: FQ relative to it, as the forward
         inv_l = il_ref[g, rows][:, None]  # 0 for padding and rows that see no key
         p = e * inv_l
@@ -89,7 +85,6 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref, *, block_q, block_k, sq_len, sk_len, sq_pad,
                causal, score_scale, scale):
     q_start = pl.program_id(0) * block_q
-    offset = sk_len - sq_len
     q = q_ref[...]
     do = do_ref[...]
     m = m_ref[...]
@@ -105,10 +100,7 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref, *,
         s = lax.dot_general(q, k, DOT_NT, preferred_element_type=jnp.float32) * score_scale
         if masked:
             cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            mask = cols[None, :] < sk_len
-            if causal:
-                mask = mask & (cols[None, :] <= rows[:, None] + offset)
-            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
         p = jnp.exp2(s - m[:, None]) * inv_l[:, None]
         dp = lax.dot_general(do, v_ref[keys, :], DOT_NT, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta[:, None])).astype(k.dtype)

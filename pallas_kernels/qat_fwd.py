@@ -23,7 +23,7 @@ from jax import lax
 from lowbit_jax.formats import int8, nvfp4
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
-from pallas_kernels.tile_ranges import key_tile_range
+from pallas_kernels.tile_ranges import key_tile_range, visible
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
@@ -40,7 +40,6 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
     if causal:  # heaviest query tiles first
         qi = n_qblocks - 1 - qi
     q_start = qi * block_q
-    offset = sk_len - sq_len
     q = q_ref[...]
     rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
     n_unmasked, n_total = key_tile_range(q_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
@@ -53,10 +52,7 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
         s = lax.dot_general(q, k, DOT_NT, preferred_element_type=jnp.float32) * score_scale
         if masked:
             cols = start + jnp.arange(block_k, dtype=jnp.int32)
-            mask = cols[None, :] < sk_len
-            if causal:
-                mask = mask & (cols[None, :] <= rows[:, None] + offset)
-            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         p = jnp.exp2(s - m_ref[:, None])

@@ -37,7 +37,7 @@ from jax import lax
 from lowbit_jax.formats import int8
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
-from pallas_kernels.tile_ranges import key_tile_range, query_tile_range
+from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
 LOG2E = math.log2(math.e)
@@ -123,13 +123,11 @@ def _dkdv_kernel(
         dk_ref, dv_ref = refs
     kj = pl.program_id(0)
     k_start = kj * block_k
-    offset = sk_len - sq_len
     k = k_ref[...]  # (bk, D) int8
     ks = ks_ref[...]  # (bk,)
     vc = vc_ref[...]  # (bk, D) V codes in dO's dtype
     head_dim = k.shape[-1]
     cols = k_start + jnp.arange(block_k, dtype=jnp.int32)
-    col_valid = cols < sk_len
     ragged_k = sk_pad != sk_len  # some tiles hold padding keys (possibly only padding)
     fwd_block = (lambda i: i) if q_ratio == 1 else (lambda i: lax.div(i, jnp.int32(q_ratio)))
     # Query tiles that see any key of this tile, and the first one that sees all of them.
@@ -146,11 +144,8 @@ def _dkdv_kernel(
         if has_bias:
             st = st + bias_ref[g, fwd_block(i), pl.ds(k_start, block_k)][:, None]
         if masked or ragged_k:
-            mask = col_valid[:, None]
-            if causal:
-                q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
-                mask = mask & (cols[:, None] <= q_idx[None, :] + offset)
-            st = jnp.where(mask, st, -jnp.inf)
+            q_idx = q_start + jnp.arange(block_q, dtype=jnp.int32)
+            st = jnp.where(visible(q_idx[None, :], cols[:, None], sq_len, sk_len, causal), st, -jnp.inf)
         pt = jnp.exp2(st - lse_ref[g, rows][None, :])  # (bk, bq); +inf LSE rows give 0
         # dV += P̂ᵀ dÔ: P per key row of the tile, dO one scale per query tile.
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True)
@@ -196,7 +191,6 @@ def _dq_kernel(
         (dq_ref,) = refs
     qi = pl.program_id(0)
     q_start = qi * block_q
-    offset = sk_len - sq_len
     q = q_ref[...]
     qs = qs_ref[...]
     lse = lse_ref[...]
@@ -215,10 +209,7 @@ def _dq_kernel(
             s = s + bias_ref[keys][None, :]
         if masked:
             cols = start + jnp.arange(block_k, dtype=jnp.int32)
-            mask = cols[None, :] < sk_len
-            if causal:
-                mask = mask & (cols[None, :] <= rows[:, None] + offset)
-            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
         dp = _dot_f32(dos, vc_ref[keys, :])
         ds = p * (dp - delta[:, None])

@@ -27,7 +27,7 @@ from jax import lax
 from lowbit_jax.formats import int8
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
-from pallas_kernels.tile_ranges import key_tile_range
+from pallas_kernels.tile_ranges import key_tile_range, visible
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands (K-major)
 
@@ -44,7 +44,6 @@ def _sage_fwd_kernel(
     if causal:  # heaviest query tiles first: less tail imbalance
         qi = n_qblocks - 1 - qi
     q_start = qi * block_q
-    offset = sk_len - sq_len  # bottom-right aligned causal mask
     q = q_ref[...]
     qs = qs_ref[...]
     fast = k_per_block and not has_bias
@@ -61,9 +60,7 @@ def _sage_fwd_kernel(
         s_int = lax.dot_general(q, k, _DOT_NT, preferred_element_type=jnp.int32)
         if masked:
             cols = start + jnp.arange(block_k, dtype=jnp.int32)
-            mask = cols[None, :] < sk_len
-            if causal:
-                mask = mask & (cols[None, :] <= rows[:, None] + offset)
+            mask = visible(rows[:, None], cols[None, :], sq_len, sk_len, causal)
         if fast:
             c = qs * ks_ref[start]  # per-row score scale of this tile
             x = int8.int32_as_biased_float(s_int)  # MAGIC + s, exact

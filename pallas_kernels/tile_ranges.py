@@ -13,6 +13,18 @@ import jax.numpy as jnp
 from pallas_kernels._triton import pl
 
 
+def visible(rows: jax.Array, cols: jax.Array, sq_len: int, sk_len: int, causal: bool) -> jax.Array:
+    """bool mask: key ``cols`` exists and (if causal) query ``rows`` sees it, bottom-right aligned.
+
+    Broadcasts: pass ``rows[:, None], cols[None, :]`` for a (queries, keys) tile or the
+    transposes for (keys, queries). Used by the kernels and the pure-JAX references alike.
+    """
+    mask = cols < sk_len
+    if causal:
+        mask = mask & (cols <= rows + (sk_len - sq_len))
+    return mask
+
+
 def key_tile_range(q_start, *, block_q: int, block_k: int, sq_len: int, sk_len: int,
                    causal: bool) -> tuple[jax.Array | int, jax.Array | int]:
     """For a query tile starting at ``q_start``: (number of unmasked key tiles, number of visited key tiles).
