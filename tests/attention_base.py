@@ -30,6 +30,22 @@ def make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=0, k_outlier=0.0, q
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
+def shard_map_grads(attention, q, k, v):
+    """Gradients of sum(attention(q, k, v)²) w.r.t. q, k, v: (inside jax.shard_map over a 4-device
+    batch mesh, on one device), both jitted. Skips the test without 4 devices."""
+    import pytest
+    from jax.sharding import Mesh, PartitionSpec
+
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+    mesh = Mesh(np.array(devices), ("data",))
+    grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    spec = PartitionSpec("data")
+    sharded = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3, check_vma=False))
+    return sharded(q, k, v), jax.jit(grad)(q, k, v)
+
+
 def exact_attention_f64(q, k, v, causal=False, scale=None):
     """Softmax attention in numpy float64, bottom-right causal; rows seeing no key are zeros."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from attention_base import INTERPRET, AttentionTestBase, make_qkv, metrics
+from attention_base import INTERPRET, AttentionTestBase, make_qkv, metrics, shard_map_grads
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import qat_attention_ste
 
@@ -211,20 +211,10 @@ def test_error_report_for_qat():
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_grad_inside_shard_map_matches_single_device(impl):
-    from jax.sharding import Mesh, PartitionSpec as P
-
-    devices = jax.devices()[:4]
-    if len(devices) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
-    mesh = Mesh(np.array(devices), ("data",))
     q, k, v = make_qkv(4, 40, 40, 2, 2, 64, seed=7)
     f = functools.partial(lb.qat_attention, causal=True, implementation=impl, interpret=INTERPRET, config=SMALL)
-    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
-    ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    spec = P("data")
-    sharded = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
-                                    out_specs=(spec,) * 3, check_vma=False))
-    for a, r in zip(sharded(q, k, v), ref):
+    out, ref = shard_map_grads(f, q, k, v)
+    for a, r in zip(out, ref):
         assert metrics(a, r)[1] < 5e-3
 
 

@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
 
 import lowbit_jax as lb
-from attention_base import INTERPRET, make_qkv, metrics
+from attention_base import INTERPRET, make_qkv, metrics, shard_map_grads
 from lowbit_jax import sage as sage_mod
 from lowbit_jax.sage_reference import sage_backward_reference
 
@@ -114,21 +113,9 @@ def test_grad_under_jit_and_vmap(impl):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_grad_inside_shard_map_matches_single_device(impl):
-    devices = jax.devices()[:4]
-    if len(devices) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
-    mesh = Mesh(np.array(devices), ("data",))
     q, k, v = make_qkv(4, 40, 40, 2, 2, 64, seed=7)
     f = functools.partial(lb.sage_attention, causal=True, implementation=impl, interpret=INTERPRET, config=SMALL)
-
-    def loss(q, k, v):
-        return jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
-
-    ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    spec = P("data")
-    sharded = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 3,
-                                    out_specs=(spec,) * 3, check_vma=False))
-    out = sharded(q, k, v)
+    out, ref = shard_map_grads(f, q, k, v)
     for a, r in zip(out, ref):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=1e-5, atol=1e-5)
 
