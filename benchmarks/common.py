@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +49,12 @@ def environment() -> dict:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def copy_to_out(path: Path) -> None:
+    """On the lent GPU, also put a results file (a plot) under $OUT so it comes back."""
+    if os.environ.get("OUT"):
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
 
 
 def write_json(name: str, payload: dict) -> list[Path]:

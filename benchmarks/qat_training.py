@@ -18,7 +18,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, environment, write_json
+from benchmarks.common import RESULTS_DIR, copy_to_out, environment, write_json
 from train.loop import TrainConfig, TrainingDiverged, train
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -92,11 +92,7 @@ def main(argv=None) -> int:
     png = RESULTS_DIR / f"{name}.png"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot(results, png, title)
-    import os
-    import shutil
-
-    if os.environ.get("OUT"):
-        shutil.copy(png, Path(os.environ["OUT"]) / png.name)
+    copy_to_out(png)
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "records"} for k, v in results.items()}
     for label, s in summary.items():
         print(f"{label:22s} " + (f"final train {s['final_loss']:.4f} val {s['final_val_loss']:.4f}"
