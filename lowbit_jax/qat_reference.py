@@ -80,11 +80,7 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
     group = hq // kf.shape[1]
     kf, vf = _repeat_kv(kf, group), _repeat_kv(vf, group)
     bk = config.block_k
-    nkb = -(-sk_len // bk)
-    sk_pad = kf.shape[2]
-    if sk_pad < nkb * bk:
-        kf = jnp.pad(kf, ((0, 0), (0, 0), (0, nkb * bk - sk_pad), (0, 0)))
-        vf = jnp.pad(vf, ((0, 0), (0, 0), (0, nkb * bk - sk_pad), (0, 0)))
+    nkb = -(-sk_len // bk)  # Sk_pad is a multiple of config.pad ≥ block_k, so nkb tiles fit
     c = scale * LOG2E
     rows = jnp.arange(sq_pad)[:, None]
     dt = qf.dtype
@@ -119,10 +115,21 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
     return out(acc), (out(acc2) if with_aux else None), lse[:, :, :sq_len], m[:, :, :sq_len]
 
 
-def softmax_rows(m: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(m with −inf → 0, 1/l = exp2(m − L) with 0 for empty rows): P = exp2(S − m)·(1/l)."""
+def backward_rows(o_aux: jax.Array, lse: jax.Array, m: jax.Array, do: jax.Array, *, seq_pad: int, dtype):
+    """The backward's per-row inputs (memory-bound; XLA fuses it), shared by the kernels and the reference.
+
+    Args:
+      o_aux: O' (or O) (B, Sq, Hq, D); lse, m: base-2 LSE and row max (B, Hq, Sq); do: (B, Sq, Hq, D).
+    Returns:
+      D = rowsum(dO ∘ o_aux), m with −inf → 0, 1/l = exp2(m − L) (0 for empty rows), each float32
+      (B, Hq, seq_pad) with zero padding — so P = exp2(S − m)·(1/l) — and dO head-major
+      (B, Hq, seq_pad, D) in ``dtype``.
+    """
+    row_pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, seq_pad - x.shape[2])))  # noqa: E731
+    delta = jnp.swapaxes(jnp.sum(o_aux.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
     m_ref = jnp.where(m == -jnp.inf, 0.0, m)
-    return m_ref, jnp.where(lse == jnp.inf, 0.0, jnp.exp2(m_ref - lse))
+    inv_l = jnp.where(lse == jnp.inf, 0.0, jnp.exp2(m_ref - lse))
+    return row_pad(delta), row_pad(m_ref), row_pad(inv_l), head_major(do, seq_pad, dtype)
 
 
 def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
@@ -147,12 +154,7 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len
     nqb = sq_pad // bq
     dt = qf.dtype
     k_all, v_all = _repeat_kv(kf, group), _repeat_kv(vf, group)
-    delta = jnp.sum(o_aux.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # (B, Sq, Hq)
-    delta = jnp.pad(jnp.swapaxes(delta, 1, 2), ((0, 0), (0, 0), (0, sq_pad - sq_len)))
-    m_ref, inv_l = softmax_rows(m, lse)
-    m_p = jnp.pad(m_ref, ((0, 0), (0, 0), (0, sq_pad - sq_len)))
-    inv_l = jnp.pad(inv_l, ((0, 0), (0, 0), (0, sq_pad - sq_len)))
-    do_h = head_major(do, sq_pad, dt)
+    delta, m_p, inv_l, do_h = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=dt)
     tiles = lambda x: jnp.moveaxis(x.reshape(x.shape[:2] + (nqb, bq) + x.shape[3:]), 2, 0)  # noqa: E731
     c = scale * LOG2E
     cols = jnp.arange(sk_pad)[None, :]

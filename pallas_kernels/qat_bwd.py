@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.formats import nvfp4
-from lowbit_jax.qat_reference import softmax_rows
+from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
 from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
@@ -132,13 +132,7 @@ def qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int
     group = hq // hkv
     bq, bk = config.bwd_block_q, config.bwd_block_k
     nqb, nkb = sq_pad // bq, sk_pad // bk
-    # preprocess (memory-bound, XLA fuses it): D = rowsum(dO ∘ O'), dO head-major in the MMA dtype
-    delta = jnp.sum(o_aux.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    delta = jnp.pad(jnp.swapaxes(delta, 1, 2), ((0, 0), (0, 0), (0, sq_pad - sq_len)))
-    m, inv_l = softmax_rows(m, lse)
-    row_pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, sq_pad - sq_len)))  # noqa: E731
-    m, inv_l = row_pad(m), row_pad(inv_l)
-    do_h = jnp.pad(jnp.swapaxes(do, 1, 2), ((0, 0), (0, 0), (0, sq_pad - sq_len), (0, 0))).astype(qf.dtype)
+    delta, m, inv_l, do_h = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=qf.dtype)
     params = compiler_params(config.bwd_warps, config.bwd_stages)
     common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, causal=causal, score_scale=scale * LOG2E,
                   scale=scale)
