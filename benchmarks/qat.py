@@ -43,7 +43,6 @@ def qat_fn(causal, config=None, naive=False, **kw):
     return functools.partial(lb.qat_attention, causal=causal, config=config, naive_backward=naive, **kw)
 
 
-
 def method_fns(d, causal, config):
     return {
         "qat": qat_fn(causal, config),
