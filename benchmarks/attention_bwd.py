@@ -95,40 +95,54 @@ def throughput(shapes, log, save, smoke=False):
     return rows
 
 
-BWD_SWEEP = [  # (fwd block_q, fwd block_k, bwd block_q, bwd block_k, bwd warps, bwd stages)
-    (64, 128, 64, 64, 8, 2), (64, 128, 64, 64, 4, 2), (64, 128, 64, 64, 4, 3), (64, 128, 64, 128, 8, 2),
-    (64, 128, 64, 128, 4, 2), (64, 128, 32, 64, 4, 2), (64, 128, 32, 128, 4, 2), (64, 128, 32, 128, 8, 2),
-    (64, 128, 64, 32, 4, 2), (64, 128, 32, 32, 4, 2), (128, 128, 128, 64, 8, 2), (128, 128, 128, 128, 8, 2),
+BWD_SWEEP = [  # (fwd block_q, fwd block_k, bwd block_q, bwd block_k, bwd warps, bwd stages, dQ mode)
+    (64, 128, 64, 64, 4, 2, "separate"), (64, 128, 64, 64, 4, 2, "atomic"), (64, 128, 64, 64, 4, 2, "atomic_rotated"),
+    (64, 128, 64, 64, 4, 3, "atomic"), (64, 128, 64, 128, 4, 2, "atomic"), (64, 128, 64, 128, 8, 2, "atomic"),
+    (64, 128, 64, 128, 8, 2, "atomic_rotated"), (64, 128, 32, 128, 4, 2, "atomic"), (64, 128, 32, 64, 4, 2, "atomic"),
+    (128, 128, 128, 128, 8, 2, "atomic"), (128, 128, 128, 64, 8, 2, "atomic"), (128, 128, 64, 128, 8, 2, "atomic"),
 ]
 
 
-def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, True)), smoke=False):
-    """Backward tiles: time of the SageBwd kernels alone (from the forward's residuals) per config."""
+def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, True)), smoke=False, save=None):
+    """Backward tiles: time of the SageBwd kernels alone (from the forward's residuals) per config.
+
+    ``save(rows)`` is called after every row, so a run cut short keeps what it measured.
+    """
     from lowbit_jax.sage import _backward, _forward, resolve_options
+    from lowbit_jax.sage_reference import sage_backward_reference
 
     rows = []
     for b, h, s, d, causal in shapes:
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
         do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
         flops = 2.5 * attention_flops(b, h, s, s, d, causal)
-        for fq, fk, bq, bk, w, st in BWD_SWEEP[:2] if smoke else BWD_SWEEP:
+        for fq, fk, bq, bk, w, st, dq in BWD_SWEEP[:2] if smoke else BWD_SWEEP:
             cfg = lb.SageFwdConfig(block_q=fq, block_k=fk, num_warps=8 if fq == 128 else 4,
                                    num_stages=2 if fq == 128 else 3, bwd_block_q=bq, bwd_block_k=bk, bwd_warps=w,
-                                   bwd_stages=st)
+                                   bwd_stages=st, bwd_dq=dq)
             extra = dict(implementation="pallas", interpret=True) if smoke else {}
             opts = resolve_options(q, k, v, causal=causal, config=cfg, **extra)
-            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st))
+            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st,
+                                                                         dq=dq))
             try:
                 o, lse, ops = _forward(q, k, v, opts=opts, transposed=True)
                 bwd = jax.jit(lambda ops, o, lse, do: _backward(ops, o, lse, do, opts=opts))  # noqa: B023
                 row["bwd_ms"] = time_fn(bwd, ops, o, lse, do, warmup=1, iters=3 if smoke else 10, batches=3)
                 row["bwd_tflops"] = flops / row["bwd_ms"] / 1e9
+                ref = sage_backward_reference(ops, None, o, lse, do, sq_len=s, sk_len=s, causal=causal,
+                                              per_block=True, scale=opts.scale, config=opts.config)
+                got = bwd(ops, o, lse, do)
+                row["vs_xla_rel_l1"] = {n: lb.error_metrics(g, r)["rel_l1"] for n, g, r in zip(("dq", "dk", "dv"),
+                                                                                              got, ref)}
                 log(f"  bwd sweep B{b} S{s} D{d} causal={causal!s:5} fwd {fq}x{fk} bwd {bq}x{bk} w{w} s{st}: "
-                    f"{row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs)")
+                    f"{dq}: {row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs) rel-L1 vs xla "
+                    + " ".join(f"{n}={v:.1e}" for n, v in row["vs_xla_rel_l1"].items()))
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 log(f"  bwd sweep {row['config']} failed: {row['error']}")
             rows.append(row)
+            if save is not None:
+                save(rows)
     return rows
 
 
@@ -181,42 +195,65 @@ def error_reports(log, smoke=False):
     return rows
 
 
-def peak_memory(method: str, b: int, h: int, s: int, d: int, causal: bool) -> int:
-    """Peak GPU bytes of one fwd+bwd in this (fresh) process."""
+MEMORY_SETTINGS = {
+    "inputs": "q, k, v are the step's inputs (they stay alive for the whole fwd+bwd)",
+    "layer": "q, k, v are computed in the step (x·w_q, x·w_k, x·w_v, per-channel w): as in a model, "
+             "they are freed after the forward unless the attention keeps them as residuals",
+}
+
+
+def peak_memory(method: str, setting: str, b: int, h: int, s: int, d: int, causal: bool) -> int:
+    """Peak GPU bytes of one fwd+bwd in this (fresh) process; ``setting`` from MEMORY_SETTINGS."""
     q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
-    jax.block_until_ready(fwd_bwd(attention_fn(method, d, causal))(q, k, v, do))
+    attn = attention_fn(method, d, causal)
+    if setting == "inputs":
+        jax.block_until_ready(fwd_bwd(attn)(q, k, v, do))
+    else:
+        x = q
+        del q, k, v
+        w = jax.random.normal(jax.random.PRNGKey(5), (3, h, d), x.dtype)
+
+        @jax.jit
+        def step(x, w, do):
+            o, vjp = jax.vjp(lambda x, w: attn(x * w[0], x * w[1], x * w[2]), x, w)
+            return o, *vjp(do)
+
+        jax.block_until_ready(step(x, w, do))
     return int(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
 
 
 def memory_table(log):
     rows = []
     for b, h, s, d, causal in MEMORY_SHAPES:
-        row = dict(b=b, h=h, s=s, d=d, causal=causal, peak_bytes={})
-        for method in ("sage", "cudnn_bf16"):
-            cmd = [sys.executable, __file__, "--memory", method, str(b), str(h), str(s), str(d), str(int(causal))]
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."},
-                                 timeout=240)
-            try:
-                row["peak_bytes"][method] = int(res.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                log(f"  memory {method} failed: {res.stderr[-500:]}")
-        rows.append(row)
-        log(f"  peak memory B{b} S{s} D{d}: " + " ".join(f"{m}={v / 2**30:.2f} GiB" for m, v in
-                                                         row["peak_bytes"].items()))
+        for setting, what in MEMORY_SETTINGS.items():
+            row = dict(b=b, h=h, s=s, d=d, causal=causal, setting=setting, what=what, peak_bytes={})
+            for method in ("sage", "cudnn_bf16"):
+                cmd = [sys.executable, __file__, "--memory", method, setting, str(b), str(h), str(s), str(d),
+                       str(int(causal))]
+                res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."},
+                                     timeout=240)
+                try:
+                    row["peak_bytes"][method] = int(res.stdout.strip().splitlines()[-1])
+                except (ValueError, IndexError):
+                    log(f"  memory {method} {setting} failed: {res.stderr[-500:]}")
+            rows.append(row)
+            log(f"  peak memory ({setting}) B{b} S{s} D{d}: " + " ".join(
+                f"{m}={v / 2**30:.2f} GiB" for m, v in row["peak_bytes"].items()))
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere")
-    parser.add_argument("--memory", nargs=6, metavar=("METHOD", "B", "H", "S", "D", "CAUSAL"),
+    parser.add_argument("--memory", nargs=7, metavar=("METHOD", "SETTING", "B", "H", "S", "D", "CAUSAL"),
                         help="internal: print the peak memory of one fwd+bwd")
     parser.add_argument("--sweep", action="store_true", help="only sweep the backward tiles")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak-memory table")
     args = parser.parse_args(argv)
     if args.memory:
-        m, b, h, s, d, c = args.memory
-        print(peak_memory(m, int(b), int(h), int(s), int(d), bool(int(c))))
+        m, setting, b, h, s, d, c = args.memory
+        print(peak_memory(m, setting, int(b), int(h), int(s), int(d), bool(int(c))))
         return 0
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/attention_bwd.py needs a GPU (or --smoke)")
@@ -226,12 +263,19 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     if args.sweep:
-        rows = sweep_backward(log, smoke=args.smoke,
+        def save_sweep(rows):
+            return write_json("attention_bwd_sweep" + ("_smoke" if args.smoke else ""),
+                              dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py --sweep",
+                                   rows=rows))
+
+        rows = sweep_backward(log, smoke=args.smoke, save=save_sweep,
                               shapes=((1, 2, 256, 64, True),) if args.smoke else sweep_backward.__defaults__[0])
-        for p in write_json("attention_bwd_sweep" + ("_smoke" if args.smoke else ""),
-                            dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py --sweep",
-                                 rows=rows)):
+        for p in save_sweep(rows):
             log(f"wrote {p}")
+        return 0
+    if args.memory_only:
+        for row in memory_table(log):
+            log(json.dumps(row))
         return 0
     name = "attention_bwd_smoke" if args.smoke else "attention_bwd"
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py " + " ".join(

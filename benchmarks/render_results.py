@@ -92,10 +92,11 @@ def render_backward(data: dict) -> list[str]:
                    + f" | **{_f(r['vs_cudnn_bf16'].get('sage'), '{:.2f}')}×** |")
     if data.get("memory"):
         out += ["", "Peak GPU memory of one fwd+bwd, fresh process each (`memory_stats()['peak_bytes_in_use']`):", "",
-                "| shape | sage | cuDNN bf16 |", "|---|---|---|"]
+                "| shape | setting | sage | cuDNN bf16 |", "|---|---|---|---|"]
         for r in data["memory"]:
             pb = r["peak_bytes"]
-            out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | "
+            setting = r.get("what", "q, k, v are the step's inputs")
+            out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | {setting} | "
                        f"{_f(pb.get('sage') and pb['sage'] / 2**30, '{:.2f} GiB')} | "
                        f"{_f(pb.get('cudnn_bf16') and pb['cudnn_bf16'] / 2**30, '{:.2f} GiB')} |")
     if data.get("error_reports"):
@@ -126,11 +127,12 @@ def render_backward(data: dict) -> list[str]:
 def render_backward_sweep(data: dict) -> list[str]:
     out = ["", "### SageBwd tile sweep (backward kernels alone, from the forward's residuals)", "",
            f"{data['env']['date']}, `{data['command'].strip()}`. TOP/s count 2.5× the forward's FLOPs.", "",
-           "| shape | forward tiles | backward tiles | warps | stages | ms | TOP/s |", "|---|---|---|---|---|---|---|"]
+           "| shape | forward tiles | backward tiles | warps | stages | dQ | ms | TOP/s |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         c = r["config"]
         out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | {c['fwd'][0]}×{c['fwd'][1]} | "
-                   f"{c['bwd'][0]}×{c['bwd'][1]} | {c['warps']} | {c['stages']} | "
+                   f"{c['bwd'][0]}×{c['bwd'][1]} | {c['warps']} | {c['stages']} | {c.get('dq', 'separate')} | "
                    f"{_f(r.get('bwd_ms'), '{:.2f}')} | {_f(r.get('bwd_tflops'))} |")
     return out
 

@@ -154,8 +154,8 @@ def sage_backward_reference(
 
     Scans over query tiles (memory O(S·D) per step, not S²·D). Same quantization
     as the kernels: dO INT8 per query tile, P INT8 per key row of each tile for
-    dV, dS INT8 per tile (with per-token Q/K scales folded in first), dP in dO's
-    dtype with fp32 accumulation.
+    dV, dS INT8 per tile (with per-token Q/K scales folded in first), dP = dO·Ṽᵀ with
+    Ṽ = V̂·s_V rounded to dO's dtype, fp32 accumulation.
 
     Args:
       ops: the forward's :class:`SageOperands` (Q̂ᵀ/K̂ᵀ not needed here).
@@ -175,14 +175,14 @@ def sage_backward_reference(
     k_tiles = k8.reshape(b, hq, nkb, bk, d)
     ks_tiles = ks.reshape(b, hq, nkb, bk)
 
-    # preprocess (as the kernel): D, dO·s_V, dO per tile in INT8
+    # preprocess (as the kernel): D, dO per tile in INT8; dP's 16-bit operands dO and Ṽ = V̂·s_V
     pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, sq_pad - sq_len), (0, 0), (0, 0)))  # noqa: E731
     o_p, _ = to_tiles(pad_rows(o.astype(jnp.float32)), bq)
     do_p, _ = to_tiles(pad_rows(do.astype(jnp.float32)), bq)  # (B, H, nqb, bq, D)
     delta = jnp.sum(o_p * do_p, axis=-1)
-    dos = (do_p * vs[:, :, None, None, :]).astype(do.dtype)
+    do_16 = do_p.astype(do.dtype)
     do8, do_scale = int8.quantize(do_p, (-2, -1))  # scale (B, H, nqb, 1, 1)
-    v_codes = jnp.swapaxes(vt8, 2, 3).astype(do.dtype)
+    vd_t = sage_tiles.dequantize_v_t(vt8, vs, do.dtype)  # Ṽᵀ (B, H, D, Sk_pad)
     lse_p = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf).reshape(b, hq, nqb, bq)
     q_tiles = ops.q.reshape(b, hq, nqb, bq, d)
     qs_tiles = ops.q_scale.reshape(b, hq, nqb, bq)
@@ -191,7 +191,7 @@ def sage_backward_reference(
 
     def step(carry, xs):
         dk, dv = carry
-        i, q_i, qs_i, lse_i, delta_i, dos_i, do8_i, dosc_i, bias_i, qmean_i = xs
+        i, q_i, qs_i, lse_i, delta_i, do16_i, do8_i, dosc_i, bias_i, qmean_i = xs
         rows = i * bq + jnp.arange(bq)
         t = jnp.einsum("bhqd,bhkd->bhqk", q_i, k8, preferred_element_type=jnp.int32).astype(jnp.float32)
         t = t * qs_i[..., None] * ks[:, :, None, :]
@@ -199,7 +199,7 @@ def sage_backward_reference(
             t = t + bias_i[:, :, None, :]
         t = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), t, -jnp.inf)
         p = jnp.exp2(t - lse_i[..., None])
-        dp = jnp.einsum("bhqd,bhkd->bhqk", dos_i, v_codes, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bhqd,bhdk->bhqk", do16_i, vd_t, preferred_element_type=jnp.float32)
         ds = p * (dp - delta_i[..., None])
         # dV += P̂ᵀ dÔ, P per key row of the tile
         pt = p.reshape(b, hq, bq, nkb, bk)
@@ -230,7 +230,7 @@ def sage_backward_reference(
     zeros = jnp.zeros((b, hq, sk_pad, d), jnp.float32)
     per_tile = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)  # noqa: E731
     per_fwd_block = lambda x: None if x is None else per_tile(jnp.repeat(x, q_ratio, axis=2))  # noqa: E731
-    xs = (jnp.arange(nqb), per_tile(q_tiles), per_tile(qs_tiles), per_tile(lse_p), per_tile(delta), per_tile(dos),
+    xs = (jnp.arange(nqb), per_tile(q_tiles), per_tile(qs_tiles), per_tile(lse_p), per_tile(delta), per_tile(do_16),
           per_tile(do8), per_tile(do_scale), per_fwd_block(bias), per_fwd_block(ops.q_mean))
     (dk, dv), outs = jax.lax.scan(step, (zeros, zeros), xs)
     dq = jnp.moveaxis(outs[0], 0, 2).reshape(b, hq, sq_pad, d)

@@ -1,22 +1,29 @@
 """SageBwd: the INT8 attention backward, Pallas lowered through Triton.
 
-Three kernels (shared/SPEC.md §1, backward):
+Kernels (shared/SPEC.md §1, backward):
 
-* ``sage_bwd_preprocess`` — per query tile: D = rowsum(dO∘O) in fp32; dO·diag(s_V)
-  in dO's dtype (the 16-bit operand of dP); dO quantized to INT8 with one scale
-  per tile, written transposed (D, Sq) so dV = P̂ᵀ·dÔ contracts over contiguous
-  memory.
+* ``sage_bwd_preprocess`` — per query tile: D = rowsum(dO∘O) in fp32 and dO
+  quantized to INT8 with one scale per tile, written transposed (D, Sq) so
+  dV = P̂ᵀ·dÔ contracts over contiguous memory.
 * ``sage_bwd_dkdv`` — one program per key tile (and batch, kv head), looping over
   the query tiles of every query head of its GQA group: recompute Sᵀ = K̂Q̂ᵀ (INT8),
   Pᵀ = exp2(Sᵀ − L); dV += P̂ᵀdÔ (INT8, P per key row of the tile, dO per tile);
-  dPᵀ = V·dOᵀ (16-bit, fp32 accumulation); dSᵀ = Pᵀ∘(dPᵀ − D) quantized per tile;
-  dK += dŜᵀQ̂ (INT8).
-* ``sage_bwd_dq`` — one program per query tile, looping over key tiles: the same
-  S, P, dP, dS (same tiles, so the same per-tile dS scale), dQ += dŜK̂ (INT8).
+  dPᵀ = Ṽ·dOᵀ (16-bit, fp32 accumulation; Ṽ = V̂·s_V rounded to dO's dtype, built
+  in-kernel once per program); dSᵀ = Pᵀ∘(dPᵀ − D) quantized per tile; dK += dŜᵀQ̂ (INT8).
+* dQ, chosen by ``SageFwdConfig.bwd_dq``:
+  - ``"atomic"`` (fused): the dK/dV kernel also forms dQ_tile = dŜ·K̂ (INT8) for every
+    query tile it visits and adds it into an fp32 workspace with atomic adds. One
+    S/P/dP/dS computation per tile pair; summation order (hence the last bits of
+    dQ) is not deterministic. ``"atomic_rotated"`` starts each key tile's query loop
+    at a different tile so concurrent programs add into different rows.
+  - ``"separate"``: ``sage_bwd_dq``, one program per query tile looping over key
+    tiles, recomputing the same S, P, dP, dS (same tiles, so the same per-tile dS
+    scale) and dQ += dŜK̂ (INT8). Deterministic, no workspace.
 
 Six of the seven attention matmuls are INT8 (forward QKᵀ and PV; backward QKᵀ
 recompute, dV, dQ, dK); only dP is 16-bit. Every INT8 product contracts over the
-contiguous dim of both operands, using the transposed copies Q̂ᵀ, K̂ᵀ, dÔᵀ.
+contiguous dim of both operands, using the transposed copies Q̂ᵀ, K̂ᵀ, dÔᵀ. dO is
+read in the caller's (B, S, H, D) layout; no 16-bit copy of V or dO is made.
 
 Scale bookkeeping: the forward's Q scale includes ``softmax_scale·log2 e`` and the
 scores are in base 2; dS is the gradient w.r.t. the natural-log scores. With
@@ -35,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.formats import int8
-from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
+from lowbit_jax.formats.sage_tiles import dequantize_v_t
+from pallas_kernels._triton import compiler_params, load_rows, pl, plgpu, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
 
@@ -44,7 +52,8 @@ LOG2E = math.log2(math.e)
 
 
 def _dot_i8(a, b):
-    return lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.int32).astype(jnp.float32)
+    """INT8 product contracting the last dims, as exact float32 (no int→float conversion)."""
+    return int8.int32_to_float(lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.int32))
 
 
 def _dot_f32(a, b):
@@ -57,32 +66,28 @@ _TILE = (0, 1)  # ψ with one scale for the whole 2-D tile (scale shape (1, 1))
 # ----------------------------------------------------------------------------- preprocess
 
 
-def _preprocess_kernel(o_ref, do_ref, vs_ref, delta_ref, dos_ref, dot_ref, dosc_ref, *, block, seq_len, ragged):
+def _preprocess_kernel(o_ref, do_ref, delta_ref, dot_ref, dosc_ref, *, block, seq_len, ragged):
     valid = row_mask(pl.program_id(0) * block, block, seq_len)
     mask = valid if ragged else None
     o = load_rows(o_ref, mask).astype(jnp.float32)
     do = load_rows(do_ref, mask).astype(jnp.float32)
     delta_ref[...] = jnp.sum(o * do, axis=1)
-    dos_ref[...] = (do * vs_ref[...][None, :]).astype(dos_ref.dtype)
     codes, scale = int8.quantize(do, _TILE)
     dot_ref[...] = codes.T
     dosc_ref[...] = jnp.broadcast_to(scale[0], (block,))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def sage_bwd_preprocess(o: jax.Array, do: jax.Array, v_scale: jax.Array, *, config: SageFwdConfig,
-                        interpret: bool = False):
-    """D, dO·s_V and INT8 dOᵀ.
+def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, interpret: bool = False):
+    """D = rowsum(dO∘O) and INT8 dOᵀ.
 
     Args:
       o, do: (B, Sq, Hq, D) output and its cotangent.
-      v_scale: float32 (B, Hkv, D).
     Returns:
-      delta float32 (B, Hq, Sq_pad); dO·s_V (B, Hq, Sq_pad, D) in do's dtype;
-      dÔᵀ int8 (B, Hq, D, Sq_pad); dO scale float32 (B, Hq, Sq_pad) (one value per tile, repeated).
+      delta float32 (B, Hq, Sq_pad); dÔᵀ int8 (B, Hq, D, Sq_pad); dO scale float32
+      (B, Hq, Sq_pad) (one value per tile, repeated).
     """
     b, sq, hq, d = o.shape
-    group = hq // v_scale.shape[1]
     bq = config.bwd_block_q
     sq_pad = pl.cdiv(sq, config.block_q) * config.block_q  # the forward's padding
     nqb = sq_pad // bq
@@ -91,51 +96,60 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, v_scale: jax.Array, *, conf
     return pl.pallas_call(
         kernel,
         grid=(nqb, b, hq),
-        in_specs=[row_spec, row_spec, pl.BlockSpec((None, None, d), lambda i, bi, hi: (bi, hi // group, 0))],
+        in_specs=[row_spec, row_spec],
         out_specs=[
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
-            pl.BlockSpec((None, None, bq, d), lambda i, bi, hi: (bi, hi, i, 0)),
             pl.BlockSpec((None, None, d, bq), lambda i, bi, hi: (bi, hi, 0, i)),
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hq, sq_pad, d), do.dtype),
             jax.ShapeDtypeStruct((b, hq, d, sq_pad), jnp.int8),
             jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32),
         ],
         compiler_params=compiler_params(config.quant_warps, 1),
         interpret=interpret,
         name="sage_bwd_preprocess",
-    )(o, do, v_scale)
+    )(o, do)
 
 
-# ----------------------------------------------------------------------------- dK, dV
+# ----------------------------------------------------------------------------- dK, dV (and fused dQ)
 
 
 def _dkdv_kernel(
-    q_ref, qs_ref, qt_ref, lse_ref, delta_ref, dos_ref, dot_ref, dosc_ref, k_ref, ks_ref, vc_ref, *refs,
-    block_q, block_k, sq_len, sk_len, sk_pad, causal, per_block, has_bias, scale, group, n_qblocks, q_ratio,
+    q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vt_ref, vs_ref, *refs,
+    block_q, block_k, sq_len, sk_len, sq_pad, sk_pad, causal, per_block, has_bias, scale, group, n_qblocks, q_ratio,
+    dq_mode,
 ):
-    if has_bias:
-        bias_ref, qmean_ref, dk_ref, dv_ref = refs
+    refs = list(refs)
+    bias_ref, qmean_ref = (refs.pop(0), refs.pop(0)) if has_bias else (None, None)
+    fused = dq_mode != "separate"
+    if fused:  # K̂ᵀ tile, the zeroed workspace (input), the same buffer as output (aliased)
+        kt_ref, _, dq_ref, dk_ref, dv_ref = refs
     else:
         dk_ref, dv_ref = refs
     kj = pl.program_id(0)
     k_start = kj * block_k
     k = k_ref[...]  # (bk, D) int8
     ks = ks_ref[...]  # (bk,)
-    vc = vc_ref[...]  # (bk, D) V codes in dO's dtype
+    vd = dequantize_v_t(vt_ref[...], vs_ref[...], do_ref.dtype).T  # (bk, D) Ṽ in dO's dtype
+    kt = kt_ref[...] if fused else None  # (D, bk) int8
     head_dim = k.shape[-1]
     cols = k_start + jnp.arange(block_k, dtype=jnp.int32)
     ragged_k = sk_pad != sk_len  # some tiles hold padding keys (possibly only padding)
+    ragged_q = sq_pad != sq_len
     fwd_block = (lambda i: i) if q_ratio == 1 else (lambda i: lax.div(i, jnp.int32(q_ratio)))
     # Query tiles that see any key of this tile, and the first one that sees all of them.
     i_first, i_unmasked = query_tile_range(k_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
                                            causal=causal, n_qblocks=n_qblocks)
 
-    def step(i, carry, g, masked):
+    def step(t, carry, g, masked):
         dk_acc, dv_acc = carry
+        if dq_mode == "atomic_rotated" and not masked:  # spread concurrent programs over different dQ rows
+            span = n_qblocks - i_unmasked
+            i = i_unmasked + lax.rem(t - i_unmasked + kj, span)
+        else:
+            i = t
         q_start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(q_start, block_q)
         q = q_ref[g, rows, :]
@@ -151,17 +165,31 @@ def _dkdv_kernel(
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True)
         dv_acc = dv_acc + _dot_i8(p8, dot_ref[g, :, rows]) * (p_scale * dosc_ref[g, q_start])
         # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (INT8, one dS scale per tile).
-        dpt = _dot_f32(vc, dos_ref[g, rows, :])
+        do_rows = do_ref.at[rows, g, :]
+        if ragged_q:
+            q_valid = (q_start + jnp.arange(block_q, dtype=jnp.int32) < sq_len)[:, None]
+            do = plgpu.load(do_rows, mask=q_valid, other=0.0)
+        else:
+            do = do_rows[...]
+        dpt = _dot_f32(vd, do)
         dst = pt * (dpt - delta_ref[g, rows][None, :])
         if per_block:
-            ds8, ds_scale = int8.quantize(dst, _TILE)
+            ds8, ds_scale = int8.quantize(dst, _TILE, truncating_convert=True)
             factor = ds_scale * qs_ref[g, q_start] * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = int8.quantize(dst * qs[None, :], _TILE)
+            ds8, ds_scale = int8.quantize(dst * qs[None, :], _TILE, truncating_convert=True)
             factor = ds_scale * (1.0 / LOG2E)
         dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
         if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
             dk_acc = dk_acc + (scale * jnp.sum(dst, axis=1))[:, None] * qmean_ref[g, fwd_block(i), :][None, :]
+        if fused:  # dQ_tile = dŜ K̂ (INT8), added into the fp32 workspace
+            if per_block:
+                dq8, dq_factor = ds8, ds_scale * ks_ref[0] * scale
+            else:
+                dq8, dq_scale = int8.quantize(dst * ks[:, None], _TILE, truncating_convert=True)
+                dq_factor = dq_scale * scale
+            dq_tile = _dot_i8(dq8.T, kt) * dq_factor
+            plgpu.atomic_add(dq_ref, (rows, g, slice(None)), dq_tile)
         return dk_acc, dv_acc
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32), jnp.zeros((block_k, head_dim), jnp.float32))
@@ -178,11 +206,11 @@ def _dkdv_kernel(
     store_rows(dv_ref, dv.astype(dv_ref.dtype), valid)
 
 
-# ----------------------------------------------------------------------------- dQ
+# ----------------------------------------------------------------------------- dQ (separate kernel)
 
 
 def _dq_kernel(
-    q_ref, qs_ref, lse_ref, delta_ref, dos_ref, k_ref, ks_ref, kt_ref, vc_ref, *refs,
+    q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vt_ref, vs_ref, *refs,
     block_q, block_k, sq_len, sk_len, sq_pad, causal, per_block, has_bias, scale,
 ):
     if has_bias:
@@ -195,7 +223,9 @@ def _dq_kernel(
     qs = qs_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
-    dos = dos_ref[...]
+    q_valid = row_mask(q_start, block_q, sq_len) if sq_pad != sq_len else None
+    do = load_rows(do_ref, q_valid)
+    vs = vs_ref[...]
     rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
     n_unmasked, n_total = key_tile_range(q_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
                                          causal=causal)
@@ -211,13 +241,13 @@ def _dq_kernel(
             cols = start + jnp.arange(block_k, dtype=jnp.int32)
             s = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
-        dp = _dot_f32(dos, vc_ref[keys, :])
+        dp = jnp.dot(do, dequantize_v_t(vt_ref[:, keys], vs, do.dtype), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if per_block:
-            ds8, ds_scale = int8.quantize(ds, _TILE)
+            ds8, ds_scale = int8.quantize(ds, _TILE, truncating_convert=True)
             factor = ds_scale * ks_ref[start] * scale
         else:
-            ds8, ds_scale = int8.quantize(ds * ks[None, :], _TILE)
+            ds8, ds_scale = int8.quantize(ds * ks[None, :], _TILE, truncating_convert=True)
             factor = ds_scale * scale
         return acc + _dot_i8(ds8, kt_ref[:, keys]) * factor
 
@@ -225,7 +255,7 @@ def _dq_kernel(
     acc = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), acc)
     if causal or sk_len % block_k:
         acc = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), acc)
-    store_rows(dq_ref, acc.astype(dq_ref.dtype), row_mask(q_start, block_q, sq_len) if sq_pad != sq_len else None)
+    store_rows(dq_ref, acc.astype(dq_ref.dtype), q_valid)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -260,44 +290,61 @@ def sage_attention_bwd(
     q_ratio = config.block_q // bq  # backward query tiles per forward block (bias / q_mean index)
     nqb_fwd = sq_pad // config.block_q
     has_bias = bias is not None
-    delta, dos, do8_t, do_scale = sage_bwd_preprocess(o, do, v_scale, config=config, interpret=interpret)
+    fused = config.bwd_dq != "separate"
+    delta, do8_t, do_scale = sage_bwd_preprocess(o, do, config=config, interpret=interpret)
     lse_pad = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
-    v_codes = jnp.swapaxes(vt8, 2, 3).astype(do.dtype)  # exact; transient, not a residual
     params = compiler_params(config.bwd_warps, config.bwd_stages)
-    common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, causal=causal, per_block=per_block,
-                  has_bias=has_bias, scale=scale)
+    common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, sq_pad=sq_pad, causal=causal,
+                  per_block=per_block, has_bias=has_bias, scale=scale)
 
     grp = lambda *tail: pl.BlockSpec((None, group) + tail, lambda j, bi, hi: (bi, hi) + (0,) * len(tail))  # noqa: E731
     kv_tile = lambda: pl.BlockSpec((None, None, bk, d), lambda j, bi, hi: (bi, hi, j, 0))  # noqa: E731
-    in_specs = [grp(sq_pad, d), grp(sq_pad), grp(d, sq_pad), grp(sq_pad), grp(sq_pad), grp(sq_pad, d),
+    kv_tile_t = lambda: pl.BlockSpec((None, None, d, bk), lambda j, bi, hi: (bi, hi, 0, j))  # noqa: E731
+    rows_grp = lambda n: pl.BlockSpec((None, n, group, d), lambda j, bi, hi: (bi, 0, hi, 0))  # noqa: E731
+    in_specs = [grp(sq_pad, d), grp(sq_pad), grp(d, sq_pad), grp(sq_pad), grp(sq_pad), rows_grp(sq_len),
                 grp(d, sq_pad), grp(sq_pad), kv_tile(), pl.BlockSpec((None, None, bk), lambda j, bi, hi: (bi, hi, j)),
-                kv_tile()]
-    args = [q8, q_scale, q8_t, lse_pad, delta, dos, do8_t, do_scale, k8, k_scale, v_codes]
+                kv_tile_t(), pl.BlockSpec((None, None, d), lambda j, bi, hi: (bi, hi, 0))]
+    args = [q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vt8, v_scale]
     if has_bias:
         in_specs += [grp(nqb_fwd, sk_pad), grp(nqb_fwd, d)]
         args += [bias, q_mean]
     out_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, hi: (bi, j, hi, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, q_ratio=q_ratio, sk_pad=sk_pad, **common),
+    out_specs = [out_spec, out_spec]
+    out_shape = [jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2
+    aliases = {}
+    if fused:
+        in_specs += [kv_tile_t(), rows_grp(sq_pad)]
+        args += [k8_t, jnp.zeros((b, sq_pad, hq, d), jnp.float32)]
+        aliases = {len(args) - 1: 0}
+        out_specs = [rows_grp(sq_pad)] + out_specs
+        out_shape = [jax.ShapeDtypeStruct((b, sq_pad, hq, d), jnp.float32)] + out_shape
+    outs = pl.pallas_call(
+        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, q_ratio=q_ratio, sk_pad=sk_pad,
+                          dq_mode=config.bwd_dq, **common),
         grid=(nkb, b, hkv),
         in_specs=in_specs,
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
-        name="sage_bwd_dkdv",
+        name="sage_bwd_fused" if fused else "sage_bwd_dkdv",
     )(*args)
+    if fused:
+        dq_acc, dk, dv = outs
+        return dq_acc[:, :sq_len].astype(do.dtype), dk, dv
+    dk, dv = outs
 
     q_tile = lambda *tail: pl.BlockSpec((None, None, bq) + tail, lambda i, bi, hi: (bi, hi, i) + (0,) * len(tail))  # noqa: E731
     kv_full = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, bi, hi: (bi, hi // group) + (0,) * len(tail))  # noqa: E731
-    in_specs = [q_tile(d), q_tile(), q_tile(), q_tile(), q_tile(d), kv_full(sk_pad, d), kv_full(sk_pad),
-                kv_full(d, sk_pad), kv_full(sk_pad, d)]
-    args = [q8, q_scale, lse_pad, delta, dos, k8, k_scale, k8_t, v_codes]
+    in_specs = [q_tile(d), q_tile(), q_tile(), q_tile(), pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
+                kv_full(sk_pad, d), kv_full(sk_pad), kv_full(d, sk_pad), kv_full(d, sk_pad), kv_full(d)]
+    args = [q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vt8, v_scale]
     if has_bias:
         in_specs.append(pl.BlockSpec((None, None, None, sk_pad), lambda i, bi, hi: (bi, hi, i // q_ratio, 0)))
         args.append(bias)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, sq_pad=sq_pad, **common),
+        functools.partial(_dq_kernel, **common),
         grid=(nqb, b, hq),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),

@@ -115,3 +115,16 @@ def v_channel_scale(v: jax.Array) -> jax.Array:
       float32 (B, Hkv, D).
     """
     return int8.scale_from_amax(jnp.max(jnp.abs(v), axis=1))  # exact in v's dtype
+
+
+def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
+    """Ṽᵀ = V̂ᵀ·s_V rounded to ``dtype``: SageBwd's 16-bit operand of dP = dO·Ṽᵀ.
+
+    Args:
+      vt8: int8 (..., D, S) codes (V̂ transposed); v_scale: float32 (..., D) per channel.
+      dtype: dO's dtype.
+    Returns:
+      (..., D, S) in ``dtype``. The backward kernels call it on a tile, the reference on
+      the whole array.
+    """
+    return int8.dequantize(vt8, v_scale[..., None]).astype(dtype)
