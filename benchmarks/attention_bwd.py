@@ -95,11 +95,10 @@ def throughput(shapes, log, save, smoke=False):
     return rows
 
 
-BWD_SWEEP = [  # (fwd block_q, fwd block_k, bwd block_q, bwd block_k, bwd warps, bwd stages, dQ mode)
-    (64, 128, 64, 64, 4, 2, "separate"), (64, 128, 64, 64, 4, 2, "atomic"), (64, 128, 64, 64, 4, 2, "atomic_rotated"),
-    (64, 128, 64, 64, 4, 3, "atomic"), (64, 128, 64, 128, 4, 2, "atomic"), (64, 128, 64, 128, 8, 2, "atomic"),
-    (64, 128, 64, 128, 8, 2, "atomic_rotated"), (64, 128, 32, 128, 4, 2, "atomic"), (64, 128, 32, 64, 4, 2, "atomic"),
-    (128, 128, 128, 128, 8, 2, "atomic"), (128, 128, 128, 64, 8, 2, "atomic"), (128, 128, 64, 128, 8, 2, "atomic"),
+BWD_SWEEP = [  # (fwd block_q, fwd block_k, bwd block_q, bwd block_k, bwd warps, bwd stages)
+    (64, 128, 64, 64, 4, 2), (64, 128, 64, 64, 4, 3), (64, 128, 64, 64, 8, 2), (64, 128, 64, 128, 4, 2),
+    (64, 128, 64, 128, 8, 2), (64, 128, 32, 64, 4, 2), (64, 128, 32, 128, 4, 2), (64, 128, 64, 32, 4, 2),
+    (128, 128, 128, 64, 8, 2), (128, 128, 128, 64, 4, 2), (128, 128, 64, 128, 8, 2),
 ]
 
 
@@ -116,14 +115,13 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
         do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
         flops = 2.5 * attention_flops(b, h, s, s, d, causal)
-        for fq, fk, bq, bk, w, st, dq in BWD_SWEEP[:2] if smoke else BWD_SWEEP:
+        for fq, fk, bq, bk, w, st in BWD_SWEEP[:2] if smoke else BWD_SWEEP:
             cfg = lb.SageFwdConfig(block_q=fq, block_k=fk, num_warps=8 if fq == 128 else 4,
                                    num_stages=2 if fq == 128 else 3, bwd_block_q=bq, bwd_block_k=bk, bwd_warps=w,
-                                   bwd_stages=st, bwd_dq=dq)
+                                   bwd_stages=st)
             extra = dict(implementation="pallas", interpret=True) if smoke else {}
             opts = resolve_options(q, k, v, causal=causal, config=cfg, **extra)
-            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st,
-                                                                         dq=dq))
+            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st))
             try:
                 o, lse, ops = _forward(q, k, v, opts=opts, transposed=True)
                 bwd = jax.jit(lambda ops, o, lse, do: _backward(ops, o, lse, do, opts=opts))  # noqa: B023
@@ -135,7 +133,7 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
                 row["vs_xla_rel_l1"] = {n: lb.error_metrics(g, r)["rel_l1"] for n, g, r in zip(("dq", "dk", "dv"),
                                                                                               got, ref)}
                 log(f"  bwd sweep B{b} S{s} D{d} causal={causal!s:5} fwd {fq}x{fk} bwd {bq}x{bk} w{w} s{st}: "
-                    f"{dq}: {row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs) rel-L1 vs xla "
+                    f"{row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs) rel-L1 vs xla "
                     + " ".join(f"{n}={v:.1e}" for n, v in row["vs_xla_rel_l1"].items()))
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -126,14 +126,16 @@ def render_backward(data: dict) -> list[str]:
 
 def render_backward_sweep(data: dict) -> list[str]:
     out = ["", "### SageBwd tile sweep (backward kernels alone, from the forward's residuals)", "",
-           f"{data['env']['date']}, `{data['command'].strip()}`. TOP/s count 2.5× the forward's FLOPs.", "",
-           "| shape | forward tiles | backward tiles | warps | stages | dQ | ms | TOP/s |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"{data['env']['date']}, `{data['command'].strip()}`. TOP/s count 2.5× the forward's FLOPs."]
+    if data.get("note"):
+        out += ["", data["note"]]
+    out += ["", "| shape | forward tiles | backward tiles | warps | stages | dQ | code | ms | TOP/s |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         c = r["config"]
         out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | {c['fwd'][0]}×{c['fwd'][1]} | "
                    f"{c['bwd'][0]}×{c['bwd'][1]} | {c['warps']} | {c['stages']} | {c.get('dq', 'separate')} | "
-                   f"{_f(r.get('bwd_ms'), '{:.2f}')} | {_f(r.get('bwd_tflops'))} |")
+                   f"{r.get('code', '')} | {_f(r.get('bwd_ms'), '{:.2f}')} | {_f(r.get('bwd_tflops'))} |")
     return out
 
 

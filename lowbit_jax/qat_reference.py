@@ -97,7 +97,7 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
         p = jnp.exp2(s - m_ref[..., None])
         alpha = jnp.exp2(m_prev - m_ref)
         l_new = l_prev * alpha + jnp.sum(p, axis=-1)
-        pq = nvfp4.fake_quant_last(p)
+        pq = nvfp4.fake_quant_last(p, nonnegative=True)
         acc = acc * alpha[..., None] + jnp.einsum("bhqk,bhkd->bhqd", pq.astype(dt), vj,
                                                   preferred_element_type=jnp.float32)
         if with_aux:
@@ -167,7 +167,7 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len
         s = jnp.where(visible(rows, cols, sq_len, sk_len, causal), s, -jnp.inf)
         e = jnp.exp2(s - m_i[..., None])
         p = e * inv_l_i[..., None]
-        pv = p if naive else nvfp4.fake_quant_last(e) * inv_l_i[..., None]
+        pv = p if naive else nvfp4.fake_quant_last(e, nonnegative=True) * inv_l_i[..., None]
         dv = dv + jnp.einsum("bhqk,bhqd->bhkd", pv.astype(dt), do_i, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_all, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_i[..., None])).astype(dt)
@@ -227,5 +227,5 @@ def qat_attention_ste(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     p_pad = jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, pad)))
     pmax = jnp.max(p_pad, axis=-1, keepdims=True)
     rel = p_pad * jnp.where(pmax > 0, 1.0 / jnp.where(pmax > 0, pmax, 1.0), 0.0)
-    pq = jax.lax.stop_gradient(nvfp4.fake_quant_last(rel)[..., :sk] * pmax - p)
+    pq = jax.lax.stop_gradient(nvfp4.fake_quant_last(rel, nonnegative=True)[..., :sk] * pmax - p)
     return jnp.einsum("bhqk,bkhd->bqhd", p + pq, vt, precision=jax.lax.Precision.HIGHEST)

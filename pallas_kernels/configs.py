@@ -17,9 +17,6 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-BWD_DQ_MODES = ("atomic", "atomic_rotated", "separate")
-
-
 @dataclasses.dataclass(frozen=True)
 class SageFwdConfig:
     """Tiles of the INT8 attention forward and of the fused quantize kernel.
@@ -34,10 +31,6 @@ class SageFwdConfig:
         quantized per such tile); they must divide block_q / block_k so the
         forward's per-block Q/K scales are constant on every backward tile.
       bwd_warps, bwd_stages: launch parameters of the backward kernels.
-      bwd_dq: how SageBwd forms dQ — "atomic" (fused into the dK/dV kernel, fp32
-        workspace with atomic adds; not bitwise deterministic), "atomic_rotated"
-        (the same, each key tile starting at a different query tile), or
-        "separate" (its own kernel recomputing S, P, dP, dS; deterministic).
     """
 
     block_q: int = 64
@@ -49,11 +42,8 @@ class SageFwdConfig:
     bwd_block_k: int | None = None  # default min(64, block_k)
     bwd_warps: int = 4  # H200 sweep 2026-11-29 (second session): 64x64 w4 s2 13.6 ms vs w8 27.0 ms
     bwd_stages: int = 2
-    bwd_dq: str = "atomic"
 
     def __post_init__(self) -> None:
-        if self.bwd_dq not in BWD_DQ_MODES:
-            raise ValueError(f"SageFwdConfig.bwd_dq must be one of {BWD_DQ_MODES}, got {self.bwd_dq!r}")
         if self.bwd_block_q is None:
             object.__setattr__(self, "bwd_block_q", min(64, self.block_q))
         if self.bwd_block_k is None:

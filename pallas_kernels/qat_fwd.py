@@ -59,7 +59,7 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
         alpha = jnp.exp2(m_prev - m_ref)
         l_new = l_prev * alpha + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(start, block_k), :]
-        pq = nvfp4.fake_quant_last(p).astype(v.dtype)
+        pq = nvfp4.fake_quant_last(p, nonnegative=True).astype(v.dtype)
         acc = acc * alpha[:, None] + lax.dot_general(pq, v, DOT_NN, preferred_element_type=jnp.float32)
         if with_aux:
             acc2 = acc2 * alpha[:, None] + lax.dot_general(p.astype(v.dtype), v, DOT_NN,

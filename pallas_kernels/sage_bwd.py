@@ -10,15 +10,10 @@ Kernels (shared/SPEC.md §1, backward):
   Pᵀ = exp2(Sᵀ − L); dV += P̂ᵀdÔ (INT8, P per key row of the tile, dO per tile);
   dPᵀ = Ṽ·dOᵀ (16-bit, fp32 accumulation; Ṽ = V̂·s_V rounded to dO's dtype, built
   in-kernel once per program); dSᵀ = Pᵀ∘(dPᵀ − D) quantized per tile; dK += dŜᵀQ̂ (INT8).
-* dQ, chosen by ``SageFwdConfig.bwd_dq``:
-  - ``"atomic"`` (fused): the dK/dV kernel also forms dQ_tile = dŜ·K̂ (INT8) for every
-    query tile it visits and adds it into an fp32 workspace with atomic adds. One
-    S/P/dP/dS computation per tile pair; summation order (hence the last bits of
-    dQ) is not deterministic. ``"atomic_rotated"`` starts each key tile's query loop
-    at a different tile so concurrent programs add into different rows.
-  - ``"separate"``: ``sage_bwd_dq``, one program per query tile looping over key
-    tiles, recomputing the same S, P, dP, dS (same tiles, so the same per-tile dS
-    scale) and dQ += dŜK̂ (INT8). Deterministic, no workspace.
+* ``sage_bwd_dq`` — one program per query tile, looping over key tiles: the same
+  S, P, dP, dS (same tiles, so the same per-tile dS scale), dQ += dŜK̂ (INT8).
+  Deterministic and without an fp32 workspace. (Fusing it into the dK/dV kernel
+  with fp32 atomic adds was measured 4× slower on the H200: benchmarks/NOTES.md.)
 
 Six of the seven attention matmuls are INT8 (forward QKᵀ and PV; backward QKᵀ
 recompute, dV, dQ, dK); only dP is 16-bit. Every INT8 product contracts over the
@@ -43,7 +38,7 @@ from jax import lax
 
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
-from pallas_kernels._triton import compiler_params, load_rows, pl, plgpu, row_mask, store_rows
+from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
 
@@ -52,8 +47,7 @@ LOG2E = math.log2(math.e)
 
 
 def _dot_i8(a, b):
-    """INT8 product contracting the last dims, as exact float32 (no int→float conversion)."""
-    return int8.int32_to_float(lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.int32))
+    return lax.dot_general(a, b, _DOT_NT, preferred_element_type=jnp.int32).astype(jnp.float32)
 
 
 def _dot_f32(a, b):
@@ -113,27 +107,21 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, i
     )(o, do)
 
 
-# ----------------------------------------------------------------------------- dK, dV (and fused dQ)
+# ----------------------------------------------------------------------------- dK, dV
 
 
 def _dkdv_kernel(
     q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vt_ref, vs_ref, *refs,
     block_q, block_k, sq_len, sk_len, sq_pad, sk_pad, causal, per_block, has_bias, scale, group, n_qblocks, q_ratio,
-    dq_mode,
 ):
-    refs = list(refs)
-    bias_ref, qmean_ref = (refs.pop(0), refs.pop(0)) if has_bias else (None, None)
-    fused = dq_mode != "separate"
-    if fused:  # K̂ᵀ tile, the zeroed workspace (input), the same buffer as output (aliased)
-        kt_ref, _, dq_ref, dk_ref, dv_ref = refs
+    if has_bias:
+        bias_ref, qmean_ref, dk_ref, dv_ref = refs
     else:
         dk_ref, dv_ref = refs
-    kj = pl.program_id(0)
-    k_start = kj * block_k
+    k_start = pl.program_id(0) * block_k
     k = k_ref[...]  # (bk, D) int8
     ks = ks_ref[...]  # (bk,)
     vd = dequantize_v_t(vt_ref[...], vs_ref[...], do_ref.dtype).T  # (bk, D) Ṽ in dO's dtype
-    kt = kt_ref[...] if fused else None  # (D, bk) int8
     head_dim = k.shape[-1]
     cols = k_start + jnp.arange(block_k, dtype=jnp.int32)
     ragged_k = sk_pad != sk_len  # some tiles hold padding keys (possibly only padding)
@@ -143,13 +131,8 @@ def _dkdv_kernel(
     i_first, i_unmasked = query_tile_range(k_start, block_q=block_q, block_k=block_k, sq_len=sq_len, sk_len=sk_len,
                                            causal=causal, n_qblocks=n_qblocks)
 
-    def step(t, carry, g, masked):
+    def step(i, carry, g, masked):
         dk_acc, dv_acc = carry
-        if dq_mode == "atomic_rotated" and not masked:  # spread concurrent programs over different dQ rows
-            span = n_qblocks - i_unmasked
-            i = i_unmasked + lax.rem(t - i_unmasked + kj, span)
-        else:
-            i = t
         q_start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(q_start, block_q)
         q = q_ref[g, rows, :]
@@ -165,31 +148,18 @@ def _dkdv_kernel(
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True)
         dv_acc = dv_acc + _dot_i8(p8, dot_ref[g, :, rows]) * (p_scale * dosc_ref[g, q_start])
         # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (INT8, one dS scale per tile).
-        do_rows = do_ref.at[rows, g, :]
-        if ragged_q:
-            q_valid = (q_start + jnp.arange(block_q, dtype=jnp.int32) < sq_len)[:, None]
-            do = plgpu.load(do_rows, mask=q_valid, other=0.0)
-        else:
-            do = do_rows[...]
+        do = load_rows(do_ref.at[rows, g, :], row_mask(q_start, block_q, sq_len) if ragged_q else None)
         dpt = _dot_f32(vd, do)
         dst = pt * (dpt - delta_ref[g, rows][None, :])
         if per_block:
-            ds8, ds_scale = int8.quantize(dst, _TILE, truncating_convert=True)
+            ds8, ds_scale = int8.quantize(dst, _TILE)
             factor = ds_scale * qs_ref[g, q_start] * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = int8.quantize(dst * qs[None, :], _TILE, truncating_convert=True)
+            ds8, ds_scale = int8.quantize(dst * qs[None, :], _TILE)
             factor = ds_scale * (1.0 / LOG2E)
         dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
         if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
             dk_acc = dk_acc + (scale * jnp.sum(dst, axis=1))[:, None] * qmean_ref[g, fwd_block(i), :][None, :]
-        if fused:  # dQ_tile = dŜ K̂ (INT8), added into the fp32 workspace
-            if per_block:
-                dq8, dq_factor = ds8, ds_scale * ks_ref[0] * scale
-            else:
-                dq8, dq_scale = int8.quantize(dst * ks[:, None], _TILE, truncating_convert=True)
-                dq_factor = dq_scale * scale
-            dq_tile = _dot_i8(dq8.T, kt) * dq_factor
-            plgpu.atomic_add(dq_ref, (rows, g, slice(None)), dq_tile)
         return dk_acc, dv_acc
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32), jnp.zeros((block_k, head_dim), jnp.float32))
@@ -206,7 +176,7 @@ def _dkdv_kernel(
     store_rows(dv_ref, dv.astype(dv_ref.dtype), valid)
 
 
-# ----------------------------------------------------------------------------- dQ (separate kernel)
+# ----------------------------------------------------------------------------- dQ
 
 
 def _dq_kernel(
@@ -244,10 +214,10 @@ def _dq_kernel(
         dp = jnp.dot(do, dequantize_v_t(vt_ref[:, keys], vs, do.dtype), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if per_block:
-            ds8, ds_scale = int8.quantize(ds, _TILE, truncating_convert=True)
+            ds8, ds_scale = int8.quantize(ds, _TILE)
             factor = ds_scale * ks_ref[start] * scale
         else:
-            ds8, ds_scale = int8.quantize(ds * ks[None, :], _TILE, truncating_convert=True)
+            ds8, ds_scale = int8.quantize(ds * ks[None, :], _TILE)
             factor = ds_scale * scale
         return acc + _dot_i8(ds8, kt_ref[:, keys]) * factor
 
@@ -290,7 +260,6 @@ def sage_attention_bwd(
     q_ratio = config.block_q // bq  # backward query tiles per forward block (bias / q_mean index)
     nqb_fwd = sq_pad // config.block_q
     has_bias = bias is not None
-    fused = config.bwd_dq != "separate"
     delta, do8_t, do_scale = sage_bwd_preprocess(o, do, config=config, interpret=interpret)
     lse_pad = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
     params = compiler_params(config.bwd_warps, config.bwd_stages)
@@ -309,31 +278,16 @@ def sage_attention_bwd(
         in_specs += [grp(nqb_fwd, sk_pad), grp(nqb_fwd, d)]
         args += [bias, q_mean]
     out_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, hi: (bi, j, hi, 0))
-    out_specs = [out_spec, out_spec]
-    out_shape = [jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2
-    aliases = {}
-    if fused:
-        in_specs += [kv_tile_t(), rows_grp(sq_pad)]
-        args += [k8_t, jnp.zeros((b, sq_pad, hq, d), jnp.float32)]
-        aliases = {len(args) - 1: 0}
-        out_specs = [rows_grp(sq_pad)] + out_specs
-        out_shape = [jax.ShapeDtypeStruct((b, sq_pad, hq, d), jnp.float32)] + out_shape
-    outs = pl.pallas_call(
-        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, q_ratio=q_ratio, sk_pad=sk_pad,
-                          dq_mode=config.bwd_dq, **common),
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, q_ratio=q_ratio, sk_pad=sk_pad, **common),
         grid=(nkb, b, hkv),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2,
         compiler_params=params,
         interpret=interpret,
-        name="sage_bwd_fused" if fused else "sage_bwd_dkdv",
+        name="sage_bwd_dkdv",
     )(*args)
-    if fused:
-        dq_acc, dk, dv = outs
-        return dq_acc[:, :sq_len].astype(do.dtype), dk, dv
-    dk, dv = outs
 
     q_tile = lambda *tail: pl.BlockSpec((None, None, bq) + tail, lambda i, bi, hi: (bi, hi, i) + (0,) * len(tail))  # noqa: E731
     kv_full = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, bi, hi: (bi, hi // group) + (0,) * len(tail))  # noqa: E731

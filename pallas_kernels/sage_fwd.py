@@ -72,7 +72,7 @@ def _sage_fwd_kernel(
                 mx = jnp.where(mx == -jnp.inf, int8.MAGIC, mx)
             e = jnp.exp2((x - mx[:, None]) * c[:, None])
         else:
-            s = int8.int32_to_float(s_int) * qs[:, None] * ks_ref[pl.ds(start, block_k)][None, :]
+            s = s_int.astype(jnp.float32) * qs[:, None] * ks_ref[pl.ds(start, block_k)][None, :]
             if has_bias:
                 s = s + bias_ref[pl.ds(start, block_k)][None, :]
             if masked:

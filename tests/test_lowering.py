@@ -16,18 +16,15 @@ from lowbit_jax import sage as sage_mod
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 TRITON_CALL = "__gpu$xla.gpu.triton"
 FWD_KERNELS = ("sage_quantize_q", "sage_quantize_kv", "sage_attention_fwd")
-BWD_KERNELS = {"atomic": ("sage_bwd_preprocess", "sage_bwd_fused"),
-               "atomic_rotated": ("sage_bwd_preprocess", "sage_bwd_fused"),
-               "separate": ("sage_bwd_preprocess", "sage_bwd_dkdv", "sage_bwd_dq")}
+BWD_KERNELS = ("sage_bwd_preprocess", "sage_bwd_dkdv", "sage_bwd_dq")
 
 CASES = [
     # (Sq, Sk, Hq, Hkv, D, causal, granularity, smooth_q, config)
     (4096, 4096, 8, 8, 128, False, "per_block", False, lb.sage_fwd_config(128, False, "NVIDIA H200")),
     (1000, 1000, 8, 2, 128, True, "per_block", False, lb.SageFwdConfig(128, 128, 8, 3)),
     (300, 700, 8, 1, 64, True, "per_token", True, lb.sage_fwd_config(64, True, "NVIDIA H200")),
-    (77, 50, 4, 2, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2, bwd_block_q=32, bwd_dq="separate")),
-    (256, 256, 2, 2, 32, False, "per_token", False, lb.SageFwdConfig(64, 64, 4, 2, bwd_dq="atomic_rotated")),
-    (300, 700, 8, 1, 64, True, "per_token", True, lb.SageFwdConfig(64, 128, 4, 3, bwd_dq="separate")),
+    (77, 50, 4, 2, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2, bwd_block_q=32)),
+    (256, 256, 2, 2, 32, False, "per_token", False, lb.SageFwdConfig(64, 64, 4, 2)),
 ]
 
 
@@ -65,9 +62,8 @@ def test_sage_backward_lowers_to_triton(case):
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = lower_for_h200(grads, *specs)
-    bwd_kernels = BWD_KERNELS[opts.config.bwd_dq]
-    assert text.count(TRITON_CALL) == len(FWD_KERNELS) + len(bwd_kernels)
-    for name in FWD_KERNELS + bwd_kernels:
+    assert text.count(TRITON_CALL) == len(FWD_KERNELS) + len(BWD_KERNELS)
+    for name in FWD_KERNELS + BWD_KERNELS:
         assert name in text
 
 

@@ -1,5 +1,7 @@
 """NVFP4 φ: bit-exact against ml_dtypes' float4_e2m1fn / float8_e4m3fn oracles (on the host)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -125,3 +127,15 @@ def test_unpack_even_odd_halves():
 def test_fake_quant_last_matches_oracle_on_tiles():
     x = np.random.default_rng(4).standard_normal((2, 8, 48)).astype(np.float32) * 0.01
     np.testing.assert_array_equal(np.asarray(jax.jit(nvfp4.fake_quant_last)(jnp.asarray(x))), oracle(x))
+
+
+def test_fake_quant_last_nonnegative_form_matches_oracle():
+    """The sign-free form used for P: identical values on non-negative input (zeros, ties, tiny, saturating)."""
+    rng = np.random.default_rng(5)
+    p = np.exp(rng.standard_normal((4, 8, 64)) * 3).astype(np.float32) * 1e-3
+    p[0, 0, :16] = 0.0  # an all-zero group
+    p[1, 0, :16] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, np.float32)  # ties on the grid
+    p[2] = np.exp2(-rng.uniform(0, 30, (8, 64))).astype(np.float32)  # exp2(S - m) in (0, 1]
+    got = np.asarray(jax.jit(functools.partial(nvfp4.fake_quant_last, nonnegative=True))(jnp.asarray(p)))
+    np.testing.assert_array_equal(got, oracle(p))
+    np.testing.assert_array_equal(got, np.asarray(nvfp4.fake_quant_last(jnp.asarray(p))))

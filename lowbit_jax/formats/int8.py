@@ -51,54 +51,21 @@ def _round_away(y: jax.Array) -> jax.Array:
     return jnp.where(y < 0.0, -r, r)
 
 
-def encode_with_scale(x: jax.Array, scale: jax.Array, *, truncating_convert: bool = False) -> jax.Array:
+def encode_with_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
     """INT8 codes of ``x`` given a broadcastable dequantization ``scale``.
 
     Args:
       x: float array (any shape).
       scale: float32, broadcastable to ``x``, positive.
-      truncating_convert: the kernels' form, the same integers without ``floor``
-        or a float→int conversion (conversion-unit instructions, a fraction of the
-        FP32 rate on Hopper): ``floor(|y| + 0.5)`` by bit operations
-        (:func:`_floor_to_int`), sign and clip in int32, the code in the low byte. Outside kernels leave it False (see
-        :func:`encode_unit_interval` for why XLA must not see the bit form).
     Returns:
       int8 array of x's shape, ``clip(round_away(x / scale), -127, 127)``.
     """
     inv = 1.0 / scale  # once per group: the (small) scale array, not per element
     y = x.astype(jnp.float32) * inv
-    if not truncating_convert:
-        return jnp.clip(_round_away(y), -QMAX, QMAX).astype(jnp.int8)
-    n = _floor_to_int(jnp.abs(y) + 0.5)  # |y| + 0.5 is exact for |y| < 2**22
-    n = jnp.minimum(n, int(QMAX))
-    return jnp.where(y < 0.0, -n, n).astype(jnp.int8)
+    return jnp.clip(_round_away(y), -QMAX, QMAX).astype(jnp.int8)
 
 
-def _floor_to_int(z: jax.Array) -> jax.Array:
-    """int32 ``floor(z)`` of float32 ``0 <= z < 2**22`` by integer bit operations.
-
-    The mantissa bits below the binary point are cleared (a shift by the exponent
-    and a mask), then the integral float becomes an int through the magic number
-    (exact). No float add/subtract pair that a compiler could fold, no FRND/F2I.
-    """
-    bits = jax.lax.bitcast_convert_type(z, jnp.int32)
-    frac_bits = jnp.clip(150 - jax.lax.shift_right_logical(bits, 23), 0, 31)  # 23 - unbiased exponent
-    whole = jax.lax.bitcast_convert_type(bits & jax.lax.shift_left(jnp.int32(-1), frac_bits), jnp.float32)
-    return jax.lax.bitcast_convert_type(whole + MAGIC, jnp.int32) - MAGIC_BITS
-
-
-def int32_to_float(i: jax.Array) -> jax.Array:
-    """``float32(i)`` for ``|i| < 2**22`` without an int→float conversion (kernels only).
-
-    An integer add and a float subtract (full rate) instead of I2F (1/8 rate on
-    Hopper): exact, as :func:`int32_as_biased_float`. INT8·INT8 dots over at most
-    256 terms stay in range. Outside kernels use ``astype``.
-    """
-    return int32_as_biased_float(i) - MAGIC
-
-
-def quantize(x: jax.Array, axes: int | Sequence[int] = -1, *,
-             truncating_convert: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, axes: int | Sequence[int] = -1) -> tuple[jax.Array, jax.Array]:
     """Symmetric INT8 quantization ψ with one scale per group.
 
     A group is all elements that share the indices outside ``axes``: ``axes=-1``
@@ -108,7 +75,6 @@ def quantize(x: jax.Array, axes: int | Sequence[int] = -1, *,
     Args:
       x: float array (bf16/fp16/fp32), any rank.
       axes: the reduction axes of one group.
-      truncating_convert: see :func:`encode_with_scale` (True only inside kernels).
     Returns:
       ``(codes, scale)``: int8 codes of x's shape and the float32 dequantization
       scale with ``axes`` kept as size-1 dims, so ``codes * scale ≈ x``.
@@ -116,7 +82,7 @@ def quantize(x: jax.Array, axes: int | Sequence[int] = -1, *,
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
     scale = scale_from_amax(amax)
-    return encode_with_scale(xf, scale, truncating_convert=truncating_convert), scale
+    return encode_with_scale(xf, scale), scale
 
 
 def reciprocal_or_zero(x: jax.Array) -> jax.Array:

@@ -154,29 +154,35 @@ def _groups(x: jax.Array, axis: int) -> tuple[jax.Array, int]:
     return moved.reshape(moved.shape[:-1] + (moved.shape[-1] // GROUP, GROUP)), axis
 
 
-def quantize_groups(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_groups(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Array, jax.Array]:
     """φ on groups of 16 along the last axis of ``x`` (..., G, 16).
 
+    Args:
+      x: float (..., G, 16).
+      nonnegative: the caller guarantees ``x >= 0`` (probabilities): the same result
+        without the absolute values and the sign restore (fewer ops in a kernel).
     Returns:
       (signed e2m1 grid values float32 (..., G, 16), e4m3 scales float32 (..., G, 1)).
     """
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    mag_in = xf if nonnegative else jnp.abs(xf)
+    amax = jnp.max(mag_in, axis=-1, keepdims=True)
     sf = e4m3_round(amax / E2M1_MAX)
     sf = jnp.where(sf == 0.0, 1.0, sf)
-    mag = e2m1_round(jnp.abs(xf) * (1.0 / sf))  # one reciprocal per group, as NVFP4 encoders do
-    return jnp.where(xf < 0.0, -mag, mag), sf
+    mag = e2m1_round(mag_in * (1.0 / sf))  # one reciprocal per group, as NVFP4 encoders do
+    return (mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)), sf
 
 
-def fake_quant_last(x: jax.Array) -> jax.Array:
+def fake_quant_last(x: jax.Array, *, nonnegative: bool = False) -> jax.Array:
     """φ⁻¹(φ(x)) along the last axis (a multiple of 16), as float32; no custom gradient.
 
     Works on whole arrays and on kernel tiles alike (a reshape to
     (..., n/16, 16), a group max, element-wise rounding): the one fake quantizer
-    that the Attn-QAT kernels and their reference share.
+    that the Attn-QAT kernels and their reference share. ``nonnegative=True``
+    (for P) skips the sign handling; the values are the same for x >= 0.
     """
     g = x.reshape(x.shape[:-1] + (x.shape[-1] // GROUP, GROUP))
-    values, sf = quantize_groups(g)
+    values, sf = quantize_groups(g, nonnegative=nonnegative)
     return (values * sf).reshape(x.shape)
 
 
