@@ -208,6 +208,17 @@ def render_training(data: dict) -> list[str]:
     return out
 
 
+def render_ablation(data: dict) -> list[str]:
+    sh = data["shape"]
+    out = ["", "## Where the time goes (kernels with one piece patched out)", "",
+           f"Device {data['env']['device']}, jax {data['env']['jax']}, {data['env']['date']}. Command: "
+           f"`{data['command'].strip()}`. B{sh['b']} H{sh['h']} S{sh['s']} D{sh['d']}, non-causal, bf16. The patched "
+           "variants compute wrong outputs on purpose: the differences are what each piece costs.", "",
+           "| variant | ms |", "|---|---|"]
+    out += [f"| {r['variant']} | {r['ms']:.3f} |" for r in data["rows"]]
+    return out
+
+
 def _load(name: str) -> dict | None:
     path = HERE / "results" / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -218,7 +229,7 @@ def main() -> None:
              "do not edit by hand. Notes on what was tried and why: `benchmarks/NOTES.md`.", ""]
     sections = [("attention", render_attention), ("attention_bwd", render_backward),
                 ("attention_bwd_sweep", render_backward_sweep), ("training", render_training),
-                ("qat", lambda data: render_qat(data, _load("qat_sweep")))]
+                ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation)]
     for name, render in sections:
         data = _load(name)
         if data is not None:
