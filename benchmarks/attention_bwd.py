@@ -15,6 +15,7 @@ Writes benchmarks/results/attention_bwd.json (and $OUT/attention_bwd.json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -38,10 +39,18 @@ MEMORY_SHAPES = [(4, 32, 4096, 128, False)]
 XLA_SCORE_BYTES_LIMIT = 20e9
 
 
+SAGE_OVERRIDES: dict = {}  # --dq-tiles: SageFwdConfig fields replaced in the sage runs
+
+
+def sage_config(d: int, causal: bool) -> lb.SageFwdConfig:
+    """The library's default config for (d, causal), with ``SAGE_OVERRIDES`` applied."""
+    return dataclasses.replace(lb.sage_fwd_config(d, causal), **SAGE_OVERRIDES)
+
+
 def attention_fn(method: str, d: int, causal: bool):
     """name → f(q, k, v) → o."""
     if method == "sage":
-        return functools.partial(lb.sage_attention, causal=causal)
+        return functools.partial(lb.sage_attention, causal=causal, config=sage_config(d, causal))
     if method == "cudnn_bf16":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
     if method == "xla_bf16":
@@ -102,7 +111,23 @@ BWD_SWEEP = [  # (fwd block_q, fwd block_k, bwd block_q, bwd block_k, bwd warps,
 ]
 
 
-def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, True)), smoke=False, save=None):
+def sweep_configs() -> list[lb.SageFwdConfig]:
+    return [lb.SageFwdConfig(block_q=fq, block_k=fk, num_warps=8 if fq == 128 else 4, num_stages=2 if fq == 128 else 3,
+                             bwd_block_q=bq, bwd_block_k=bk, bwd_warps=w, bwd_stages=st)
+            for fq, fk, bq, bk, w, st in BWD_SWEEP]
+
+
+DQ_SWEEP = [(64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (32, 4, 2)]  # (dq_block_k, warps, stages)
+
+
+def dq_sweep_configs() -> list[lb.SageFwdConfig]:
+    """The dQ kernel's tiles on the default D128 config (dK/dV tiles unchanged)."""
+    base = lb.sage_fwd_config(128, False)
+    return [dataclasses.replace(base, dq_block_k=bk, dq_warps=w, dq_stages=st) for bk, w, st in DQ_SWEEP]
+
+
+def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, True)), smoke=False, save=None,
+                   configs=None):
     """Backward tiles: time of the SageBwd kernels alone (from the forward's residuals) per config.
 
     ``save(rows)`` is called after every row, so a run cut short keeps what it measured.
@@ -115,13 +140,14 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
         do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
         flops = 2.5 * attention_flops(b, h, s, s, d, causal)
-        for fq, fk, bq, bk, w, st in BWD_SWEEP[:2] if smoke else BWD_SWEEP:
-            cfg = lb.SageFwdConfig(block_q=fq, block_k=fk, num_warps=8 if fq == 128 else 4,
-                                   num_stages=2 if fq == 128 else 3, bwd_block_q=bq, bwd_block_k=bk, bwd_warps=w,
-                                   bwd_stages=st)
+        for cfg in (configs or sweep_configs())[:2] if smoke else (configs or sweep_configs()):
+            fq, fk, bq, bk, w, st = (cfg.block_q, cfg.block_k, cfg.bwd_block_q, cfg.bwd_block_k, cfg.bwd_warps,
+                                     cfg.bwd_stages)
             extra = dict(implementation="pallas", interpret=True) if smoke else {}
             opts = resolve_options(q, k, v, causal=causal, config=cfg, **extra)
-            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st))
+            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=dict(fwd=(fq, fk), bwd=(bq, bk), warps=w, stages=st,
+                                                                         dq=(cfg.dq_block_k, cfg.dq_warps,
+                                                                             cfg.dq_stages)))
             try:
                 o, lse, ops = _forward(q, k, v, opts=opts, transposed=True)
                 bwd = jax.jit(lambda ops, o, lse, do: _backward(ops, o, lse, do, opts=opts))  # noqa: B023
@@ -133,7 +159,7 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
                 row["vs_xla_rel_l1"] = {n: lb.error_metrics(g, r)["rel_l1"] for n, g, r in zip(("dq", "dk", "dv"),
                                                                                               got, ref)}
                 log(f"  bwd sweep B{b} S{s} D{d} causal={causal!s:5} fwd {fq}x{fk} bwd {bq}x{bk} w{w} s{st}: "
-                    f"{row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs) rel-L1 vs xla "
+                    f"dq {row['config']['dq']}: {row['bwd_ms']:.2f} ms ({row['bwd_tflops']:.0f} TOP/s, 2.5x fwd FLOPs) rel-L1 vs xla "
                     + " ".join(f"{n}={v:.1e}" for n, v in row["vs_xla_rel_l1"].items()))
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -156,7 +182,7 @@ def check_gradients(log, smoke=False):
         k = (jax.random.normal(kk, (b, sk, hkv, d)) + 2.0).astype(jnp.bfloat16)
         v = jax.random.normal(kv, (b, sk, hkv, d), jnp.bfloat16)
         do = jax.random.normal(kd, q.shape, q.dtype)
-        kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q)
+        kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=sage_config(d, causal))
         g_p = fwd_bwd(functools.partial(lb.sage_attention, **kw, **impl))(q, k, v, do)
         g_x = fwd_bwd(functools.partial(lb.sage_attention, **kw, implementation="xla"))(q, k, v, do)
         f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
@@ -186,7 +212,8 @@ def error_reports(log, smoke=False):
         for variant, opts in variants:
             if smoke:
                 opts = dict(opts, implementation="xla")
-            rep = lb.diagnostics.attention_error_report(q, k, v, do, causal=False, print_table=False, **opts)
+            rep = lb.diagnostics.attention_error_report(q, k, v, do, causal=False, print_table=False,
+                                                        config=sage_config(d, False), **opts)
             rows.append(dict(b=b, h=h, s=s, d=d, inputs=label, variant=variant, report=rep))
             log(f"  report {label:13s} {variant:26s} " + " ".join(
                 f"{n}={m['cos_sim']:.4f}/{m['rel_l2']:.3f}" for n, m in rep.items()))
@@ -248,6 +275,9 @@ def main(argv=None) -> int:
                         help="internal: print the peak memory of one fwd+bwd")
     parser.add_argument("--sweep", action="store_true", help="only sweep the backward tiles")
     parser.add_argument("--memory-only", action="store_true", help="only the peak-memory table")
+    parser.add_argument("--sweep-dq", action="store_true", help="only sweep the dQ kernel's tiles")
+    parser.add_argument("--dq-tiles", metavar="BK,WARPS,STAGES",
+                        help="sage runs use these dQ-kernel tiles instead of the library default")
     args = parser.parse_args(argv)
     if args.memory:
         m, setting, b, h, s, d, c = args.memory
@@ -260,14 +290,19 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    if args.sweep:
+    if args.dq_tiles:
+        bk, w, st = (int(x) for x in args.dq_tiles.split(","))
+        SAGE_OVERRIDES.update(dq_block_k=bk, dq_warps=w, dq_stages=st)
+    if args.sweep or args.sweep_dq:
+        name = "attention_bwd_" + ("dq_sweep" if args.sweep_dq else "sweep") + ("_smoke" if args.smoke else "")
+        command = "PYTHONPATH=. python benchmarks/attention_bwd.py " + ("--sweep-dq" if args.sweep_dq else "--sweep")
+
         def save_sweep(rows):
-            return write_json("attention_bwd_sweep" + ("_smoke" if args.smoke else ""),
-                              dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py --sweep",
-                                   rows=rows))
+            return write_json(name, dict(env=environment(), command=command, rows=rows))
 
         rows = sweep_backward(log, smoke=args.smoke, save=save_sweep,
-                              shapes=((1, 2, 256, 64, True),) if args.smoke else sweep_backward.__defaults__[0])
+                              shapes=((1, 2, 256, 64, True),) if args.smoke else sweep_backward.__defaults__[0],
+                              configs=dq_sweep_configs() if args.sweep_dq else None)
         for p in save_sweep(rows):
             log(f"wrote {p}")
         return 0

@@ -154,7 +154,8 @@ def sage_backward_reference(
 
     Scans over query tiles (memory O(S·D) per step, not S²·D). Same quantization
     as the kernels: dO INT8 per query tile, P INT8 per key row of each tile for
-    dV, dS INT8 per tile (with per-token Q/K scales folded in first), dP = dO·Ṽᵀ with
+    dV, dS INT8 per tile — (bwd_block_q × bwd_block_k) for dK, (bwd_block_q × dq_block_k)
+    for dQ — (with per-token Q/K scales folded in first), dP = dO·Ṽᵀ with
     Ṽ = V̂·s_V rounded to dO's dtype, fp32 accumulation.
 
     Args:
@@ -172,8 +173,10 @@ def sage_backward_reference(
     q_ratio = config.block_q // bq  # backward tiles per forward query block
     rep = lambda x: jnp.repeat(x, group, axis=1)  # noqa: E731
     k8, ks, vt8, vs = rep(ops.k), rep(ops.k_scale), rep(ops.vt), rep(ops.v_scale)
-    k_tiles = k8.reshape(b, hq, nkb, bk, d)
-    ks_tiles = ks.reshape(b, hq, nkb, bk)
+    bk_q = config.dq_block_k  # key tiles of the dQ kernel (its dS quantization tiles)
+    nkb_q = sk_pad // bk_q
+    k_q_tiles = k8.reshape(b, hq, nkb_q, bk_q, d)
+    ks_q_tiles = ks.reshape(b, hq, nkb_q, bk_q)
 
     # preprocess (as the kernel): D, dO per tile in INT8; dP's 16-bit operands dO and Ṽ = V̂·s_V
     pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, sq_pad - sq_len), (0, 0), (0, 0)))  # noqa: E731
@@ -207,22 +210,24 @@ def sage_backward_reference(
         dv_scale = p_scale[:, :, 0] * dosc_i  # (B, H, nkb, bk) · (B, H, 1, 1)
         dv_int = _int8_product("bhqjk,bhqd->bhjkd", p8, do8_i)
         dv = dv + (dv_int * dv_scale[..., None]).reshape(b, hq, sk_pad, d)
-        # dS tiles: for dK (reduction over queries) and dQ (over keys)
+        # dS tiles: (bq × bk) for dK (reduction over queries), (bq × dq_block_k) for dQ (over keys)
         dst = ds.reshape(b, hq, bq, nkb, bk)
+        dsq_t = ds.reshape(b, hq, bq, nkb_q, bk_q)
         if per_block:
-            ds8, ds_sc = int8.quantize(dst, (2, 4))
-            dsk8, dsk_fac = ds8, ds_sc[:, :, 0, :, 0] * qs_i[:, :, :1] / LOG2E  # (B, H, nkb)
-            dsq8, dsq_fac = ds8, ds_sc[:, :, 0, :, 0] * ks_tiles[..., 0] * scale
+            dsk8, sc = int8.quantize(dst, (2, 4))
+            dsk_fac = sc[:, :, 0, :, 0] * qs_i[:, :, :1] / LOG2E  # (B, H, nkb)
+            dsq8, sc = int8.quantize(dsq_t, (2, 4))
+            dsq_fac = sc[:, :, 0, :, 0] * ks_q_tiles[..., 0] * scale
         else:
             dsk8, sc = int8.quantize(dst * qs_i[:, :, :, None, None], (2, 4))
             dsk_fac = sc[:, :, 0, :, 0] / LOG2E
-            dsq8, sc = int8.quantize(dst * ks_tiles[:, :, None], (2, 4))
+            dsq8, sc = int8.quantize(dsq_t * ks_q_tiles[:, :, None], (2, 4))
             dsq_fac = sc[:, :, 0, :, 0] * scale
         dk_int = _int8_product("bhqjk,bhqd->bhjkd", dsk8, q_i)
         dk = dk + (dk_int * dsk_fac[..., None, None]).reshape(b, hq, sk_pad, d)
         if has_bias:
             dk = dk + scale * jnp.sum(ds, axis=2)[..., None] * qmean_i[:, :, None, :]
-        dq_int = _int8_product("bhqjk,bhjkd->bhqjd", dsq8, k_tiles)
+        dq_int = _int8_product("bhqjk,bhjkd->bhqjd", dsq8, k_q_tiles)
         dq_i = jnp.sum(dq_int * dsq_fac[:, :, None, :, None], axis=3)
         extra = (p, dp, ds) if intermediates else ()
         return (dk, dv), (dq_i,) + extra

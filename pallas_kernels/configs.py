@@ -31,6 +31,9 @@ class SageFwdConfig:
         quantized per such tile); they must divide block_q / block_k so the
         forward's per-block Q/K scales are constant on every backward tile.
       bwd_warps, bwd_stages: launch parameters of the backward kernels.
+      dq_block_k, dq_warps, dq_stages: the dQ kernel's key tile (dS is quantized per
+        (bwd_block_q × dq_block_k) tile for dQ; must divide block_k) and launch
+        parameters; default to the dK/dV kernel's.
     """
 
     block_q: int = 64
@@ -42,13 +45,21 @@ class SageFwdConfig:
     bwd_block_k: int | None = None  # default min(64, block_k)
     bwd_warps: int = 4  # H200 sweep 2026-11-29 (second session): 64x64 w4 s2 13.6 ms vs w8 27.0 ms
     bwd_stages: int = 2
+    dq_block_k: int | None = None  # default bwd_block_k
+    dq_warps: int | None = None  # default bwd_warps
+    dq_stages: int | None = None  # default bwd_stages
 
     def __post_init__(self) -> None:
         if self.bwd_block_q is None:
             object.__setattr__(self, "bwd_block_q", min(64, self.block_q))
         if self.bwd_block_k is None:
             object.__setattr__(self, "bwd_block_k", min(64, self.block_k))
-        for name in ("block_q", "block_k", "num_warps", "bwd_block_q", "bwd_block_k", "bwd_warps"):
+        for name, default in (("dq_block_k", self.bwd_block_k), ("dq_warps", self.bwd_warps),
+                              ("dq_stages", self.bwd_stages)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        for name in ("block_q", "block_k", "num_warps", "bwd_block_q", "bwd_block_k", "bwd_warps", "dq_block_k",
+                     "dq_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or not _is_pow2(value):
                 raise ValueError(f"SageFwdConfig.{name} must be a power of two, got {value!r}")
@@ -56,8 +67,12 @@ class SageFwdConfig:
             raise ValueError(f"SageFwdConfig.block_q must be >= 16, got {self.block_q}")
         if self.block_k < 32:
             raise ValueError(f"SageFwdConfig.block_k must be >= 32, got {self.block_k}")
-        if self.num_stages < 1 or self.bwd_stages < 1:
-            raise ValueError(f"SageFwdConfig stages must be >= 1, got {self.num_stages}, {self.bwd_stages}")
+        if self.num_stages < 1 or self.bwd_stages < 1 or self.dq_stages < 1:
+            raise ValueError(f"SageFwdConfig stages must be >= 1, got {self.num_stages}, {self.bwd_stages}, "
+                             f"{self.dq_stages}")
+        if self.dq_block_k < 32 or self.block_k % self.dq_block_k:
+            raise ValueError(f"SageFwdConfig.dq_block_k must be >= 32 and divide block_k, got {self.dq_block_k} "
+                             f"and block_k {self.block_k}")
         if self.bwd_block_q < 16 or self.bwd_block_k < 32:
             raise ValueError(f"SageFwdConfig.bwd_block_q must be >= 16 and bwd_block_k >= 32, got "
                              f"{self.bwd_block_q}, {self.bwd_block_k}")
@@ -72,7 +87,7 @@ class SageFwdConfig:
         if (bq, bk) == (self.block_q, self.block_k):
             return self
         return dataclasses.replace(self, block_q=bq, block_k=bk, bwd_block_q=min(self.bwd_block_q, bq),
-                                   bwd_block_k=min(self.bwd_block_k, bk))
+                                   bwd_block_k=min(self.bwd_block_k, bk), dq_block_k=min(self.dq_block_k, bk))
 
 
 def _next_pow2(n: int) -> int:

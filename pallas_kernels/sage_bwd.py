@@ -10,8 +10,9 @@ Kernels (shared/SPEC.md §1, backward):
   Pᵀ = exp2(Sᵀ − L); dV += P̂ᵀdÔ (INT8, P per key row of the tile, dO per tile);
   dPᵀ = Ṽ·dOᵀ (16-bit, fp32 accumulation; Ṽ = V̂·s_V rounded to dO's dtype, built
   in-kernel once per program); dSᵀ = Pᵀ∘(dPᵀ − D) quantized per tile; dK += dŜᵀQ̂ (INT8).
-* ``sage_bwd_dq`` — one program per query tile, looping over key tiles: the same
-  S, P, dP, dS (same tiles, so the same per-tile dS scale), dQ += dŜK̂ (INT8).
+* ``sage_bwd_dq`` — one program per query tile, looping over key tiles of
+  ``dq_block_k``: the same S, P, dP, dS, quantized per (bwd_block_q × dq_block_k)
+  tile for dQ += dŜK̂ (INT8).
   Deterministic and without an fp32 workspace. (Fusing it into the dK/dV kernel
   with fp32 atomic adds was measured 4× slower on the H200: benchmarks/NOTES.md.)
 
@@ -298,12 +299,12 @@ def sage_attention_bwd(
         in_specs.append(pl.BlockSpec((None, None, None, sk_pad), lambda i, bi, hi: (bi, hi, i // q_ratio, 0)))
         args.append(bias)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **common),
+        functools.partial(_dq_kernel, **dict(common, block_k=config.dq_block_k)),
         grid=(nqb, b, hq),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype),
-        compiler_params=params,
+        compiler_params=compiler_params(config.dq_warps, config.dq_stages),
         interpret=interpret,
         name="sage_bwd_dq",
     )(*args)

@@ -21,7 +21,7 @@ BWD_KERNELS = ("sage_bwd_preprocess", "sage_bwd_dkdv", "sage_bwd_dq")
 CASES = [
     # (Sq, Sk, Hq, Hkv, D, causal, granularity, smooth_q, config)
     (4096, 4096, 8, 8, 128, False, "per_block", False, lb.sage_fwd_config(128, False, "NVIDIA H200")),
-    (1000, 1000, 8, 2, 128, True, "per_block", False, lb.SageFwdConfig(128, 128, 8, 3)),
+    (1000, 1000, 8, 2, 128, True, "per_block", False, lb.SageFwdConfig(128, 128, 8, 3, dq_block_k=128, dq_warps=8)),
     (300, 700, 8, 1, 64, True, "per_token", True, lb.sage_fwd_config(64, True, "NVIDIA H200")),
     (77, 50, 4, 2, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2, bwd_block_q=32)),
     (256, 256, 2, 2, 32, False, "per_token", False, lb.SageFwdConfig(64, 64, 4, 2)),

@@ -38,6 +38,11 @@ CASES = [
     (2, 64, 64, 2, 2, 128, False, jnp.float16, "per_block", False, SMALL),
     (1, 70, 130, 2, 1, 64, False, jnp.float32, "per_token", True, SMALL),
     (1, 90, 150, 4, 2, 64, True, jnp.bfloat16, "per_block", True, lb.SageFwdConfig(64, 64, bwd_block_q=16)),
+    # the dQ kernel on wider key tiles than the dK/dV kernel (dS tiles differ per product)
+    (1, 100, 150, 4, 2, 64, True, jnp.bfloat16, "per_block", False,
+     lb.SageFwdConfig(32, 64, bwd_block_q=32, bwd_block_k=32, dq_block_k=64)),
+    (1, 70, 130, 2, 1, 128, False, jnp.float32, "per_token", False,
+     lb.SageFwdConfig(32, 64, bwd_block_q=32, bwd_block_k=32, dq_block_k=64)),
 ]
 
 
