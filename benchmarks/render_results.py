@@ -82,7 +82,8 @@ def render_backward(data: dict) -> list[str]:
            f"Device {env['device']}, jax {env['jax']}, {env['date']}. Command (repo root, GPU machine):", "",
            f"    {data['command'].strip()}", "",
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
-           "causal). bf16 inputs. Backward tiles: the config's defaults (64×64, 4 warps, 2 stages; sweep below).", "",
+           "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
+           "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below).", "",
            "| B | H | S | D | causal | sage ms | sage | cuDNN bf16 | Pallas mha bf16 | XLA bf16 | sage / cuDNN |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("throughput", []):

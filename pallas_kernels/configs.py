@@ -98,7 +98,9 @@ def _next_pow2(n: int) -> int:
 # Key: (device_kind, head_dim, causal).
 # 2026-11-29 sweep (benchmarks/results/attention.json): 64x128 w4 s3 won at B4 H32 S4096 D128 and
 # B8 H32 S2048 D64, causal and not, over 128x128 w8 s2/s3, 64x64, 128x64, 64x256, 128x256.
-_H200_BEST = SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3)
+# Backward (benchmarks/results/attention_bwd_sweep.json, attention_bwd_dq_sweep.json, third session): dK/dV
+# 64x64 w4 s2; the dQ kernel 64 keys w4 s3 (12.99 ms vs 13.10 with s2; 128-key dQ tiles 15.5-17.5 ms).
+_H200_BEST = SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3, dq_stages=3)
 TUNED_SAGE_FWD: dict[tuple[str, int, bool], SageFwdConfig] = {
     ("NVIDIA H200", d, c): _H200_BEST for d in (64, 128) for c in (False, True)
 }
@@ -122,7 +124,7 @@ def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None)
         return tuned
     # Measured best on the H200 for D64 and D128 (above); also what DEVICE_NOTES found for D128.
     if head_dim <= 128:
-        return SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3)
+        return SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3, dq_stages=3)
     return SageFwdConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
 
 
