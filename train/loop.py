@@ -122,7 +122,7 @@ def build(cfg: TrainConfig):
         loss = jax.lax.pmean(losses.mean(), DATA_AXIS)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     eval_fn = jax.jit(jax.shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b[0]), DATA_AXIS), mesh=mesh,
                                     in_specs=(P(), P(None, DATA_AXIS)), out_specs=P(), check_vma=False))
