@@ -16,9 +16,9 @@ Forward
 
 Backward (``backward="int8"``, the default): SageBwd — see
 :mod:`pallas_kernels.sage_bwd`. Residuals are the INT8 operands with their
-scales (Q̂, K̂ and the transposed copies Q̂ᵀ, K̂ᵀ, V̂ᵀ: 5 bytes per q/k/v element
-pair, vs 6 for bf16 q, k, v), O and the log-sum-exp; no 16-bit copy of q, k or v
-is kept, the backward allocates no fp32 workspace, and its gradients are
+scales (Q̂, K̂ and the transposed copies Q̂ᵀ, K̂ᵀ, V̂ᵀ, one byte per element each:
+5 bytes per token·channel for MHA where 16-bit attention keeps 6 in q, k, v), O
+and the log-sum-exp; no 16-bit copy of q, k or v is kept, the backward allocates no fp32 workspace, and its gradients are
 deterministic (no atomics).
 ``backward="bf16"`` is the ablation: exact attention gradients in 16-bit operands
 (fp32 math) from the same dequantized INT8 residuals.
