@@ -55,6 +55,12 @@ def attention_fn(method: str, d: int, causal: bool):
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
     if method == "xla_bf16":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla")
+    if method == "pallas_mgpu_bf16":  # JAX's Hopper flash attention in Pallas Mosaic GPU (the other backend)
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+                                          block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+        return functools.partial(attention_mgpu.attention, config=cfg)
     if method == "pallas_mha_bf16":
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -72,8 +78,10 @@ def fwd_bwd(fn):
     return jax.jit(run)
 
 
-def methods_for(b, h, s, d):
+def methods_for(b, h, s, d, causal):
     names = ["sage", "cudnn_bf16", "pallas_mha_bf16"]
+    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2
+        names.append("pallas_mgpu_bf16")
     if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:
         names.append("xla_bf16")
     return names
@@ -87,7 +95,7 @@ def throughput(shapes, log, save, smoke=False):
         flops = 3.5 * attention_flops(b, h, s, s, d, causal)
         row = dict(b=b, h=h, s=s, d=d, causal=causal, ms={}, tflops={}, errors={})
         long = s * s * b >= 4 * 8192 * 8192
-        for name in (["sage"] if smoke else methods_for(b, h, s, d)):
+        for name in (["sage"] if smoke else methods_for(b, h, s, d, causal)):
             try:
                 f = fwd_bwd(attention_fn(name, d, causal))
                 ms = time_fn(f, q, k, v, do, warmup=2, iters=3 if long else 10, batches=3)
