@@ -30,6 +30,19 @@ def make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=0, k_outlier=0.0, q
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
+def cotangent(q, seed=1):
+    """A fresh random dO with q's shape and dtype."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), q.dtype)
+
+
+def vjp_outputs(attention, q, k, v, do, *, f32=False):
+    """(o, dq, dk, dv): attention(q, k, v) and its pullback of ``do``; ``f32`` casts all four first."""
+    if f32:
+        q, k, v, do = (x.astype(jnp.float32) for x in (q, k, v, do))
+    o, vjp = jax.vjp(attention, q, k, v)
+    return (o, *vjp(do))
+
+
 def shard_map_grads(attention, q, k, v):
     """Gradients of sum(attention(q, k, v)²) w.r.t. q, k, v: (inside jax.shard_map over a 4-device
     batch mesh, on one device), both jitted. Skips the test without 4 devices."""

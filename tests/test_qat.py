@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from attention_base import INTERPRET, AttentionTestBase, make_qkv, metrics, shard_map_grads
+from attention_base import INTERPRET, AttentionTestBase, cotangent, make_qkv, metrics, shard_map_grads, vjp_outputs
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import qat_attention_ste
 
@@ -18,18 +18,7 @@ SMALL = lb.QatConfig(block_q=32, block_k=32, bwd_block_q=32, bwd_block_k=32, qua
 def grads(q, k, v, do, **options):
     """(o, dq, dk, dv) of qat_attention."""
     options.setdefault("config", SMALL)
-    o, vjp = jax.vjp(functools.partial(lb.qat_attention, **options), q, k, v)
-    return (o, *vjp(do))
-
-
-def f32_grads(fn, q, k, v, do):
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    o, vjp = jax.vjp(fn, *f32[:3])
-    return (o, *vjp(f32[3]))
-
-
-def cotangent(q, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), q.dtype)
+    return vjp_outputs(functools.partial(lb.qat_attention, **options), q, k, v, do)
 
 
 class QatXla(AttentionTestBase):
@@ -104,7 +93,7 @@ def test_backward_is_autodiff_of_the_ste_graph(causal):
     """dV = FQ(P)ᵀdO, dP = dO·Ṽᵀ, D from O' — the autodiff of P + sg(FQ(P) − P) with STE quantizers."""
     q, k, v = make_qkv(1, 96, 80, 2, 1, 64, dtype=jnp.float32, seed=8)
     do = cotangent(q)
-    ste = f32_grads(functools.partial(qat_attention_ste, causal=causal), q, k, v, do)
+    ste = vjp_outputs(functools.partial(qat_attention_ste, causal=causal), q, k, v, do, f32=True)
     ours = grads(q, k, v, do, causal=causal, implementation="xla")
     naive = grads(q, k, v, do, causal=causal, implementation="xla", naive_backward=True)
     for i in (1, 2, 3):
@@ -134,7 +123,7 @@ def test_gradients_close_to_exact_attention(seq):
     """Long rows too: the normalized P of a 4096-key row lies below e4m3's smallest group scale."""
     q, k, v = make_qkv(1, seq, seq, 1, 1, 64, seed=10)
     do = cotangent(q)
-    exact = f32_grads(lb.reference_attention, q, k, v, do)
+    exact = vjp_outputs(lb.reference_attention, q, k, v, do, f32=True)
     ours = grads(q, k, v, do, implementation="xla")
     for i, name in enumerate(("o", "dq", "dk", "dv")):
         cos, _ = metrics(ours[i], exact[i])

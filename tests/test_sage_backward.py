@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from attention_base import INTERPRET, make_qkv, metrics, shard_map_grads
+from attention_base import INTERPRET, cotangent, make_qkv, metrics, shard_map_grads, vjp_outputs
 from lowbit_jax import sage as sage_mod
 from lowbit_jax.sage_reference import sage_backward_reference
 
@@ -18,18 +18,11 @@ SMALL = lb.SageFwdConfig(block_q=32, block_k=32)
 def grads(q, k, v, do, **options):
     """(o, dq, dk, dv) of sage_attention."""
     options.setdefault("config", SMALL)
-    o, vjp = jax.vjp(functools.partial(lb.sage_attention, **options), q, k, v)
-    return (o, *vjp(do))
+    return vjp_outputs(functools.partial(lb.sage_attention, **options), q, k, v, do)
 
 
 def exact_grads(q, k, v, do, causal):
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    o, vjp = jax.vjp(functools.partial(lb.reference_attention, causal=causal), *f32[:3])
-    return (o, *vjp(f32[3]))
-
-
-def cotangent(q, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), q.dtype)
+    return vjp_outputs(functools.partial(lb.reference_attention, causal=causal), q, k, v, do, f32=True)
 
 
 CASES = [
