@@ -16,15 +16,22 @@ def _f(x, fmt="{:.0f}"):
     return "–" if x is None else fmt.format(x)
 
 
-def render_attention(data: dict) -> list[str]:
+def _provenance(data: dict) -> str:
+    """'Device …, jax …, date' of a results file."""
     env = data["env"]
+    return f"Device {env['device']}, jax {env['jax']}, {env['date']}"
+
+
+def _command_block(data: dict) -> list[str]:
+    """Provenance line and the command that produced a results file, as an indented block."""
+    return [f"{_provenance(data)}. Command (repo root, GPU machine):", "", f"    {data['command'].strip()}", ""]
+
+
+def render_attention(data: dict) -> list[str]:
     out = [
         "## INT8 SageAttention forward",
         "",
-        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Command (repo root, GPU machine):",
-        "",
-        f"    {data['command'].strip()}",
-        "",
+        *_command_block(data),
         "TFLOP/s (TOP/s for INT8) count 4·B·H·S²·D, halved if causal, for every method; "
         "times are per call with calls queued back to back (device time). "
         "`sage` is the whole op (K-mean/V-amax reductions + fused quantize kernels + attention kernel); "
@@ -77,10 +84,7 @@ def render_attention(data: dict) -> list[str]:
 
 
 def render_backward(data: dict) -> list[str]:
-    env = data["env"]
-    out = ["", "## SageBwd: fwd+bwd (INT8 backward)", "",
-           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Command (repo root, GPU machine):", "",
-           f"    {data['command'].strip()}", "",
+    out = ["", "## SageBwd: fwd+bwd (INT8 backward)", "", *_command_block(data),
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
            "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
            "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below).", "",
@@ -148,10 +152,7 @@ def _dq(dq) -> str:
 
 
 def render_qat(data: dict, sweep: dict | None) -> list[str]:
-    env = data["env"]
-    out = ["", "## Attn-QAT (NVFP4 fake-quantized attention)", "",
-           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Command (repo root, GPU machine):", "",
-           f"    {data['command'].strip()}", "",
+    out = ["", "## Attn-QAT (NVFP4 fake-quantized attention)", "", *_command_block(data),
            "TFLOP/s count 4·B·H·S²·D (halved if causal), fwd+bwd 3.5× that, for every method. bf16 inputs. "
            "The H200 has no FP4 tensor cores: FP4 is emulated (fake-quantized values, bf16 MMAs), so the cost is "
            "the in-register quantization of P plus the extra O' product. `qat naive` = FP4 forward with the "
@@ -203,8 +204,7 @@ def render_qat_training(runs: list[dict]) -> list[str]:
 
 def render_training(data: dict) -> list[str]:
     out = ["", "## Training step throughput (dense vs sage attention, same run)", "",
-           f"Device {data['env']['device']}, jax {data['env']['jax']}, {data['env']['date']}. "
-           f"Command: `{data['command'].strip()}`. Jitted train step (fwd + bwd + AdamW, bf16 compute), "
+           f"{_provenance(data)}. Command: `{data['command'].strip()}`. Jitted train step (fwd + bwd + AdamW, bf16 compute), "
            "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention.", "",
            "| method | params | batch × seq | ms / step | tokens/s | MFU |", "|---|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -219,8 +219,7 @@ def render_training(data: dict) -> list[str]:
 def render_ablation(data: dict) -> list[str]:
     sh = data["shape"]
     out = ["", "## Where the time goes (kernels with one piece patched out)", "",
-           f"Device {data['env']['device']}, jax {data['env']['jax']}, {data['env']['date']}. Command: "
-           f"`{data['command'].strip()}`. B{sh['b']} H{sh['h']} S{sh['s']} D{sh['d']}, non-causal, bf16. The patched "
+           f"{_provenance(data)}. Command: `{data['command'].strip()}`. B{sh['b']} H{sh['h']} S{sh['s']} D{sh['d']}, non-causal, bf16. The patched "
            "variants compute wrong outputs on purpose: the differences are what each piece costs.", "",
            "| variant | ms |", "|---|---|"]
     out += [f"| {r['variant']} | {r['ms']:.3f} |" for r in data["rows"]]
