@@ -19,6 +19,7 @@ Writes benchmarks/results/ablation.json (and $OUT/ablation.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import types
 import warnings
@@ -59,20 +60,13 @@ def _row_scale_fq(x, nonnegative=False):
 _ROW_SCALE_FQ = types.SimpleNamespace(fake_quant_last=_row_scale_fq)
 
 
-def _timed(label, fn, args, log, smoke, patches=()):
+def _timed(label, fn, args, log, smoke, module=None, **replacements):
+    """Time ``fn(*args)`` with ``module``'s attributes replaced (traced afresh: caches cleared)."""
     jax.clear_caches()
-    with mock.patch.multiple(*patches[0], **patches[1]) if patches else _null():
+    with mock.patch.multiple(module, **replacements) if module is not None else contextlib.nullcontext():
         ms = time_fn(fn, *args, warmup=1, iters=2 if smoke else 10, batches=3)
     log(f"  {label:48s} {ms:8.3f} ms")
     return dict(variant=label, ms=ms)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def sage_rows(b, h, s, d, log, smoke):
@@ -87,10 +81,9 @@ def sage_rows(b, h, s, d, log, smoke):
     args = (ops, o, lse, do)
     return [
         _timed("sage bwd: full", bwd, args, log, smoke),
-        _timed("sage bwd: dQ kernel stores zeros", bwd, args, log, smoke,
-               ((sage_bwd,), dict(_dq_kernel=_zeros_kernel(1)))),
-        _timed("sage bwd: dK/dV kernel stores zeros", bwd, args, log, smoke,
-               ((sage_bwd,), dict(_dkdv_kernel=_zeros_kernel(2)))),
+        _timed("sage bwd: dQ kernel stores zeros", bwd, args, log, smoke, sage_bwd, _dq_kernel=_zeros_kernel(1)),
+        _timed("sage bwd: dK/dV kernel stores zeros", bwd, args, log, smoke, sage_bwd,
+               _dkdv_kernel=_zeros_kernel(2)),
     ]
 
 
@@ -105,10 +98,10 @@ def qat_rows(b, h, s, d, log, smoke):
             with_aux=with_aux, interpret=smoke))
         tag = "with O'" if with_aux else "no O'"
         rows.append(_timed(f"qat fwd kernel ({tag}): full", fwd, (qf, kf, vf), log, smoke))
-        rows.append(_timed(f"qat fwd kernel ({tag}): FQ(P) = identity", fwd, (qf, kf, vf), log, smoke,
-                           ((qat_fwd,), dict(nvfp4=_IDENTITY_FQ))))
+        rows.append(_timed(f"qat fwd kernel ({tag}): FQ(P) = identity", fwd, (qf, kf, vf), log, smoke, qat_fwd,
+                           nvfp4=_IDENTITY_FQ))
         rows.append(_timed(f"qat fwd kernel ({tag}): FQ(P) one scale per row", fwd, (qf, kf, vf), log, smoke,
-                           ((qat_fwd,), dict(nvfp4=_ROW_SCALE_FQ))))
+                           qat_fwd, nvfp4=_ROW_SCALE_FQ))
     return rows
 
 

@@ -143,12 +143,13 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
     from lowbit_jax.sage import _backward, _forward, resolve_options
     from lowbit_jax.sage_reference import sage_backward_reference
 
+    configs = configs or sweep_configs()
     rows = []
     for b, h, s, d, causal in shapes:
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
         do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
         flops = 2.5 * attention_flops(b, h, s, s, d, causal)
-        for cfg in (configs or sweep_configs())[:2] if smoke else (configs or sweep_configs()):
+        for cfg in configs[:2] if smoke else configs:
             fq, fk, bq, bk, w, st = (cfg.block_q, cfg.block_k, cfg.bwd_block_q, cfg.bwd_block_k, cfg.bwd_warps,
                                      cfg.bwd_stages)
             extra = dict(implementation="pallas", interpret=True) if smoke else {}
