@@ -51,6 +51,10 @@ def attention_fn(method: str, d: int, causal: bool):
     """name → f(q, k, v) → o."""
     if method == "sage":
         return functools.partial(lb.sage_attention, causal=causal, config=sage_config(d, causal))
+    if method in ("sage_triton", "sage_mosaic"):  # every SageBwd kernel on one Pallas backend
+        backend = method.split("_")[1]
+        cfg = dataclasses.replace(sage_config(d, causal), dkdv_backend=backend, dq_backend=backend)
+        return functools.partial(lb.sage_attention, causal=causal, config=cfg)
     if method == "cudnn_bf16":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
     if method == "xla_bf16":
@@ -58,9 +62,16 @@ def attention_fn(method: str, d: int, causal: bool):
     if method == "pallas_mgpu_bf16":  # JAX's Hopper flash attention in Pallas Mosaic GPU (the other backend)
         from jax.experimental.pallas.ops.gpu import attention_mgpu
 
+        # compute_wgs_bwd=2: 7.7 ms vs 9.1 with 1 at B4 H32 S4096 D128 (scratch run, this session).
         cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
-                                          block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
-        return functools.partial(attention_mgpu.attention, config=cfg)
+                                          block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+                                          compute_wgs_bwd=2)
+        f16 = jnp.float16  # its kernels hard-code fp16 SMEM in jax 0.11.2 (bf16 inputs are refused)
+
+        def mgpu(q, k, v):
+            return attention_mgpu.attention(q.astype(f16), k.astype(f16), v.astype(f16), config=cfg).astype(q.dtype)
+
+        return mgpu
     if method == "pallas_mha_bf16":
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -80,8 +91,8 @@ def fwd_bwd(fn):
 
 def methods_for(b, h, s, d, causal):
     names = ["sage", "cudnn_bf16", "pallas_mha_bf16"]
-    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2
-        names.append("pallas_mgpu_bf16")
+    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; sage's Mosaic kernels are non-causal
+        names += ["sage_triton", "sage_mosaic", "pallas_mgpu_bf16"]
     if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:
         names.append("xla_bf16")
     return names

@@ -51,6 +51,8 @@ from lowbit_jax.sage_reference import (
 )
 from pallas_kernels import quantize as quantize_kernels
 from pallas_kernels import sage_bwd as sage_bwd_kernels
+from pallas_kernels import sage_bwd_mosaic
+from pallas_kernels._mosaic import on_hopper
 from pallas_kernels import sage_fwd as sage_fwd_kernels
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
@@ -248,13 +250,48 @@ def _backward(ops: SageOperands, o, lse, do, *, opts: SageOptions):
         return _backward_16bit(ops, do, sq_len=sq_len, sk_len=sk_len, opts=opts)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     if opts.implementation == "pallas":
-        return sage_bwd_kernels.sage_attention_bwd(
-            ops.q, ops.q_scale, ops.q_t, ops.k, ops.k_scale, ops.k_t, ops.vt, ops.v_scale, ops.q_mean, bias,
-            o, lse, do, sq_len=sq_len, sk_len=sk_len, causal=opts.causal, per_block=opts.per_block,
-            scale=opts.scale, config=opts.config, interpret=opts.interpret,
-        )
+        return _backward_pallas(ops, bias, o, lse, do, opts=opts)
     return sage_backward_reference(ops, bias, o, lse, do, sq_len=sq_len, sk_len=sk_len, causal=opts.causal,
                                    per_block=opts.per_block, scale=opts.scale, config=opts.config)
+
+
+def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> bool:
+    """Run SageBwd's ``kernel`` ("dkdv" or "dq") on the Mosaic GPU backend for this call?"""
+    backend = getattr(opts.config, f"{kernel}_backend")
+    if backend == "triton" or (backend == "auto" and (opts.interpret or not on_hopper())):
+        return False
+    if backend == "auto" and kernel == "dkdv" and ops.q.shape[3] == 128 and ops.q.shape[2] <= 4096:
+        return False  # H200: Triton dK/dV 7.25 ms vs Mosaic 7.77 at B4 H32 S4096 D128; Mosaic wins at S16k, D64
+    return sage_bwd_mosaic.supports(
+        kernel, sk_len=opts.seq_k, sq_pad=ops.q.shape[2], sk_pad=ops.k.shape[2], head_dim=ops.q.shape[3],
+        causal=opts.causal, has_bias=bias is not None, config=opts.config)
+
+
+def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
+    """SageBwd with the Pallas kernels: the preprocess, then dK/dV and dQ on their backends."""
+    cfg = opts.config
+    kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
+              scale=opts.scale, config=cfg, interpret=opts.interpret)
+    delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, interpret=opts.interpret)
+    lse_pad = sage_bwd_kernels.pad_lse(lse, ops.q.shape[2])
+    dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, ops, bias, opts) for name in ("dkdv", "dq"))
+    vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
+    if dkdv_mosaic:
+        dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
+            sk_len=opts.seq_k, per_block=opts.per_block, interpret=opts.interpret)
+    else:
+        dk, dv = sage_bwd_kernels.sage_bwd_dkdv(
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, ops.vt,
+            ops.v_scale, ops.q_mean, bias, **kw)
+    if dq_mosaic:
+        dq = sage_bwd_mosaic.sage_bwd_dq_mosaic(
+            ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t, vd, sq_len=opts.seq_q,
+            per_block=opts.per_block, scale=opts.scale, interpret=opts.interpret)
+    else:
+        dq = sage_bwd_kernels.sage_bwd_dq(ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t,
+                                          ops.vt, ops.v_scale, bias, **kw)
+    return dq, dk, dv
 
 
 def dequantized_operands(ops: SageOperands, *, sq_len: int, sk_len: int, scale: float, dtype) -> tuple:

@@ -232,26 +232,23 @@ def _dq_kernel(
 # ----------------------------------------------------------------------------- wrapper
 
 
+def _common(config, sq_len, sk_len, sq_pad, causal, per_block, scale, has_bias):
+    return dict(block_q=config.bwd_block_q, block_k=config.bwd_block_k, sq_len=sq_len, sk_len=sk_len, sq_pad=sq_pad,
+                causal=causal, per_block=per_block, has_bias=has_bias, scale=scale)
+
+
 @functools.partial(
     jax.jit, static_argnames=("sq_len", "sk_len", "causal", "per_block", "scale", "config", "interpret")
 )
-def sage_attention_bwd(
-    q8, q_scale, q8_t, k8, k_scale, k8_t, vt8, v_scale, q_mean, bias, o, lse, do, *,
+def sage_bwd_dkdv(
+    q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vt8, v_scale, q_mean, bias, *,
     sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
     interpret: bool = False,
 ):
-    """SageBwd gradients from the forward's INT8 residuals.
+    """dK, dV (B, Sk, Hkv, D) in do's dtype: the Triton dK/dV kernel.
 
-    Args:
-      q8, q_scale, q8_t: Q̂ (B, Hq, Sq_pad, D), its scale (incl. scale·log2 e), Q̂ᵀ.
-      k8, k_scale, k8_t: K̂ (B, Hkv, Sk_pad, D), its scale, K̂ᵀ.
-      vt8, v_scale: V̂ᵀ (B, Hkv, D, Sk_pad) and the per-channel scale (B, Hkv, D).
-      q_mean, bias: Q-smoothing block means (B, Hq, nqb, D) and score bias
-        (B, Hq, nqb, Sk_pad), or both None.
-      o, lse: the forward's output (B, Sq, Hq, D) and base-2 LSE (B, Hq, Sq).
-      do: cotangent of o.
-    Returns:
-      dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
+    Args as :func:`sage_attention_bwd`, plus the preprocess outputs (delta, dÔᵀ and its
+    scale) and ``lse_pad`` (B, Hq, Sq_pad), the LSE padded with +inf.
     """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
@@ -261,12 +258,7 @@ def sage_attention_bwd(
     q_ratio = config.block_q // bq  # backward query tiles per forward block (bias / q_mean index)
     nqb_fwd = sq_pad // config.block_q
     has_bias = bias is not None
-    delta, do8_t, do_scale = sage_bwd_preprocess(o, do, config=config, interpret=interpret)
-    lse_pad = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf)
-    params = compiler_params(config.bwd_warps, config.bwd_stages)
-    common = dict(block_q=bq, block_k=bk, sq_len=sq_len, sk_len=sk_len, sq_pad=sq_pad, causal=causal,
-                  per_block=per_block, has_bias=has_bias, scale=scale)
-
+    common = _common(config, sq_len, sk_len, sq_pad, causal, per_block, scale, has_bias)
     grp = lambda *tail: pl.BlockSpec((None, group) + tail, lambda j, bi, hi: (bi, hi) + (0,) * len(tail))  # noqa: E731
     kv_tile = lambda: pl.BlockSpec((None, None, bk, d), lambda j, bi, hi: (bi, hi, j, 0))  # noqa: E731
     kv_tile_t = lambda: pl.BlockSpec((None, None, d, bk), lambda j, bi, hi: (bi, hi, 0, j))  # noqa: E731
@@ -279,28 +271,45 @@ def sage_attention_bwd(
         in_specs += [grp(nqb_fwd, sk_pad), grp(nqb_fwd, d)]
         args += [bias, q_mean]
     out_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, hi: (bi, j, hi, 0))
-    dk, dv = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dkdv_kernel, group=group, n_qblocks=nqb, q_ratio=q_ratio, sk_pad=sk_pad, **common),
         grid=(nkb, b, hkv),
         in_specs=in_specs,
         out_specs=[out_spec, out_spec],
         out_shape=[jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2,
-        compiler_params=params,
+        compiler_params=compiler_params(config.bwd_warps, config.bwd_stages),
         interpret=interpret,
         name="sage_bwd_dkdv",
     )(*args)
 
+
+@functools.partial(
+    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "per_block", "scale", "config", "interpret")
+)
+def sage_bwd_dq(
+    q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vt8, v_scale, bias, *,
+    sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
+    interpret: bool = False,
+):
+    """dQ (B, Sq, Hq, D) in do's dtype: the Triton dQ kernel (args as :func:`sage_bwd_dkdv`)."""
+    b, hq, sq_pad, d = q8.shape
+    group = hq // k8.shape[1]
+    bq = config.bwd_block_q
+    q_ratio = config.block_q // bq
+    has_bias = bias is not None
+    common = _common(config, sq_len, sk_len, sq_pad, causal, per_block, scale, has_bias)
     q_tile = lambda *tail: pl.BlockSpec((None, None, bq) + tail, lambda i, bi, hi: (bi, hi, i) + (0,) * len(tail))  # noqa: E731
     kv_full = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, bi, hi: (bi, hi // group) + (0,) * len(tail))  # noqa: E731
+    sk_pad = k8.shape[2]
     in_specs = [q_tile(d), q_tile(), q_tile(), q_tile(), pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
                 kv_full(sk_pad, d), kv_full(sk_pad), kv_full(d, sk_pad), kv_full(d, sk_pad), kv_full(d)]
     args = [q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vt8, v_scale]
     if has_bias:
         in_specs.append(pl.BlockSpec((None, None, None, sk_pad), lambda i, bi, hi: (bi, hi, i // q_ratio, 0)))
         args.append(bias)
-    dq = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dq_kernel, **dict(common, block_k=config.dq_block_k)),
-        grid=(nqb, b, hq),
+        grid=(sq_pad // bq, b, hq),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype),
@@ -308,4 +317,39 @@ def sage_attention_bwd(
         interpret=interpret,
         name="sage_bwd_dq",
     )(*args)
+
+
+def pad_lse(lse: jax.Array, sq_pad: int) -> jax.Array:
+    """(B, Hq, Sq) base-2 LSE → (B, Hq, Sq_pad), padded with +inf (padded rows get P = 0)."""
+    return jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - lse.shape[2])), constant_values=jnp.inf)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "per_block", "scale", "config", "interpret")
+)
+def sage_attention_bwd(
+    q8, q_scale, q8_t, k8, k_scale, k8_t, vt8, v_scale, q_mean, bias, o, lse, do, *,
+    sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
+    interpret: bool = False,
+):
+    """SageBwd gradients from the forward's INT8 residuals (all three Triton kernels).
+
+    Args:
+      q8, q_scale, q8_t: Q̂ (B, Hq, Sq_pad, D), its scale (incl. scale·log2 e), Q̂ᵀ.
+      k8, k_scale, k8_t: K̂ (B, Hkv, Sk_pad, D), its scale, K̂ᵀ.
+      vt8, v_scale: V̂ᵀ (B, Hkv, D, Sk_pad) and the per-channel scale (B, Hkv, D).
+      q_mean, bias: Q-smoothing block means (B, Hq, nqb, D) and score bias
+        (B, Hq, nqb, Sk_pad), or both None.
+      o, lse: the forward's output (B, Sq, Hq, D) and base-2 LSE (B, Hq, Sq).
+      do: cotangent of o.
+    Returns:
+      dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
+    """
+    kw = dict(sq_len=sq_len, sk_len=sk_len, causal=causal, per_block=per_block, scale=scale, config=config,
+              interpret=interpret)
+    delta, do8_t, do_scale = sage_bwd_preprocess(o, do, config=config, interpret=interpret)
+    lse_pad = pad_lse(lse, q8.shape[2])
+    dk, dv = sage_bwd_dkdv(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vt8, v_scale,
+                           q_mean, bias, **kw)
+    dq = sage_bwd_dq(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vt8, v_scale, bias, **kw)
     return dq, dk, dv

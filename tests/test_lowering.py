@@ -172,3 +172,19 @@ def test_qat_forward_and_backward_lower_to_triton(case):
     assert text.count(TRITON_CALL) >= len(QAT_KERNELS)
     for name in QAT_KERNELS:
         assert name in text
+
+
+def test_sage_backward_lowers_to_mosaic_gpu():
+    """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls."""
+    cfg = dataclasses.replace(lb.sage_fwd_config(128, False, "NVIDIA H200"), dkdv_backend="mosaic",
+                              dq_backend="mosaic")
+    specs, opts = specs_and_options(1024, 512, 8, 2, 128, False, "per_token", False, cfg)
+
+    def grads(q, k, v):
+        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    text = lower_for_h200(grads, *specs)
+    assert text.count(TRITON_CALL) == len(FWD_KERNELS) + 1  # the forward and the bwd preprocess
+    assert "sage_bwd_dkdv" not in text and "sage_bwd_dq" not in text
+    assert "mosaic_gpu" in text

@@ -45,24 +45,30 @@ def scale_from_amax(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0.0, amax * (1.0 / QMAX), 1.0)
 
 
-def _round_away(y: jax.Array) -> jax.Array:
-    """round-half-away-from-zero without ``round``: floor(|y| + 0.5)·sign(y)."""
+def _round_away(y: jax.Array, native_round: bool = False) -> jax.Array:
+    """round-half-away-from-zero: ``lax.round`` (Mosaic GPU, XLA) or, where ``round`` does
+    not lower (Triton), floor(|y| + 0.5)·sign(y)."""
+    if native_round:
+        return jax.lax.round(y, jax.lax.RoundingMethod.AWAY_FROM_ZERO)
     r = jnp.floor(jnp.abs(y) + 0.5)
     return jnp.where(y < 0.0, -r, r)
 
 
-def encode_with_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+def encode_with_scale(x: jax.Array, scale: jax.Array, *, native_round: bool = False) -> jax.Array:
     """INT8 codes of ``x`` given a broadcastable dequantization ``scale``.
 
     Args:
       x: float array (any shape).
       scale: float32, broadcastable to ``x``, positive.
+      native_round: round with ``lax.round`` (the Mosaic GPU kernels; ``floor`` does not
+        lower there) instead of the floor form (Triton has no ``round``). Same codes except
+        where |x|/scale + 0.5 rounds up in fp32 (just below a half).
     Returns:
       int8 array of x's shape, ``clip(round_away(x / scale), -127, 127)``.
     """
     inv = 1.0 / scale  # once per group: the (small) scale array, not per element
     y = x.astype(jnp.float32) * inv
-    return jnp.clip(_round_away(y), -QMAX, QMAX).astype(jnp.int8)
+    return jnp.clip(_round_away(y, native_round), -QMAX, QMAX).astype(jnp.int8)
 
 
 def quantize(x: jax.Array, axes: int | Sequence[int] = -1) -> tuple[jax.Array, jax.Array]:

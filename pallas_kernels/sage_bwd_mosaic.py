@@ -1,0 +1,298 @@
+"""SageBwd on Hopper: the INT8 attention backward in Pallas Mosaic GPU.
+
+Same numerics as :mod:`pallas_kernels.sage_bwd` (the Triton kernels) and as the
+pure-JAX reference: the same residuals, the same per-tile dS quantization, the
+same P quantization per key row; only the execution differs. Each kernel is
+warp-specialised: a memory warpgroup streams tiles with TMA into a two-stage
+SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
+``wgmma`` (INT8×INT8→INT32 for QKᵀ, dV, dK and dQ; 16-bit only for dP).
+
+* ``sage_bwd_dkdv_mosaic`` — grid (kv head, 128-key block, batch); each compute
+  warpgroup holds a 64-key tile of K̂ and Ṽ and loops over every query tile of
+  every query head of its GQA group: Sᵀ = K̂Q̂ᵀ, Pᵀ = exp2(Sᵀ − L),
+  dV += P̂ᵀdÔ, dPᵀ = ṼdOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dŜᵀQ̂.
+* ``sage_bwd_dq_mosaic`` — grid (query head, 128-query block, batch); each
+  compute warpgroup holds a 64-query tile and loops over the 64-key tiles:
+  S, P, dP, dS as above, dQ += dŜK̂.
+
+INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
+accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
+FlashAttention-3's backward does for P and dS).
+
+Supported here: non-causal, no Q-smoothing, head dim 64 or 128, 64×64 backward
+tiles, no key padding (:func:`supports`). ``lowbit_jax.sage`` picks the backend of
+each kernel (``SageFwdConfig.dkdv_backend`` / ``dq_backend``) and uses the Triton
+kernel where this one does not apply. The preprocess (D, INT8 dOᵀ) is the Triton one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit_jax.formats import int8
+from lowbit_jax.formats.sage_tiles import dequantize_v_t
+from pallas_kernels._mosaic import (
+    col_vector, cols_of, compiler_params, compute_pipeline, interpret_params, matmul, matmul_pair, pl, plgpu,
+    row_vector, rows_of, tile_max, tile_transforms,
+)
+from pallas_kernels.configs import SageFwdConfig
+
+LOG2E = math.log2(math.e)
+TILE = 64  # rows per compute warpgroup, and the pipelined tile
+WGS = 2  # compute warpgroups per CTA
+STAGES = 2
+#: Issue the two independent products of a step (dV and dP; S and dP in the dQ kernel)
+#: before one wait. (The interpreter on the CPU always runs them one at a time.)
+FUSED_ISSUE = True
+
+
+def supports(kernel: str, *, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool, has_bias: bool,
+             config: SageFwdConfig) -> bool:
+    """Whether the Mosaic ``kernel`` ("dkdv" or "dq") covers this backward call (else use Triton).
+
+    Both need: no causal mask, no Q-smoothing bias, head dim 64 or 128, no padded keys,
+    and 64-row backward tiles (the dS quantization tiles of the reference). Each CTA
+    holds two warpgroups' tiles, so the sequence it splits must be a multiple of 128.
+    """
+    common = (not causal and not has_bias and head_dim in (64, 128) and sk_len == sk_pad
+              and config.bwd_block_q == TILE)
+    if kernel == "dkdv":
+        return common and config.bwd_block_k == TILE and sk_pad % (WGS * TILE) == 0 and sq_pad % TILE == 0
+    if kernel == "dq":
+        return common and config.dq_block_k == TILE and sq_pad % (WGS * TILE) == 0 and sk_pad % TILE == 0
+    raise ValueError(f"kernel must be 'dkdv' or 'dq', got {kernel!r}")
+
+
+def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
+    """Ṽ = V̂·s_V in dO's dtype as (B, Hkv, Sk, D): the A operand of dPᵀ and the B operand of dP.
+
+    (The Triton kernels build their Ṽ tile in-kernel from V̂ᵀ; here it is one memory-bound
+    XLA op, same values: ``sage_tiles.dequantize_v_t``.)
+    """
+    return jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
+
+
+def _tile_quantize(x: jax.Array, scratch) -> tuple[jax.Array, jax.Array]:
+    """ψ with one scale for the whole 2-D tile (int8.quantize over both axes), scalar scale."""
+    amax = tile_max(jnp.abs(x), scratch)
+    scale = int8.scale_from_amax(amax)
+    return int8.encode_with_scale(x, scale, native_round=True), scale
+
+
+def _to_f32(i: jax.Array) -> jax.Array:
+    """int32 MMA result → float32 (a plain conversion: the magic-number form measured slower here)."""
+    return i.astype(jnp.float32)
+
+
+def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8.quantize_unit(p, axis=1) in the kernels' (truncating) form; per-row scale vector."""
+    pmax = jnp.max(p, axis=1)
+    codes = int8.encode_unit_interval(p * rows_of(int8.reciprocal_or_zero(pmax), p.shape), truncating_convert=True)
+    return codes, int8.scale_from_amax(pmax)
+
+
+# ----------------------------------------------------------------------------- dK, dV
+
+
+def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
+                 dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, dk_smem2, p_smem2, ds_smem2, red_smem2, barriers,
+                 *, group, n_qtiles, per_block, head_dim, fused):
+    b = lax.axis_index("batch")
+    hkv = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    h0 = hkv * group
+    shape = (TILE, TILE)  # (keys, queries)
+
+    def compute(pipeline):
+        k_smem, vd_smem, ks_smem = k_smem2.at[wg], vd_smem2.at[wg], ks_smem2.at[wg]
+        k_base = lax.axis_index("kv") * (WGS * TILE) + wg * TILE
+        rows = pl.ds(k_base, TILE)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, hkv, rows], k_smem, barriers.at[0, wg])
+        plgpu.copy_gmem_to_smem(vd_ref.at[b, hkv, rows], vd_smem, barriers.at[1, wg])
+        plgpu.copy_gmem_to_smem(ks_ref.at[b, hkv, rows], ks_smem, barriers.at[2, wg])
+        for i in range(3):
+            plgpu.barrier_wait(barriers.at[i, wg])
+        zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = pipeline((zeros, zeros))
+        dk_smem = dk_smem2.at[wg]
+        dk_smem[...] = dk.astype(dk_smem.dtype)
+        vd_smem[...] = dv.astype(vd_smem.dtype)  # Ṽ is no longer needed: reuse its SMEM
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, rows, hkv], commit_group=False)
+        plgpu.copy_smem_to_gmem(vd_smem, dv_ref.at[b, rows, hkv], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(_, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, *consumed_and_carry):
+        *consumed, (dk_acc, dv_acc) = consumed_and_carry
+        k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
+        p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
+        ks = row_vector(ks_smem2.at[wg])
+        qs = col_vector(qs_smem)
+        st = _to_f32(matmul(shape, jnp.int32, k_smem, q_smem.T))
+        st = st * rows_of(ks, shape) * cols_of(qs, shape)  # base-2 scores Sᵀ
+        pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
+        # dV += P̂ᵀ dÔ (P per key row of the tile, dO one scale per query tile).
+        p8, p_scale = _unit_rows_quantize(pt)
+        p_smem[...] = p8
+        plgpu.commit_smem()
+        do_scale = jnp.max(col_vector(dosc_smem))  # stored repeated per row of the tile
+
+        dv_part, dpt = matmul_pair(((TILE, head_dim), shape), (jnp.int32, jnp.float32),
+                                   ((p_smem, dot_smem.T), (vd_smem, do_smem.T)), fused=fused)
+        dv_acc = dv_acc + _to_f32(dv_part) * rows_of(p_scale * do_scale, (TILE, head_dim))
+        # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (one dS scale per tile).
+        dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
+        if per_block:
+            ds8, ds_scale = _tile_quantize(dst, red_smem2.at[wg])
+            factor = ds_scale * jnp.max(qs) * (1.0 / LOG2E)
+        else:
+            ds8, ds_scale = _tile_quantize(dst * cols_of(qs, shape), red_smem2.at[wg])
+            factor = ds_scale * (1.0 / LOG2E)
+        ds_smem[...] = ds8
+        plgpu.commit_smem()
+        dk_part = matmul((TILE, head_dim), jnp.int32, ds_smem, qt_smem.T)
+        dk_acc = dk_acc + _to_f32(dk_part) * factor
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return dk_acc, dv_acc
+
+    def q_tile(*block):  # (group, Sq_pad, *) arrays: tile i of head i // n_qtiles
+        return lambda i: (lax.div(i, n_qtiles), lax.rem(i, n_qtiles), *([0] * len(block)))
+
+    def qt_tile(i):  # (group, D, Sq_pad) arrays
+        return (lax.div(i, n_qtiles), 0, lax.rem(i, n_qtiles))
+
+    i8, f16 = jnp.int8, do_ref.dtype
+    vec = plgpu.BlockSpec((None, TILE), q_tile())
+    pipeline = compute_pipeline(
+        step, compute, steps=group * n_qtiles, compute_wgs=WGS, stages=STAGES, in_specs=[
+            plgpu.BlockSpec((None, TILE, head_dim), q_tile(0), transforms=tile_transforms(i8, head_dim)),
+            vec,
+            plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),
+            vec,
+            vec,
+            plgpu.BlockSpec((TILE, None, head_dim), lambda i: (lax.rem(i, n_qtiles), lax.div(i, n_qtiles), 0),
+                            transforms=tile_transforms(f16, head_dim)),
+            plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),
+            vec,
+        ],
+    )
+    heads = pl.ds(h0, group)
+    pipeline(q_ref.at[b, heads], qs_ref.at[b, heads], qt_ref.at[b, heads], lse_ref.at[b, heads],
+             delta_ref.at[b, heads], do_ref.at[b, :, heads], dot_ref.at[b, heads], dosc_ref.at[b, heads])
+
+
+# ----------------------------------------------------------------------------- dQ
+
+
+def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vd_ref, dq_ref,
+               q_smem2, do_smem2, qs_smem2, lse_smem2, delta_smem2, ds_smem2, red_smem2, barriers,
+               *, group, scale, per_block, head_dim, fused):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    hkv = lax.div(h, group)
+    shape = (TILE, TILE)  # (queries, keys)
+
+    def compute(pipeline):
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        q_base = lax.axis_index("q") * (WGS * TILE) + wg * TILE
+        rows = pl.ds(q_base, TILE)
+        copies = ((q_ref.at[b, h, rows], q_smem), (do_ref.at[b, rows, h], do_smem),
+                  (qs_ref.at[b, h, rows], qs_smem2.at[wg]), (lse_ref.at[b, h, rows], lse_smem2.at[wg]),
+                  (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
+        for i, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, barriers.at[i, wg])
+        for i in range(len(copies)):
+            plgpu.barrier_wait(barriers.at[i, wg])
+        zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dq = pipeline(zeros)
+        do_smem[...] = dq.astype(do_smem.dtype)  # dO is no longer needed: reuse its SMEM
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[b, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(_, k_smem, ks_smem, kt_smem, vd_smem, *consumed_and_carry):
+        *consumed, dq_acc = consumed_and_carry
+        q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
+        qs = row_vector(qs_smem2.at[wg])
+        ks = col_vector(ks_smem)
+        s, dp = matmul_pair((shape, shape), (jnp.int32, jnp.float32),
+                            ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
+        s = _to_f32(s) * rows_of(qs, shape) * cols_of(ks, shape)
+        p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
+        ds = p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))
+        if per_block:
+            ds8, ds_scale = _tile_quantize(ds, red_smem2.at[wg])
+            factor = ds_scale * jnp.max(ks) * scale
+        else:
+            ds8, ds_scale = _tile_quantize(ds * cols_of(ks, shape), red_smem2.at[wg])
+            factor = ds_scale * scale
+        ds_smem[...] = ds8
+        plgpu.commit_smem()
+        dq_part = matmul((TILE, head_dim), jnp.int32, ds_smem, kt_smem.T)
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return dq_acc + _to_f32(dq_part) * factor
+
+    i8 = jnp.int8
+    pipeline = compute_pipeline(
+        step, compute, steps=k_ref.shape[2] // TILE, compute_wgs=WGS, stages=STAGES, in_specs=[
+            plgpu.BlockSpec((TILE, head_dim), lambda j: (j, 0), transforms=tile_transforms(i8, head_dim)),
+            plgpu.BlockSpec((TILE,), lambda j: (j,)),
+            plgpu.BlockSpec((head_dim, TILE), lambda j: (0, j), transforms=tile_transforms(i8, TILE)),
+            plgpu.BlockSpec((TILE, head_dim), lambda j: (j, 0), transforms=tile_transforms(vd_ref.dtype, head_dim)),
+        ],
+    )
+    pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], kt_ref.at[b, hkv], vd_ref.at[b, hkv])
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+def _smem_tiles(rows: int, dtype, cols: int):
+    """One (rows, cols) SMEM tile per compute warpgroup."""
+    return plgpu.SMEM((WGS, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
+
+
+def _launch(kernel, out_type, scratch_types, grid, grid_names, interpret):
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
+                        compiler_params=compiler_params(), num_threads=WGS + 1, thread_name="wg",
+                        interpret=interpret_params(interpret))
+
+
+def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd, *,
+                         sk_len: int, per_block: bool, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
+    Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding."""
+    b, hq, sq_pad, d = q8.shape
+    hkv, sk_pad = k8.shape[1], k8.shape[2]
+    f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
+    kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
+                               head_dim=d, fused=FUSED_ISSUE and not interpret)
+    scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
+               _smem_tiles(TILE, f16, d), _smem_tiles(TILE, i8, TILE), _smem_tiles(TILE, i8, TILE),
+               plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
+    return _launch(kernel, [jax.ShapeDtypeStruct((b, sk_len, hkv, d), f16)] * 2, scratch,
+                   (hkv, sk_pad // (WGS * TILE), b), ("heads", "kv", "batch"), interpret,
+                   )(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd)
+
+
+def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *, sq_len: int, per_block: bool,
+                       scale: float, interpret: bool = False) -> jax.Array:
+    """dQ (B, Sq, Hq, D) in do's dtype. Inputs as :func:`sage_bwd_dkdv_mosaic` plus K̂ᵀ (B, Hkv, D, Sk)."""
+    b, hq, sq_pad, d = q8.shape
+    f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
+    kernel = functools.partial(_dq_kernel, group=hq // k8.shape[1], scale=scale, per_block=per_block, head_dim=d,
+                               fused=FUSED_ISSUE and not interpret)
+    scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
+        _smem_tiles(TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
+    return _launch(kernel, jax.ShapeDtypeStruct((b, sq_len, hq, d), f16), scratch,
+                   (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), interpret,
+                   )(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd)
