@@ -90,9 +90,9 @@ def fwd_bwd(fn):
 
 
 def methods_for(b, h, s, d, causal):
-    names = ["sage", "cudnn_bf16", "pallas_mha_bf16"]
-    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; sage's Mosaic kernels are non-causal
-        names += ["sage_triton", "sage_mosaic", "pallas_mgpu_bf16"]
+    names = ["sage", "cudnn_bf16", "pallas_mha_bf16", "sage_mosaic"]
+    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; causal sage is all-Triton by default
+        names += ["sage_triton", "pallas_mgpu_bf16"]
     if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:
         names.append("xla_bf16")
     return names

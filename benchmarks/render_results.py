@@ -88,9 +88,9 @@ def render_backward(data: dict) -> list[str]:
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
            "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
            "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the default backend "
-           "choice (`dkdv_backend`/`dq_backend` = auto; the Mosaic GPU kernels cover non-causal calls: there dQ runs "
-           "on Mosaic, and dK/dV too except at D128 with S ≤ 4096, where Triton's was faster); `sage (Triton)` and "
-           "`sage (Mosaic)` put both backward kernels on one backend (non-causal rows only).", "",
+           "choice (`dkdv_backend`/`dq_backend` = auto: non-causal dQ on Mosaic GPU, and dK/dV too except at D128 "
+           "with S ≤ 4096, where Triton's was faster; causal calls all on Triton); `sage (Triton)` and "
+           "`sage (Mosaic)` put both backward kernels on one backend (a dash: not run in that measurement).", "",
            "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | cuDNN bf16 | Pallas mha bf16 "
            "| Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -129,4 +129,5 @@ def on_hopper() -> bool:
 
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
-           "row_vector", "col_vector", "tile_max", "matmul", "matmul_pair", "compute_pipeline", "on_hopper", "MEMORY_REGISTERS"]
+           "row_vector", "col_vector", "tile_max", "matmul", "matmul_pair", "compute_pipeline", "on_hopper",
+           "MEMORY_REGISTERS"]

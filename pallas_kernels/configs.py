@@ -43,8 +43,9 @@ class SageFwdConfig:
         for the calls :mod:`pallas_kernels.sage_bwd_mosaic` supports, else Triton) or
         "auto": the faster one measured on the H200 where supported — dQ on mosaic (4.4 ms vs
         5.8 at B4 H32 S4096 D128); dK/dV on mosaic except at D128 with Sq ≤ 4096 (triton 7.25 ms
-        vs mosaic 7.77 there; mosaic 30.2 vs 35.7 at B1 S16384) — and triton in interpret mode
-        or off Hopper. The numerics are the same.
+        vs mosaic 7.77 there; mosaic 30.2 vs 35.7 at B1 S16384) — and triton for causal calls
+        (the causal Mosaic kernels are tested but not yet timed), in interpret mode and off
+        Hopper. The numerics are the same.
     """
 
     block_q: int = 64

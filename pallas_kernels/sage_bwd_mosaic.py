@@ -19,8 +19,12 @@ INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
 accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
 FlashAttention-3's backward does for P and dS).
 
-Supported here: non-causal, no Q-smoothing, head dim 64 or 128, 64×64 backward
-tiles, no key padding (:func:`supports`). ``lowbit_jax.sage`` picks the backend of
+Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV kernel starts at the first query
+tile that sees its keys and the dQ kernel stops after the last key tile its queries
+see (dynamic pipeline lengths); tiles on the diagonal are masked element-wise.
+
+Supported here: no Q-smoothing, head dim 64 or 128, 64×64 backward tiles, no key
+padding (:func:`supports`). ``lowbit_jax.sage`` picks the backend of
 each kernel (``SageFwdConfig.dkdv_backend`` / ``dq_backend``) and uses the Triton
 kernel where this one does not apply. The preprocess (D, INT8 dOᵀ) is the Triton one.
 """
@@ -51,16 +55,17 @@ STAGES = 2
 FUSED_ISSUE = True
 
 
-def supports(kernel: str, *, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool, has_bias: bool,
-             config: SageFwdConfig) -> bool:
+def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
+             has_bias: bool, config: SageFwdConfig) -> bool:
     """Whether the Mosaic ``kernel`` ("dkdv" or "dq") covers this backward call (else use Triton).
 
-    Both need: no causal mask, no Q-smoothing bias, head dim 64 or 128, no padded keys,
-    and 64-row backward tiles (the dS quantization tiles of the reference). Each CTA
-    holds two warpgroups' tiles, so the sequence it splits must be a multiple of 128.
+    Both need: no Q-smoothing bias, head dim 64 or 128, no padded keys, 64-row backward
+    tiles (the dS quantization tiles of the reference) and, if causal, Sq ≤ Sk (every
+    CTA then has at least two steps). Each CTA holds two warpgroups' tiles, so the
+    sequence it splits must be a multiple of 128.
     """
-    common = (not causal and not has_bias and head_dim in (64, 128) and sk_len == sk_pad
-              and config.bwd_block_q == TILE)
+    common = (not has_bias and head_dim in (64, 128) and sk_len == sk_pad and config.bwd_block_q == TILE
+              and (not causal or sq_len <= sk_len))
     if kernel == "dkdv":
         return common and config.bwd_block_k == TILE and sk_pad % (WGS * TILE) == 0 and sq_pad % TILE == 0
     if kernel == "dq":
@@ -96,22 +101,35 @@ def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
     return codes, int8.scale_from_amax(pmax)
 
 
+def _causal_mask(scores: jax.Array, k_start, q_start, offset: int, *, transposed: bool) -> jax.Array:
+    """−inf where key > query + offset (tile_ranges.visible); ``transposed``: a (keys, queries) tile."""
+    key_dim, query_dim = (0, 1) if transposed else (1, 0)
+    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, scores.shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
+    keys = iota(key_dim) + k_start
+    queries = iota(query_dim) + q_start
+    return jnp.where(keys <= queries + offset, scores, -jnp.inf)
+
+
 # ----------------------------------------------------------------------------- dK, dV
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
                  dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, dk_smem2, p_smem2, ds_smem2, red_smem2, barriers,
-                 *, group, n_qtiles, per_block, head_dim, fused):
+                 *, group, n_qtiles, per_block, head_dim, fused, causal, offset):
     b = lax.axis_index("batch")
     hkv = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     h0 = hkv * group
     shape = (TILE, TILE)  # (keys, queries)
+    # Causal: the query tiles before the first one that sees any key of this CTA are skipped
+    # (not even loaded); the rest are masked element-wise (bottom-right aligned, tile_ranges).
+    cta_keys = lax.axis_index("kv") * (WGS * TILE)
+    i_first = jnp.clip(lax.div(cta_keys - offset, TILE), 0, n_qtiles) if causal else 0
+    n_vis = n_qtiles - i_first
 
     def compute(pipeline):
         k_smem, vd_smem, ks_smem = k_smem2.at[wg], vd_smem2.at[wg], ks_smem2.at[wg]
-        k_base = lax.axis_index("kv") * (WGS * TILE) + wg * TILE
-        rows = pl.ds(k_base, TILE)
+        rows = pl.ds(cta_keys + wg * TILE, TILE)
         plgpu.copy_gmem_to_smem(k_ref.at[b, hkv, rows], k_smem, barriers.at[0, wg])
         plgpu.copy_gmem_to_smem(vd_ref.at[b, hkv, rows], vd_smem, barriers.at[1, wg])
         plgpu.copy_gmem_to_smem(ks_ref.at[b, hkv, rows], ks_smem, barriers.at[2, wg])
@@ -128,7 +146,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
-    def step(_, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, *consumed_and_carry):
+    def step(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem,
+             *consumed_and_carry):
         *consumed, (dk_acc, dv_acc) = consumed_and_carry
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
         p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
@@ -136,6 +155,9 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         qs = col_vector(qs_smem)
         st = _to_f32(matmul(shape, jnp.int32, k_smem, q_smem.T))
         st = st * rows_of(ks, shape) * cols_of(qs, shape)  # base-2 scores Sᵀ
+        if causal:
+            q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
+            st = _causal_mask(st, cta_keys + wg * TILE, q_start, offset, transposed=True)
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # dV += P̂ᵀ dÔ (P per key row of the tile, dO one scale per query tile).
         p8, p_scale = _unit_rows_quantize(pt)
@@ -162,22 +184,26 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
 
-    def q_tile(*block):  # (group, Sq_pad, *) arrays: tile i of head i // n_qtiles
-        return lambda i: (lax.div(i, n_qtiles), lax.rem(i, n_qtiles), *([0] * len(block)))
+    def head_and_tile(i):  # step i → (query head of the group, query tile)
+        return lax.div(i, n_vis), i_first + lax.rem(i, n_vis)
+
+    def q_tile(*block):  # (group, Sq_pad, *) arrays
+        return lambda i: (*head_and_tile(i), *([0] * len(block)))
 
     def qt_tile(i):  # (group, D, Sq_pad) arrays
-        return (lax.div(i, n_qtiles), 0, lax.rem(i, n_qtiles))
+        g, t = head_and_tile(i)
+        return g, 0, t
 
     i8, f16 = jnp.int8, do_ref.dtype
     vec = plgpu.BlockSpec((None, TILE), q_tile())
     pipeline = compute_pipeline(
-        step, compute, steps=group * n_qtiles, compute_wgs=WGS, stages=STAGES, in_specs=[
+        step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES, in_specs=[
             plgpu.BlockSpec((None, TILE, head_dim), q_tile(0), transforms=tile_transforms(i8, head_dim)),
             vec,
             plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),
             vec,
             vec,
-            plgpu.BlockSpec((TILE, None, head_dim), lambda i: (lax.rem(i, n_qtiles), lax.div(i, n_qtiles), 0),
+            plgpu.BlockSpec((TILE, None, head_dim), lambda i: (head_and_tile(i)[1], head_and_tile(i)[0], 0),
                             transforms=tile_transforms(f16, head_dim)),
             plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),
             vec,
@@ -193,17 +219,21 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
 
 def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vd_ref, dq_ref,
                q_smem2, do_smem2, qs_smem2, lse_smem2, delta_smem2, ds_smem2, red_smem2, barriers,
-               *, group, scale, per_block, head_dim, fused):
+               *, group, scale, per_block, head_dim, fused, causal, offset):
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     hkv = lax.div(h, group)
     shape = (TILE, TILE)  # (queries, keys)
+    n_ktiles = k_ref.shape[2] // TILE
+    cta_queries = lax.axis_index("q") * (WGS * TILE)
+    # Causal: stop after the last key tile any query of this CTA sees; mask element-wise.
+    n_steps = (jnp.clip(lax.div(cta_queries + WGS * TILE + offset + TILE - 1, TILE), 0, n_ktiles) if causal
+               else n_ktiles)
 
     def compute(pipeline):
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        q_base = lax.axis_index("q") * (WGS * TILE) + wg * TILE
-        rows = pl.ds(q_base, TILE)
+        rows = pl.ds(cta_queries + wg * TILE, TILE)
         copies = ((q_ref.at[b, h, rows], q_smem), (do_ref.at[b, rows, h], do_smem),
                   (qs_ref.at[b, h, rows], qs_smem2.at[wg]), (lse_ref.at[b, h, rows], lse_smem2.at[wg]),
                   (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
@@ -218,7 +248,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[b, rows, h])
         plgpu.wait_smem_to_gmem(0)
 
-    def step(_, k_smem, ks_smem, kt_smem, vd_smem, *consumed_and_carry):
+    def step(idx, k_smem, ks_smem, kt_smem, vd_smem, *consumed_and_carry):
         *consumed, dq_acc = consumed_and_carry
         q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
         qs = row_vector(qs_smem2.at[wg])
@@ -226,6 +256,8 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         s, dp = matmul_pair((shape, shape), (jnp.int32, jnp.float32),
                             ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
         s = _to_f32(s) * rows_of(qs, shape) * cols_of(ks, shape)
+        if causal:
+            s = _causal_mask(s, idx[0] * TILE, cta_queries + wg * TILE, offset, transposed=False)
         p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
         ds = p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))
         if per_block:
@@ -243,7 +275,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
 
     i8 = jnp.int8
     pipeline = compute_pipeline(
-        step, compute, steps=k_ref.shape[2] // TILE, compute_wgs=WGS, stages=STAGES, in_specs=[
+        step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES, in_specs=[
             plgpu.BlockSpec((TILE, head_dim), lambda j: (j, 0), transforms=tile_transforms(i8, head_dim)),
             plgpu.BlockSpec((TILE,), lambda j: (j,)),
             plgpu.BlockSpec((head_dim, TILE), lambda j: (0, j), transforms=tile_transforms(i8, TILE)),
@@ -268,14 +300,15 @@ def _launch(kernel, out_type, scratch_types, grid, grid_names, interpret):
 
 
 def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd, *,
-                         sk_len: int, per_block: bool, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                         sq_len: int, sk_len: int, causal: bool, per_block: bool,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
     Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding."""
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
-                               head_dim=d, fused=FUSED_ISSUE and not interpret)
+                               head_dim=d, fused=FUSED_ISSUE and not interpret, causal=causal, offset=sk_len - sq_len)
     scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
                _smem_tiles(TILE, f16, d), _smem_tiles(TILE, i8, TILE), _smem_tiles(TILE, i8, TILE),
                plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
@@ -284,13 +317,13 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
                    )(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd)
 
 
-def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *, sq_len: int, per_block: bool,
-                       scale: float, interpret: bool = False) -> jax.Array:
+def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *, sq_len: int, sk_len: int,
+                       causal: bool, per_block: bool, scale: float, interpret: bool = False) -> jax.Array:
     """dQ (B, Sq, Hq, D) in do's dtype. Inputs as :func:`sage_bwd_dkdv_mosaic` plus K̂ᵀ (B, Hkv, D, Sk)."""
     b, hq, sq_pad, d = q8.shape
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     kernel = functools.partial(_dq_kernel, group=hq // k8.shape[1], scale=scale, per_block=per_block, head_dim=d,
-                               fused=FUSED_ISSUE and not interpret)
+                               fused=FUSED_ISSUE and not interpret, causal=causal, offset=sk_len - sq_len)
     scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
         _smem_tiles(TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
     return _launch(kernel, jax.ShapeDtypeStruct((b, sq_len, hq, d), f16), scratch,

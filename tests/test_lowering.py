@@ -174,11 +174,13 @@ def test_qat_forward_and_backward_lower_to_triton(case):
         assert name in text
 
 
-def test_sage_backward_lowers_to_mosaic_gpu():
+@pytest.mark.parametrize("causal", [False, True])
+def test_sage_backward_lowers_to_mosaic_gpu(causal):
     """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls."""
-    cfg = dataclasses.replace(lb.sage_fwd_config(128, False, "NVIDIA H200"), dkdv_backend="mosaic",
+    cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), dkdv_backend="mosaic",
                               dq_backend="mosaic")
-    specs, opts = specs_and_options(1024, 512, 8, 2, 128, False, "per_token", False, cfg)
+    sq = 384 if causal else 1024  # causal needs Sq ≤ Sk
+    specs, opts = specs_and_options(sq, 512, 8, 2, 128, causal, "per_token", False, cfg)
 
     def grads(q, k, v):
         loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731

@@ -158,22 +158,25 @@ def test_bad_backward_option():
 
 MOSAIC = lb.SageFwdConfig(block_q=64, block_k=128, dkdv_backend="mosaic", dq_backend="mosaic")
 MOSAIC_CASES = [
-    # (B, Sq, Sk, Hq, Hkv, D, dtype, granularity): both kernels on Mosaic (interpret on CPU)
-    (1, 128, 256, 4, 2, 64, jnp.bfloat16, "per_block"),  # GQA
-    (1, 256, 128, 2, 2, 128, jnp.float16, "per_token"),
+    # (B, Sq, Sk, Hq, Hkv, D, causal, dtype, granularity): both kernels on Mosaic (interpret on CPU)
+    (1, 128, 256, 4, 2, 64, False, jnp.bfloat16, "per_block"),  # GQA
+    (1, 256, 128, 2, 2, 128, False, jnp.float16, "per_token"),
     # Sq = 192 is not a multiple of the dQ kernel's 128-query CTA: dQ falls back to Triton
-    (2, 192, 128, 2, 1, 64, jnp.bfloat16, "per_block"),
+    (2, 192, 128, 2, 1, 64, False, jnp.bfloat16, "per_block"),
+    # causal: skipped and masked tiles; Sq < Sk (bottom-right aligned), ragged Sq, GQA
+    (1, 256, 256, 2, 2, 128, True, jnp.bfloat16, "per_token"),
+    (1, 200, 384, 4, 2, 64, True, jnp.bfloat16, "per_block"),
 ]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES)
 def test_mosaic_kernel_gradients_match_xla_backward(case):
-    b, sq, sk, hq, hkv, d, dtype, gran = case
+    b, sq, sk, hq, hkv, d, causal, dtype, gran = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + 3 * sk, k_outlier=3.0)
     do = cotangent(q)
-    kw = dict(qk_granularity=gran, config=MOSAIC)
+    kw = dict(qk_granularity=gran, config=MOSAIC, causal=causal)
     g_m = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
-    g_t = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, qk_granularity=gran,
+    g_t = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, qk_granularity=gran, causal=causal,
                 config=dataclasses.replace(MOSAIC, dkdv_backend="triton", dq_backend="triton"))
     g_x = grads(q, k, v, do, implementation="xla", **kw)
     for name, m, t, x in zip(("o", "dq", "dk", "dv"), g_m, g_t, g_x):
@@ -187,9 +190,11 @@ def test_mosaic_backend_selection():
     """Which kernels Mosaic covers; 'auto' keeps Triton in interpret mode and off Hopper."""
     from pallas_kernels import sage_bwd_mosaic
 
-    ok = dict(sk_len=256, sq_pad=256, sk_pad=256, head_dim=128, causal=False, has_bias=False, config=MOSAIC)
+    ok = dict(sq_len=256, sk_len=256, sq_pad=256, sk_pad=256, head_dim=128, causal=False, has_bias=False,
+              config=MOSAIC)
     assert sage_bwd_mosaic.supports("dkdv", **ok) and sage_bwd_mosaic.supports("dq", **ok)
-    for change in (dict(causal=True), dict(has_bias=True), dict(head_dim=32), dict(sk_len=250),
+    assert sage_bwd_mosaic.supports("dq", **{**ok, "causal": True})
+    for change in (dict(has_bias=True), dict(head_dim=32), dict(sk_len=250), dict(causal=True, sq_len=300, sq_pad=320),
                    dict(config=lb.SageFwdConfig(block_q=32, block_k=64))):
         assert not sage_bwd_mosaic.supports("dkdv", **{**ok, **change}), change
         assert not sage_bwd_mosaic.supports("dq", **{**ok, **change}), change
@@ -204,5 +209,6 @@ def test_mosaic_backend_selection():
     mosaic_opts = dataclasses.replace(opts, config=MOSAIC)
     assert sage_mod._mosaic_backend("dq", ops, None, mosaic_opts)
     assert not sage_mod._mosaic_backend("dq", ops, jnp.zeros(()), mosaic_opts)  # Q-smoothing bias → Triton
+    assert sage_mod._mosaic_backend("dq", ops, None, dataclasses.replace(mosaic_opts, causal=True))
     with pytest.raises(ValueError, match="dq_backend must be one of"):
         lb.SageFwdConfig(dq_backend="cuda")
