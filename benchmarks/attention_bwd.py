@@ -55,6 +55,10 @@ def attention_fn(method: str, d: int, causal: bool):
         backend = method.split("_")[1]
         cfg = dataclasses.replace(sage_config(d, causal), dkdv_backend=backend, dq_backend=backend)
         return functools.partial(lb.sage_attention, causal=causal, config=cfg)
+    if method == "sage_mosaic_all":  # the forward too
+        cfg = dataclasses.replace(sage_config(d, causal), dkdv_backend="mosaic", dq_backend="mosaic",
+                                  fwd_backend="mosaic")
+        return functools.partial(lb.sage_attention, causal=causal, config=cfg)
     if method == "cudnn_bf16":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
     if method == "xla_bf16":
@@ -90,7 +94,7 @@ def fwd_bwd(fn):
 
 
 def methods_for(b, h, s, d, causal):
-    names = ["sage", "cudnn_bf16", "pallas_mha_bf16", "sage_mosaic"]
+    names = ["sage", "cudnn_bf16", "pallas_mha_bf16", "sage_mosaic", "sage_mosaic_all"]
     if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; causal sage is all-Triton by default
         names += ["sage_triton", "pallas_mgpu_bf16"]
     if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:

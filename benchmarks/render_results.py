@@ -83,6 +83,10 @@ def render_attention(data: dict) -> list[str]:
     return out
 
 
+BWD_COLUMNS = ("sage", "sage_triton", "sage_mosaic", "sage_mosaic_all", "cudnn_bf16", "pallas_mha_bf16",
+               "pallas_mgpu_bf16", "xla_bf16")
+
+
 def render_backward(data: dict) -> list[str]:
     out = ["", "## SageBwd: fwd+bwd (INT8 backward)", "", *_command_block(data),
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
@@ -90,15 +94,15 @@ def render_backward(data: dict) -> list[str]:
            "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the default backend "
            "choice (`dkdv_backend`/`dq_backend` = auto: non-causal dQ on Mosaic GPU, and dK/dV too except at D128 "
            "with S ≤ 4096, where Triton's was faster; causal calls all on Triton); `sage (Triton)` and "
-           "`sage (Mosaic)` put both backward kernels on one backend (a dash: not run in that measurement).", "",
-           "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | cuDNN bf16 | Pallas mha bf16 "
-           "| Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "`sage (Mosaic)` put both backward kernels on one backend, `sage (all Mosaic)` the forward too (a dash: "
+           "not run in that measurement).", "",
+           "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | cuDNN bf16 "
+           "| Pallas mha bf16 | Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("throughput", []):
         tf = r["tflops"]
         out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(r['ms'].get('sage'), '{:.2f}')} | "
-                   + " | ".join(_f(tf.get(m)) for m in ("sage", "sage_triton", "sage_mosaic", "cudnn_bf16",
-                                                        "pallas_mha_bf16", "pallas_mgpu_bf16", "xla_bf16"))
+                   + " | ".join(_f(tf.get(m)) for m in BWD_COLUMNS)
                    + f" | **{_f(r['vs_cudnn_bf16'].get('sage'), '{:.2f}')}×** |")
     if data.get("memory"):
         out += ["", "Peak GPU memory of one fwd+bwd, fresh process each (`memory_stats()['peak_bytes_in_use']`):", "",

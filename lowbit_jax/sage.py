@@ -18,8 +18,13 @@ Backward (``backward="int8"``, the default): SageBwd — see
 :mod:`pallas_kernels.sage_bwd`. Residuals are the INT8 operands with their
 scales (Q̂, K̂ and the transposed copies Q̂ᵀ, K̂ᵀ, V̂ᵀ, one byte per element each:
 5 bytes per token·channel for MHA where 16-bit attention keeps 6 in q, k, v), O
-and the log-sum-exp; no 16-bit copy of q, k or v is kept, the backward allocates no fp32 workspace, and its gradients are
-deterministic (no atomics).
+and the log-sum-exp; no 16-bit copy of q, k or v is kept, the backward allocates no fp32
+workspace, and its gradients are deterministic (no atomics).
+
+Backends: the kernels are Pallas-Triton; on Hopper the SageBwd dK/dV and dQ kernels run
+on Pallas Mosaic GPU where that was measured faster (``SageFwdConfig.dkdv_backend`` /
+``dq_backend``, :mod:`pallas_kernels.sage_bwd_mosaic`), and ``fwd_backend="mosaic"``
+selects the Mosaic forward (:mod:`pallas_kernels.sage_fwd_mosaic`). Same numerics.
 ``backward="bf16"`` is the ablation: exact attention gradients in 16-bit operands
 (fp32 math) from the same dequantized INT8 residuals.
 
@@ -54,6 +59,7 @@ from pallas_kernels import sage_bwd as sage_bwd_kernels
 from pallas_kernels import sage_bwd_mosaic
 from pallas_kernels._mosaic import on_hopper
 from pallas_kernels import sage_fwd as sage_fwd_kernels
+from pallas_kernels import sage_fwd_mosaic
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
 LOG2E = math.log2(math.e)
@@ -209,6 +215,13 @@ def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
     ops = quantize(q, k, v, scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q,
                    per_block=opts.per_block, config=opts.config, transposed=transposed, interpret=opts.interpret)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
+    if use_pallas and opts.config.fwd_backend == "mosaic" and sage_fwd_mosaic.supports(
+            sq_len=q.shape[1], sk_len=k.shape[1], sq_pad=ops.q.shape[2], head_dim=q.shape[3], causal=opts.causal,
+            has_bias=bias is not None, config=opts.config):
+        o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(
+            ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=q.shape[1], sk_len=k.shape[1],
+            causal=opts.causal, out_dtype=q.dtype, config=opts.config, interpret=opts.interpret)
+        return o, lse, ops
     if use_pallas:
         attend = functools.partial(sage_fwd_kernels.sage_attention_fwd, interpret=opts.interpret)
     else:

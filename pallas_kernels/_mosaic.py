@@ -121,6 +121,25 @@ def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 
         compute_context=compute, in_specs=in_specs)
 
 
+def key_step_specs(block: int, head_dim: int) -> list:
+    """BlockSpecs of one key step's K̂ (block, D) int8 tile and its (block,) scales, step j → keys j·block…"""
+    return [plgpu.BlockSpec((block, head_dim), lambda j: (j, 0), transforms=tile_transforms(jnp.int8, head_dim)),
+            plgpu.BlockSpec((block,), lambda j: (j,))]
+
+
+def transposed_step_spec(block: int, head_dim: int, dtype=jnp.int8):
+    """BlockSpec of a (D, block) tile of a transposed (D, S) array (K̂ᵀ, V̂ᵀ), step j → columns j·block…"""
+    return plgpu.BlockSpec((head_dim, block), lambda j: (0, j), transforms=tile_transforms(dtype, block))
+
+
+def copy_in(copies, barriers, wg) -> None:
+    """Start the TMA copies ``(src, dst)`` of this warpgroup (barrier i, wg), then wait for all."""
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[i, wg])
+    for i in range(len(copies)):
+        plgpu.barrier_wait(barriers.at[i, wg])
+
+
 def on_hopper() -> bool:
     """True when the default device is an sm_90 GPU (H100/H200), where these kernels run."""
     if jax.default_backend() not in ("gpu", "cuda"):
@@ -129,5 +148,6 @@ def on_hopper() -> bool:
 
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
-           "row_vector", "col_vector", "tile_max", "matmul", "matmul_pair", "compute_pipeline", "on_hopper",
+           "row_vector", "col_vector", "tile_max", "matmul", "matmul_pair", "compute_pipeline", "key_step_specs",
+           "transposed_step_spec", "copy_in", "on_hopper",
            "MEMORY_REGISTERS"]

@@ -46,6 +46,9 @@ class SageFwdConfig:
         vs mosaic 7.77 there; mosaic 30.2 vs 35.7 at B1 S16384) — and triton for causal calls
         (the causal Mosaic kernels are tested but not yet timed), in interpret mode and off
         Hopper. The numerics are the same.
+      fwd_backend: the forward kernel's backend: "triton" (default) or "mosaic"
+        (:mod:`pallas_kernels.sage_fwd_mosaic`, where it applies; tested, not yet timed,
+        so not the default).
     """
 
     block_q: int = 64
@@ -62,9 +65,10 @@ class SageFwdConfig:
     dq_stages: int | None = None  # default bwd_stages
     dkdv_backend: str = "auto"
     dq_backend: str = "auto"
+    fwd_backend: str = "triton"
 
     def __post_init__(self) -> None:
-        for name in ("dkdv_backend", "dq_backend"):
+        for name in ("dkdv_backend", "dq_backend", "fwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"SageFwdConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
         if self.bwd_block_q is None:

@@ -41,8 +41,8 @@ from jax import lax
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compiler_params, compute_pipeline, interpret_params, matmul, matmul_pair, pl, plgpu,
-    row_vector, rows_of, tile_max, tile_transforms,
+    col_vector, cols_of, compiler_params, compute_pipeline, copy_in, interpret_params, key_step_specs, matmul,
+    matmul_pair, pl, plgpu, row_vector, rows_of, tile_max, tile_transforms, transposed_step_spec,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -130,11 +130,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     def compute(pipeline):
         k_smem, vd_smem, ks_smem = k_smem2.at[wg], vd_smem2.at[wg], ks_smem2.at[wg]
         rows = pl.ds(cta_keys + wg * TILE, TILE)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, hkv, rows], k_smem, barriers.at[0, wg])
-        plgpu.copy_gmem_to_smem(vd_ref.at[b, hkv, rows], vd_smem, barriers.at[1, wg])
-        plgpu.copy_gmem_to_smem(ks_ref.at[b, hkv, rows], ks_smem, barriers.at[2, wg])
-        for i in range(3):
-            plgpu.barrier_wait(barriers.at[i, wg])
+        copy_in(((k_ref.at[b, hkv, rows], k_smem), (vd_ref.at[b, hkv, rows], vd_smem),
+                 (ks_ref.at[b, hkv, rows], ks_smem)), barriers, wg)
         zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = pipeline((zeros, zeros))
         dk_smem = dk_smem2.at[wg]
@@ -237,10 +234,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         copies = ((q_ref.at[b, h, rows], q_smem), (do_ref.at[b, rows, h], do_smem),
                   (qs_ref.at[b, h, rows], qs_smem2.at[wg]), (lse_ref.at[b, h, rows], lse_smem2.at[wg]),
                   (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
-        for i, (src, dst) in enumerate(copies):
-            plgpu.copy_gmem_to_smem(src, dst, barriers.at[i, wg])
-        for i in range(len(copies)):
-            plgpu.barrier_wait(barriers.at[i, wg])
+        copy_in(copies, barriers, wg)
         zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dq = pipeline(zeros)
         do_smem[...] = dq.astype(do_smem.dtype)  # dO is no longer needed: reuse its SMEM
@@ -273,12 +267,9 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
             plgpu.barrier_arrive(barrier)
         return dq_acc + _to_f32(dq_part) * factor
 
-    i8 = jnp.int8
     pipeline = compute_pipeline(
         step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES, in_specs=[
-            plgpu.BlockSpec((TILE, head_dim), lambda j: (j, 0), transforms=tile_transforms(i8, head_dim)),
-            plgpu.BlockSpec((TILE,), lambda j: (j,)),
-            plgpu.BlockSpec((head_dim, TILE), lambda j: (0, j), transforms=tile_transforms(i8, TILE)),
+            *key_step_specs(TILE, head_dim), transposed_step_spec(TILE, head_dim),
             plgpu.BlockSpec((TILE, head_dim), lambda j: (j, 0), transforms=tile_transforms(vd_ref.dtype, head_dim)),
         ],
     )

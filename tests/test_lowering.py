@@ -190,3 +190,13 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal):
     assert text.count(TRITON_CALL) == len(FWD_KERNELS) + 1  # the forward and the bwd preprocess
     assert "sage_bwd_dkdv" not in text and "sage_bwd_dq" not in text
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sage_forward_lowers_to_mosaic_gpu(causal):
+    """fwd_backend="mosaic": the quantize kernels stay Triton, the attention is a Mosaic GPU call."""
+    cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), fwd_backend="mosaic")
+    specs, opts = specs_and_options(384, 512, 8, 2, 128, causal, "per_block", False, cfg)
+    text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
+    assert text.count(TRITON_CALL) == 2  # sage_quantize_q, sage_quantize_kv; no Triton attention kernel
+    assert "sage_quantize_q" in text and "sage_quantize_kv" in text and "mosaic_gpu" in text

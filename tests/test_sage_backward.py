@@ -156,12 +156,14 @@ def test_bad_backward_option():
 
 # ----------------------------------------------------------------------------- Mosaic GPU backend
 
-MOSAIC = lb.SageFwdConfig(block_q=64, block_k=128, dkdv_backend="mosaic", dq_backend="mosaic")
+MOSAIC = lb.SageFwdConfig(block_q=64, block_k=128, dkdv_backend="mosaic", dq_backend="mosaic",
+                          fwd_backend="mosaic")
 MOSAIC_CASES = [
-    # (B, Sq, Sk, Hq, Hkv, D, causal, dtype, granularity): both kernels on Mosaic (interpret on CPU)
+    # (B, Sq, Sk, Hq, Hkv, D, causal, dtype, granularity): the forward and both backward kernels on Mosaic
+    # (interpret on CPU), against the all-Triton kernels and the xla reference
     (1, 128, 256, 4, 2, 64, False, jnp.bfloat16, "per_block"),  # GQA
     (1, 256, 128, 2, 2, 128, False, jnp.float16, "per_token"),
-    # Sq = 192 is not a multiple of the dQ kernel's 128-query CTA: dQ falls back to Triton
+    # Sq = 192 is not a multiple of a 128-query CTA: the forward and dQ fall back to Triton
     (2, 192, 128, 2, 1, 64, False, jnp.bfloat16, "per_block"),
     # causal: skipped and masked tiles; Sq < Sk (bottom-right aligned), ragged Sq, GQA
     (1, 256, 256, 2, 2, 128, True, jnp.bfloat16, "per_token"),
@@ -176,8 +178,9 @@ def test_mosaic_kernel_gradients_match_xla_backward(case):
     do = cotangent(q)
     kw = dict(qk_granularity=gran, config=MOSAIC, causal=causal)
     g_m = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
+    all_triton = dataclasses.replace(MOSAIC, dkdv_backend="triton", dq_backend="triton", fwd_backend="triton")
     g_t = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, qk_granularity=gran, causal=causal,
-                config=dataclasses.replace(MOSAIC, dkdv_backend="triton", dq_backend="triton"))
+                config=all_triton)
     g_x = grads(q, k, v, do, implementation="xla", **kw)
     for name, m, t, x in zip(("o", "dq", "dk", "dv"), g_m, g_t, g_x):
         assert m.dtype == dtype and m.shape == x.shape

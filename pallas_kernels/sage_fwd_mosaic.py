@@ -1,0 +1,153 @@
+"""INT8 flash-attention forward (SageAttention) in Pallas Mosaic GPU (Hopper).
+
+The numerics of :mod:`pallas_kernels.sage_fwd` (the Triton kernel) and of the
+pure-JAX reference: S = Q̂K̂ᵀ·s_Q·s_K in base 2, online softmax, P̃ = exp2(S − rowmax
+of the tile) quantized to INT8 per row (the row max maps to 127), O accumulates
+int32(P̂V̂)·β/127 with β = exp2(m_tile − m_new), s_V applied per channel at the end,
+l from the unquantized P̃, and the base-2 log-sum-exp (+inf for rows that see no key).
+
+FlashAttention-3's shape: grid (query head, 128-query block, batch); a memory
+warpgroup streams K̂ (block_k, D), its scales and V̂ᵀ (D, block_k) through a
+two-stage TMA pipeline; two compute warpgroups each own 64 query rows. Both
+products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ or
+V̂ᵀ); P̂ goes through SMEM (the INT8 register operand layout is not reachable from
+the accumulator's, see :mod:`pallas_kernels._mosaic`). Causal (bottom-right aligned,
+Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
+masked tiles (causal diagonal, ragged key tail) are masked element-wise.
+
+Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
+head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
+Selected with ``SageFwdConfig.fwd_backend="mosaic"``; not yet timed on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit_jax.formats import int8
+from pallas_kernels._mosaic import (
+    col_vector, cols_of, compiler_params, compute_pipeline, copy_in, interpret_params, key_step_specs, matmul, pl,
+    plgpu, row_vector, rows_of, tile_transforms, transposed_step_spec,
+)
+from pallas_kernels.configs import SageFwdConfig
+
+TILE = 64  # query rows per compute warpgroup
+WGS = 2
+STAGES = 2
+
+
+def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, has_bias: bool,
+             config: SageFwdConfig) -> bool:
+    """Whether the Mosaic forward covers this call (else the Triton kernel runs)."""
+    return (not has_bias and head_dim in (64, 128) and config.block_k in (64, 128) and sq_pad % (WGS * TILE) == 0
+            and (not causal or sq_len <= sk_len))
+
+
+def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
+                q_smem2, qs_smem2, vs_smem2, p_smem2, o_smem2, lse_smem2, barriers,
+                *, group, block_k, head_dim, sk_len, causal, offset):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    hkv = lax.div(h, group)
+    shape = (TILE, block_k)
+    n_ktiles = k_ref.shape[2] // block_k
+    cta_queries = lax.axis_index("q") * (WGS * TILE)
+    n_steps = n_ktiles
+    if causal:  # the last key tile the block's last query row sees
+        n_steps = jnp.clip(lax.div(cta_queries + WGS * TILE + offset + block_k - 1, block_k), 0, n_ktiles)
+    masked = causal or sk_len % block_k != 0
+    q_start = cta_queries + wg * TILE
+    rows = pl.ds(q_start, TILE)
+
+    def compute(pipeline):
+        copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
+                  (vs_ref.at[b, hkv], vs_smem2.at[wg]))
+        copy_in(copies, barriers, wg)
+        acc = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc, m, l = pipeline((acc, m, l))
+        empty = l == 0.0
+        o = acc * rows_of(int8.reciprocal_or_zero(l), acc.shape) * cols_of(col_vector(vs_smem2.at[wg]), acc.shape)
+        o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+        o_smem[...] = o.astype(o_smem.dtype)
+        lse_smem[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, h], commit_group=False)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
+        *consumed, (acc, m_prev, l_prev) = consumed_and_carry
+        s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T).astype(jnp.float32)
+        s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
+        if masked:
+            iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
+            keys = iota(1) + idx[0] * block_k
+            visible = keys < sk_len
+            if causal:
+                visible = visible & (keys <= iota(0) + q_start + offset)
+            s = jnp.where(visible, s, -jnp.inf)
+        m_cur = jnp.max(s, axis=1)
+        m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
+        e = jnp.exp2(s - rows_of(m_ref, shape))
+        m_new = jnp.maximum(m_prev, m_cur)
+        m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_prev - m_new_ref)
+        beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃
+        l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
+        p_smem = p_smem2.at[wg]
+        p_smem[...] = int8.encode_unit_interval(e, truncating_convert=True)
+        plgpu.commit_smem()
+        pv = matmul((TILE, head_dim), jnp.int32, p_smem, vt_smem.T).astype(jnp.float32)
+        out_shape = (TILE, head_dim)
+        acc = acc * rows_of(alpha, out_shape) + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return acc, m_new, l_new
+
+    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES,
+                                in_specs=[*key_step_specs(block_k, head_dim), transposed_step_spec(block_k, head_dim)])
+    pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv])
+
+
+@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "interpret"))
+def sage_attention_fwd_mosaic(
+    q8: jax.Array, q_scale: jax.Array, k8: jax.Array, k_scale: jax.Array, vt8: jax.Array, v_scale: jax.Array, *,
+    sq_len: int, sk_len: int, causal: bool, out_dtype: jnp.dtype, config: SageFwdConfig, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """INT8 attention forward on quantized operands (arguments as ``sage_fwd.sage_attention_fwd``, no bias).
+
+    Args:
+      q8: int8 (B, Hq, Sq_pad, D); q_scale float32 (B, Hq, Sq_pad) incl. scale·log2 e.
+      k8: int8 (B, Hkv, Sk_pad, D); k_scale float32 (B, Hkv, Sk_pad).
+      vt8: int8 (B, Hkv, D, Sk_pad); v_scale float32 (B, Hkv, D).
+      sq_len, sk_len, causal: real lengths and the bottom-right aligned causal mask.
+      out_dtype: dtype of o (bf16/fp16/fp32).
+      config: ``block_k`` is the P quantization tile (64 or 128).
+    Returns:
+      o (B, Sq, Hq, D) out_dtype and the base-2 LSE float32 (B, Hq, Sq).
+    """
+    b, hq, sq_pad, d = q8.shape
+    hkv = k8.shape[1]
+    f32 = jnp.float32
+    kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
+                               causal=causal, offset=sk_len - sq_len)
+    scratch = [plgpu.SMEM((WGS, TILE, d), jnp.int8, transforms=tile_transforms(jnp.int8, d)),
+               plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
+               plgpu.SMEM((WGS, TILE, config.block_k), jnp.int8, transforms=tile_transforms(jnp.int8, config.block_k)),
+               plgpu.SMEM((WGS, TILE, d), out_dtype), plgpu.SMEM((WGS, TILE), f32),
+               plgpu.Barrier(num_barriers=(3, WGS))]
+    return plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype), jax.ShapeDtypeStruct((b, hq, sq_len), f32)],
+        scratch_types=scratch, grid=(hq, sq_pad // (WGS * TILE), b), grid_names=("heads", "q", "batch"),
+        compiler_params=compiler_params(), num_threads=WGS + 1, thread_name="wg",
+        interpret=interpret_params(interpret),
+    )(q8, q_scale, k8, k_scale, vt8, v_scale)
