@@ -197,21 +197,28 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
 def check_gradients(log, smoke=False):
     """Compiled kernels' gradients vs the xla reference (same quantization) and exact autodiff."""
     rows = []
-    cases = [(2, 100, 77, 4, 2, 64, True, "per_block", False), (1, 300, 300, 4, 1, 128, False, "per_token", True),
-             (2, 129, 257, 8, 2, 128, True, "per_block", True), (1, 200, 100, 2, 2, 64, True, "per_token", False)]
+    # (..., backend): "default" = the config's backend choice; "mosaic" = every kernel on Mosaic GPU
+    cases = [(2, 100, 77, 4, 2, 64, True, "per_block", False, "default"),
+             (1, 300, 300, 4, 1, 128, False, "per_token", True, "default"),
+             (2, 129, 257, 8, 2, 128, True, "per_block", True, "default"),
+             (1, 512, 512, 4, 2, 128, False, "per_token", False, "mosaic"),
+             (2, 384, 640, 4, 4, 64, True, "per_block", False, "mosaic")]
     impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
-    for b, sq, sk, hq, hkv, d, causal, gran, smooth_q in cases[:1] if smoke else cases[:3]:
+    for b, sq, sk, hq, hkv, d, causal, gran, smooth_q, backend in cases[:1] if smoke else cases:
         kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(sq * sk), 4)
         q = jax.random.normal(kq, (b, sq, hq, d), jnp.bfloat16)
         k = (jax.random.normal(kk, (b, sk, hkv, d)) + 2.0).astype(jnp.bfloat16)
         v = jax.random.normal(kv, (b, sk, hkv, d), jnp.bfloat16)
         do = jax.random.normal(kd, q.shape, q.dtype)
-        kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=sage_config(d, causal))
+        cfg = sage_config(d, causal)
+        if backend == "mosaic":
+            cfg = dataclasses.replace(cfg, dkdv_backend="mosaic", dq_backend="mosaic", fwd_backend="mosaic")
+        kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=cfg)
         g_p = fwd_bwd(functools.partial(lb.sage_attention, **kw, **impl))(q, k, v, do)
         g_x = fwd_bwd(functools.partial(lb.sage_attention, **kw, implementation="xla"))(q, k, v, do)
         f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
         g_e = fwd_bwd(functools.partial(lb.reference_attention, causal=causal))(*f32(q, k, v, do))
-        row = dict(case=(b, sq, sk, hq, hkv, d, causal), gran=gran, smooth_q=smooth_q)
+        row = dict(case=(b, sq, sk, hq, hkv, d, causal), gran=gran, smooth_q=smooth_q, backend=backend)
         for i, name in enumerate(("o", "dq", "dk", "dv")):
             row[name] = dict(kernel_vs_xla=lb.error_metrics(g_p[i], g_x[i]), kernel_vs_exact=lb.error_metrics(
                 g_p[i], g_e[i]), finite=bool(jnp.all(jnp.isfinite(g_p[i].astype(jnp.float32)))))

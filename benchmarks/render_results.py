@@ -126,10 +126,11 @@ def render_backward(data: dict) -> list[str]:
                 ".9537 / .307 | .9985 / .054 |"]
     if data.get("gradient_checks"):
         out += ["", "Compiled kernels vs the xla reference (same quantization), gradients, on awkward shapes:", "",
-                "| case (B, Sq, Sk, Hq, Hkv, D, causal) | granularity | Q-smoothing | dQ / dK / dV rel-L1 vs xla | "
-                "dQ / dK / dV cos-sim vs exact |", "|---|---|---|---|---|"]
+                "| case (B, Sq, Sk, Hq, Hkv, D, causal) | granularity | Q-smoothing | kernels | dQ / dK / dV rel-L1 vs "
+                "xla | dQ / dK / dV cos-sim vs exact |", "|---|---|---|---|---|---|"]
         for r in data["gradient_checks"]:
-            out.append(f"| {tuple(r['case'])} | {r['gran']} | {r['smooth_q']} | " + " / ".join(
+            out.append(f"| {tuple(r['case'])} | {r['gran']} | {r['smooth_q']} | {r.get('backend', 'default')} | "
+                       + " / ".join(
                 f"{r[n]['kernel_vs_xla']['rel_l1']:.1e}" for n in ("dq", "dk", "dv")) + " | " + " / ".join(
                 f"{r[n]['kernel_vs_exact']['cos_sim']:.5f}" for n in ("dq", "dk", "dv")) + " |")
         if any(r[n]["kernel_vs_xla"]["rel_l1"] > 1e-2 for r in data["gradient_checks"] for n in ("dq", "dk", "dv")):
