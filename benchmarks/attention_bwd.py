@@ -42,6 +42,14 @@ XLA_SCORE_BYTES_LIMIT = 20e9
 SAGE_OVERRIDES: dict = {}  # --dq-tiles: SageFwdConfig fields replaced in the sage runs
 
 
+#: sage variants with every backward kernel (and, for "all", the forward) on one Pallas backend
+SAGE_BACKENDS = {
+    "sage_triton": dict(dkdv_backend="triton", dq_backend="triton"),
+    "sage_mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic"),
+    "sage_mosaic_all": dict(dkdv_backend="mosaic", dq_backend="mosaic", fwd_backend="mosaic"),
+}
+
+
 def sage_config(d: int, causal: bool) -> lb.SageFwdConfig:
     """The library's default config for (d, causal), with ``SAGE_OVERRIDES`` applied."""
     return dataclasses.replace(lb.sage_fwd_config(d, causal), **SAGE_OVERRIDES)
@@ -51,13 +59,8 @@ def attention_fn(method: str, d: int, causal: bool):
     """name → f(q, k, v) → o."""
     if method == "sage":
         return functools.partial(lb.sage_attention, causal=causal, config=sage_config(d, causal))
-    if method in ("sage_triton", "sage_mosaic"):  # every SageBwd kernel on one Pallas backend
-        backend = method.split("_")[1]
-        cfg = dataclasses.replace(sage_config(d, causal), dkdv_backend=backend, dq_backend=backend)
-        return functools.partial(lb.sage_attention, causal=causal, config=cfg)
-    if method == "sage_mosaic_all":  # the forward too
-        cfg = dataclasses.replace(sage_config(d, causal), dkdv_backend="mosaic", dq_backend="mosaic",
-                                  fwd_backend="mosaic")
+    if method in SAGE_BACKENDS:
+        cfg = dataclasses.replace(sage_config(d, causal), **SAGE_BACKENDS[method])
         return functools.partial(lb.sage_attention, causal=causal, config=cfg)
     if method == "cudnn_bf16":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
@@ -212,7 +215,7 @@ def check_gradients(log, smoke=False):
         do = jax.random.normal(kd, q.shape, q.dtype)
         cfg = sage_config(d, causal)
         if backend == "mosaic":
-            cfg = dataclasses.replace(cfg, dkdv_backend="mosaic", dq_backend="mosaic", fwd_backend="mosaic")
+            cfg = dataclasses.replace(cfg, **SAGE_BACKENDS["sage_mosaic_all"])
         kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=cfg)
         g_p = fwd_bwd(functools.partial(lb.sage_attention, **kw, **impl))(q, k, v, do)
         g_x = fwd_bwd(functools.partial(lb.sage_attention, **kw, implementation="xla"))(q, k, v, do)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from lowbit_jax import _checks
 from lowbit_jax.formats import int8
+from lowbit_jax.formats import sage_tiles
 from lowbit_jax.formats.sage_tiles import SageOperands
 from lowbit_jax.reference import reference_attention
 from lowbit_jax.sage_reference import (
@@ -284,12 +285,20 @@ def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> 
 
 
 def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
-    """SageBwd with the Pallas kernels: the preprocess, then dK/dV and dQ on their backends."""
+    """SageBwd with the Pallas kernels: the preprocess, then dK/dV and dQ on their backends.
+
+    Args:
+      ops: the forward's INT8 residuals (with the transposed copies Q̂ᵀ, K̂ᵀ).
+      bias: Q-smoothing score bias (B, Hq, nqb, Sk_pad) or None.
+      o, lse: the forward's output (B, Sq, Hq, D) and base-2 LSE (B, Hq, Sq); do: o's cotangent.
+    Returns:
+      dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
+    """
     cfg = opts.config
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
               scale=opts.scale, config=cfg, interpret=opts.interpret)
     delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, interpret=opts.interpret)
-    lse_pad = sage_bwd_kernels.pad_lse(lse, ops.q.shape[2])
+    lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
     dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, ops, bias, opts) for name in ("dkdv", "dq"))
     vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
     if dkdv_mosaic:

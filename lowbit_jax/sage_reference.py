@@ -150,7 +150,7 @@ def sage_backward_reference(
     sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
     intermediates: bool = False,
 ):
-    """Pure-JAX twin of :func:`pallas_kernels.sage_bwd.sage_attention_bwd` (SageBwd).
+    """Pure-JAX twin of the SageBwd kernels (``lowbit_jax.sage._backward_pallas``).
 
     Scans over query tiles (memory O(S·D) per step, not S²·D). Same quantization
     as the kernels: dO INT8 per query tile, P INT8 per key row of each tile for
@@ -186,7 +186,7 @@ def sage_backward_reference(
     do_16 = do_p.astype(do.dtype)
     do8, do_scale = int8.quantize(do_p, (-2, -1))  # scale (B, H, nqb, 1, 1)
     vd_t = sage_tiles.dequantize_v_t(vt8, vs, do.dtype)  # Ṽᵀ (B, H, D, Sk_pad)
-    lse_p = jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - sq_len)), constant_values=jnp.inf).reshape(b, hq, nqb, bq)
+    lse_p = sage_tiles.pad_lse(lse, sq_pad).reshape(b, hq, nqb, bq)
     q_tiles = ops.q.reshape(b, hq, nqb, bq, d)
     qs_tiles = ops.q_scale.reshape(b, hq, nqb, bq)
     cols = jnp.arange(sk_pad)

@@ -247,8 +247,17 @@ def sage_bwd_dkdv(
 ):
     """dK, dV (B, Sk, Hkv, D) in do's dtype: the Triton dK/dV kernel.
 
-    Args as :func:`sage_attention_bwd`, plus the preprocess outputs (delta, dÔᵀ and its
-    scale) and ``lse_pad`` (B, Hq, Sq_pad), the LSE padded with +inf.
+    Args:
+      q8, q_scale, q8_t: Q̂ (B, Hq, Sq_pad, D), its scale (incl. scale·log2 e), Q̂ᵀ.
+      lse_pad: base-2 LSE (B, Hq, Sq_pad), +inf padded (``sage_tiles.pad_lse``).
+      delta, do8_t, do_scale: :func:`sage_bwd_preprocess` of (o, do).
+      do: cotangent of o (B, Sq, Hq, D).
+      k8, k_scale: K̂ (B, Hkv, Sk_pad, D) and its scale; vt8, v_scale: V̂ᵀ (B, Hkv, D, Sk_pad)
+        and the per-channel scale (B, Hkv, D).
+      q_mean, bias: Q-smoothing block means (B, Hq, nqb, D) and score bias
+        (B, Hq, nqb, Sk_pad), or both None.
+    The backward as a whole (preprocess, then this and :func:`sage_bwd_dq` on their
+    backends) is ``lowbit_jax.sage._backward_pallas``.
     """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
@@ -291,7 +300,8 @@ def sage_bwd_dq(
     sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
     interpret: bool = False,
 ):
-    """dQ (B, Sq, Hq, D) in do's dtype: the Triton dQ kernel (args as :func:`sage_bwd_dkdv`)."""
+    """dQ (B, Sq, Hq, D) in do's dtype: the Triton dQ kernel (args as :func:`sage_bwd_dkdv`;
+    k8_t is K̂ᵀ (B, Hkv, D, Sk_pad))."""
     b, hq, sq_pad, d = q8.shape
     group = hq // k8.shape[1]
     bq = config.bwd_block_q
@@ -317,39 +327,3 @@ def sage_bwd_dq(
         interpret=interpret,
         name="sage_bwd_dq",
     )(*args)
-
-
-def pad_lse(lse: jax.Array, sq_pad: int) -> jax.Array:
-    """(B, Hq, Sq) base-2 LSE → (B, Hq, Sq_pad), padded with +inf (padded rows get P = 0)."""
-    return jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - lse.shape[2])), constant_values=jnp.inf)
-
-
-@functools.partial(
-    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "per_block", "scale", "config", "interpret")
-)
-def sage_attention_bwd(
-    q8, q_scale, q8_t, k8, k_scale, k8_t, vt8, v_scale, q_mean, bias, o, lse, do, *,
-    sq_len: int, sk_len: int, causal: bool, per_block: bool, scale: float, config: SageFwdConfig,
-    interpret: bool = False,
-):
-    """SageBwd gradients from the forward's INT8 residuals (all three Triton kernels).
-
-    Args:
-      q8, q_scale, q8_t: Q̂ (B, Hq, Sq_pad, D), its scale (incl. scale·log2 e), Q̂ᵀ.
-      k8, k_scale, k8_t: K̂ (B, Hkv, Sk_pad, D), its scale, K̂ᵀ.
-      vt8, v_scale: V̂ᵀ (B, Hkv, D, Sk_pad) and the per-channel scale (B, Hkv, D).
-      q_mean, bias: Q-smoothing block means (B, Hq, nqb, D) and score bias
-        (B, Hq, nqb, Sk_pad), or both None.
-      o, lse: the forward's output (B, Sq, Hq, D) and base-2 LSE (B, Hq, Sq).
-      do: cotangent of o.
-    Returns:
-      dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
-    """
-    kw = dict(sq_len=sq_len, sk_len=sk_len, causal=causal, per_block=per_block, scale=scale, config=config,
-              interpret=interpret)
-    delta, do8_t, do_scale = sage_bwd_preprocess(o, do, config=config, interpret=interpret)
-    lse_pad = pad_lse(lse, q8.shape[2])
-    dk, dv = sage_bwd_dkdv(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vt8, v_scale,
-                           q_mean, bias, **kw)
-    dq = sage_bwd_dq(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vt8, v_scale, bias, **kw)
-    return dq, dk, dv

@@ -18,6 +18,9 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
 INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
 accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
 FlashAttention-3's backward does for P and dS).
+The two independent products of a step (dV and dPᵀ; S and dP in dQ) are issued
+before one wait (dK/dV 7.77 vs 8.43 ms on the H200); the Mosaic GPU interpreter
+runs them one at a time (``matmul_pair(fused=False)``, same values).
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV kernel starts at the first query
 tile that sees its keys and the dQ kernel stops after the last key tile its queries
@@ -50,9 +53,6 @@ LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2  # compute warpgroups per CTA
 STAGES = 2
-#: Issue the two independent products of a step (dV and dP; S and dP in the dQ kernel)
-#: before one wait. (The interpreter on the CPU always runs them one at a time.)
-FUSED_ISSUE = True
 
 
 def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
@@ -87,11 +87,6 @@ def _tile_quantize(x: jax.Array, scratch) -> tuple[jax.Array, jax.Array]:
     amax = tile_max(jnp.abs(x), scratch)
     scale = int8.scale_from_amax(amax)
     return int8.encode_with_scale(x, scale, native_round=True), scale
-
-
-def _to_f32(i: jax.Array) -> jax.Array:
-    """int32 MMA result → float32 (a plain conversion: the magic-number form measured slower here)."""
-    return i.astype(jnp.float32)
 
 
 def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -150,7 +145,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
         ks = row_vector(ks_smem2.at[wg])
         qs = col_vector(qs_smem)
-        st = _to_f32(matmul(shape, jnp.int32, k_smem, q_smem.T))
+        st = matmul(shape, jnp.int32, k_smem, q_smem.T).astype(jnp.float32)
         st = st * rows_of(ks, shape) * cols_of(qs, shape)  # base-2 scores Sᵀ
         if causal:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
@@ -164,7 +159,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
 
         dv_part, dpt = matmul_pair(((TILE, head_dim), shape), (jnp.int32, jnp.float32),
                                    ((p_smem, dot_smem.T), (vd_smem, do_smem.T)), fused=fused)
-        dv_acc = dv_acc + _to_f32(dv_part) * rows_of(p_scale * do_scale, (TILE, head_dim))
+        dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(p_scale * do_scale, (TILE, head_dim))
         # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (one dS scale per tile).
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
         if per_block:
@@ -176,7 +171,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         ds_smem[...] = ds8
         plgpu.commit_smem()
         dk_part = matmul((TILE, head_dim), jnp.int32, ds_smem, qt_smem.T)
-        dk_acc = dk_acc + _to_f32(dk_part) * factor
+        dk_acc = dk_acc + dk_part.astype(jnp.float32) * factor
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
@@ -249,7 +244,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         ks = col_vector(ks_smem)
         s, dp = matmul_pair((shape, shape), (jnp.int32, jnp.float32),
                             ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
-        s = _to_f32(s) * rows_of(qs, shape) * cols_of(ks, shape)
+        s = s.astype(jnp.float32) * rows_of(qs, shape) * cols_of(ks, shape)
         if causal:
             s = _causal_mask(s, idx[0] * TILE, cta_queries + wg * TILE, offset, transposed=False)
         p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
@@ -265,7 +260,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         dq_part = matmul((TILE, head_dim), jnp.int32, ds_smem, kt_smem.T)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
-        return dq_acc + _to_f32(dq_part) * factor
+        return dq_acc + dq_part.astype(jnp.float32) * factor
 
     pipeline = compute_pipeline(
         step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES, in_specs=[
@@ -299,7 +294,7 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     hkv, sk_pad = k8.shape[1], k8.shape[2]
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
-                               head_dim=d, fused=FUSED_ISSUE and not interpret, causal=causal, offset=sk_len - sq_len)
+                               head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len)
     scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
                _smem_tiles(TILE, f16, d), _smem_tiles(TILE, i8, TILE), _smem_tiles(TILE, i8, TILE),
                plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
@@ -314,7 +309,7 @@ def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *
     b, hq, sq_pad, d = q8.shape
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     kernel = functools.partial(_dq_kernel, group=hq // k8.shape[1], scale=scale, per_block=per_block, head_dim=d,
-                               fused=FUSED_ISSUE and not interpret, causal=causal, offset=sk_len - sq_len)
+                               fused=not interpret, causal=causal, offset=sk_len - sq_len)
     scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
         _smem_tiles(TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
     return _launch(kernel, jax.ShapeDtypeStruct((b, sq_len, hq, d), f16), scratch,

@@ -128,3 +128,11 @@ def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
       the whole array.
     """
     return int8.dequantize(vt8, v_scale[..., None]).astype(dtype)
+
+
+def pad_lse(lse: jax.Array, sq_pad: int) -> jax.Array:
+    """(B, Hq, Sq) base-2 LSE → (B, Hq, Sq_pad), padded with +inf (padded rows get P = 0).
+
+    The backward kernels and the reference both read P = exp2(S − L) on padded tiles.
+    """
+    return jnp.pad(lse, ((0, 0), (0, 0), (0, sq_pad - lse.shape[2])), constant_values=jnp.inf)
