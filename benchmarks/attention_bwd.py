@@ -3,6 +3,7 @@
 Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/attention_bwd.py
     PYTHONPATH=. python benchmarks/attention_bwd.py --smoke     # tiny shapes, any backend (checks the script)
+    PYTHONPATH=. python benchmarks/attention_bwd.py --backends  # only the per-kernel backend table
 
 Measures one jitted fwd+bwd (``jax.vjp`` then the pullback of a random dO) per
 method: time, TFLOP/s (3.5× the forward's 4·B·H·Sq·Sk·D, halved if causal),
@@ -47,6 +48,7 @@ SAGE_BACKENDS = {
     "sage_triton": dict(dkdv_backend="triton", dq_backend="triton"),
     "sage_mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic"),
     "sage_mosaic_all": dict(dkdv_backend="mosaic", dq_backend="mosaic", fwd_backend="mosaic"),
+    "sage_ds_row": dict(ds_scale="row"),  # the library's backends, dS scaled per row (SageFwdConfig.ds_scale)
 }
 
 
@@ -97,12 +99,52 @@ def fwd_bwd(fn):
 
 
 def methods_for(b, h, s, d, causal):
-    names = ["sage", "cudnn_bf16", "pallas_mha_bf16", "sage_mosaic", "sage_mosaic_all"]
+    names = ["sage", "cudnn_bf16", "pallas_mha_bf16", "sage_mosaic", "sage_mosaic_all", "sage_ds_row"]
     if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; causal sage is all-Triton by default
         names += ["sage_triton", "pallas_mgpu_bf16"]
     if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:
         names.append("xla_bf16")
     return names
+
+
+#: per-kernel backend splits timed by --backends ("auto" is the library's choice)
+BACKEND_SPLITS = {
+    "triton": dict(dkdv_backend="triton", dq_backend="triton"),
+    "mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic"),
+    "dkdv_triton_dq_mosaic": dict(dkdv_backend="triton", dq_backend="mosaic"),
+    "dkdv_mosaic_dq_triton": dict(dkdv_backend="mosaic", dq_backend="triton"),
+    "auto": {},
+}
+#: (B, Sq=Sk, Hq, Hkv, D, causal): SHAPES plus the 50m training model's attention (GQA 10/5)
+BACKEND_SHAPES = [(b, s, h, h, d, c) for b, h, s, d, c in SHAPES] + [(16, 2048, 10, 5, 64, True)]
+SMOKE_BACKEND_SHAPES = [(1, 128, 2, 1, 64, True)]
+
+
+def backend_splits(shapes, log, save, smoke=False):
+    """fwd+bwd ms of sage with each (dK/dV, dQ) backend pair, beside cuDNN: the table behind
+    ``sage._mosaic_backend``'s "auto" rule."""
+    rows = []
+    for b, s, hq, hkv, d, causal in shapes:
+        keys = jax.random.split(jax.random.PRNGKey(3), 4)
+        q, do = (jax.random.normal(kk, (b, s, hq, d), jnp.bfloat16) for kk in (keys[0], keys[3]))
+        k, v = (jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16) for kk in keys[1:3])
+        iters = 3 if s >= 16384 else 10
+        row = dict(b=b, s=s, hq=hq, hkv=hkv, d=d, causal=causal, ms={}, errors={})
+        fns = {} if smoke else {"cudnn_bf16": attention_fn("cudnn_bf16", d, causal)}
+        for name, kw in BACKEND_SPLITS.items():
+            cfg = dataclasses.replace(sage_config(d, causal), **kw)
+            fns[name] = functools.partial(lb.sage_attention, causal=causal, config=cfg, interpret=smoke)
+        for name, fn in fns.items():
+            try:
+                row["ms"][name] = time_fn(fwd_bwd(fn), q, k, v, do, warmup=1 if smoke else 2,
+                                          iters=1 if smoke else iters, batches=1 if smoke else 3)
+            except Exception as e:  # noqa: BLE001
+                row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        log(f"B{b} S{s} H{hq}/{hkv} D{d} causal={causal!s:5} " + " ".join(f"{m}={t:.2f}" for m, t in row["ms"].items())
+            + " ms" + (f" errors={row['errors']}" if row["errors"] else ""))
+        save(rows)
+    return rows
 
 
 def throughput(shapes, log, save, smoke=False):
@@ -238,7 +280,7 @@ def error_reports(log, smoke=False):
     for label, outlier in (("normal", 0.0), ("k_outlier_10x", 10.0)):
         q, k, v = make_inputs(jax.random.PRNGKey(11), b, h, s, d, k_outlier=outlier)
         do = jax.random.normal(jax.random.PRNGKey(12), q.shape, q.dtype)
-        variants = [("sage int8 bwd", {})]
+        variants = [("sage int8 bwd", {}), ("sage int8 bwd, dS per row", dict(ds_scale="row"))]
         if label == "normal":
             variants.append(("sage bf16 bwd (ablation)", dict(backward="bf16")))
         else:
@@ -246,8 +288,9 @@ def error_reports(log, smoke=False):
         for variant, opts in variants:
             if smoke:
                 opts = dict(opts, implementation="xla")
+            config = dataclasses.replace(sage_config(d, False), ds_scale=opts.pop("ds_scale", "tile"))
             rep = lb.diagnostics.attention_error_report(q, k, v, do, causal=False, print_table=False,
-                                                        config=sage_config(d, False), **opts)
+                                                        config=config, **opts)
             rows.append(dict(b=b, h=h, s=s, d=d, inputs=label, variant=variant, report=rep))
             log(f"  report {label:13s} {variant:26s} " + " ".join(
                 f"{n}={m['cos_sim']:.4f}/{m['rel_l2']:.3f}" for n, m in rep.items()))
@@ -310,6 +353,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="only sweep the backward tiles")
     parser.add_argument("--memory-only", action="store_true", help="only the peak-memory table")
     parser.add_argument("--sweep-dq", action="store_true", help="only sweep the dQ kernel's tiles")
+    parser.add_argument("--backends", action="store_true",
+                        help="only time each (dK/dV, dQ) kernel backend pair (the 'auto' rule's table)")
     parser.add_argument("--dq-tiles", metavar="BK,WARPS,STAGES",
                         help="sage runs use these dQ-kernel tiles instead of the library default")
     args = parser.parse_args(argv)
@@ -338,6 +383,18 @@ def main(argv=None) -> int:
                               shapes=((1, 2, 256, 64, True),) if args.smoke else sweep_backward.__defaults__[0],
                               configs=dq_sweep_configs() if args.sweep_dq else None)
         for p in save_sweep(rows):
+            log(f"wrote {p}")
+        return 0
+    if args.backends:
+        name = "attention_bwd_backends" + ("_smoke" if args.smoke else "")
+        payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py --backends")
+
+        def save_splits(rows):
+            payload["rows"] = rows
+            return write_json(name, payload)
+
+        backend_splits(SMOKE_BACKEND_SHAPES if args.smoke else BACKEND_SHAPES, log, save_splits, smoke=args.smoke)
+        for p in save_splits(payload["rows"]):
             log(f"wrote {p}")
         return 0
     if args.memory_only:

@@ -7,7 +7,8 @@ Usage (GPU machine, repo root):
 Measures, in one run: compiled kernels vs the xla twin on awkward shapes (forward
 and gradients); a small tile sweep of the forward and the backward at
 B4 H32 S4096 D128; forward and fwd+bwd time and TFLOP/s (4·B·H·S²·D, halved if
-causal; fwd+bwd 3.5×) of qat, qat with the naive backward, sage and cuDNN bf16;
+causal; fwd+bwd 3.5×) of qat (Triton kernels), qat_mosaic (Pallas Mosaic GPU kernels),
+qat with the naive backward, sage and cuDNN bf16;
 O and gradient cos-sim / rel-L2 vs exact fp32 on N(0,1) at S=4096.
 Writes benchmarks/results/qat.json (and $OUT/qat.json).
 """
@@ -43,9 +44,15 @@ def qat_fn(causal, config=None, naive=False, **kw):
     return functools.partial(lb.qat_attention, causal=causal, config=config, naive_backward=naive, **kw)
 
 
+def mosaic_config(config=None) -> lb.QatConfig:
+    """``config`` (default: the library's) with the forward and backward on Pallas Mosaic GPU."""
+    return dataclasses.replace(config or lb.QatConfig(), fwd_backend="mosaic", bwd_backend="mosaic")
+
+
 def method_fns(d, causal, config):
     return {
         "qat": qat_fn(causal, config),
+        "qat_mosaic": qat_fn(causal, mosaic_config(config)),
         "qat_naive_bwd": qat_fn(causal, config, naive=True),
         "sage": functools.partial(lb.sage_attention, causal=causal),
         "cudnn_bf16": functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"),
@@ -55,20 +62,25 @@ def method_fns(d, causal, config):
 def check_kernels(log, smoke):
     rows = []
     impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
-    cases = [(2, 100, 77, 4, 2, 64, True), (1, 300, 300, 4, 1, 128, False), (2, 129, 257, 8, 2, 128, True)]
-    for b, sq, sk, hq, hkv, d, causal in cases[:1] if smoke else cases:
+    cases = [(2, 100, 77, 4, 2, 64, True, "triton"), (1, 300, 300, 4, 1, 128, False, "triton"),
+             (2, 129, 257, 8, 2, 128, True, "triton"),
+             # the Mosaic GPU kernels (Sq ≤ Sk when causal), compiled, against the same twin
+             (1, 300, 300, 4, 1, 128, False, "mosaic"), (2, 129, 257, 8, 2, 64, True, "mosaic"),
+             (2, 256, 256, 4, 4, 128, True, "mosaic")]
+    for b, sq, sk, hq, hkv, d, causal, backend in cases[:1] if smoke else cases:
         ks = jax.random.split(jax.random.PRNGKey(sq * sk), 4)
         q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.bfloat16)
         k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.bfloat16)
         v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.bfloat16)
         do = jax.random.normal(ks[3], q.shape, q.dtype)
-        g_p = fwd_bwd(qat_fn(causal, **impl))(q, k, v, do)
+        config = mosaic_config() if backend == "mosaic" else None
+        g_p = fwd_bwd(qat_fn(causal, config, **impl))(q, k, v, do)
         g_x = fwd_bwd(qat_fn(causal, implementation="xla"))(q, k, v, do)
-        row = dict(case=(b, sq, sk, hq, hkv, d, causal))
+        row = dict(case=(b, sq, sk, hq, hkv, d, causal), backend=backend)
         for i, name in enumerate(("o", "dq", "dk", "dv")):
             row[name] = lb.error_metrics(g_p[i], g_x[i])
         rows.append(row)
-        log("  kernel vs xla " + str(row["case"]) + " " + " ".join(
+        log(f"  {backend} kernels vs xla " + str(row["case"]) + " " + " ".join(
             f"{n}: rel-L1 {row[n]['rel_l1']:.1e}" for n in ("o", "dq", "dk", "dv")))
     return rows
 

@@ -83,8 +83,8 @@ def render_attention(data: dict) -> list[str]:
     return out
 
 
-BWD_COLUMNS = ("sage", "sage_triton", "sage_mosaic", "sage_mosaic_all", "cudnn_bf16", "pallas_mha_bf16",
-               "pallas_mgpu_bf16", "xla_bf16")
+BWD_COLUMNS = ("sage", "sage_triton", "sage_mosaic", "sage_mosaic_all", "sage_ds_row", "cudnn_bf16",
+               "pallas_mha_bf16", "pallas_mgpu_bf16", "xla_bf16")
 
 
 def render_backward(data: dict) -> list[str]:
@@ -92,13 +92,13 @@ def render_backward(data: dict) -> list[str]:
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
            "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
            "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the default backend "
-           "choice (`dkdv_backend`/`dq_backend` = auto: non-causal dQ on Mosaic GPU, and dK/dV too except at D128 "
-           "with S ≤ 4096, where Triton's was faster; causal calls all on Triton); `sage (Triton)` and "
-           "`sage (Mosaic)` put both backward kernels on one backend, `sage (all Mosaic)` the forward too (a dash: "
-           "not run in that measurement).", "",
-           "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | cuDNN bf16 "
-           "| Pallas mha bf16 | Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "choice (`dkdv_backend`/`dq_backend` = auto: dQ on Mosaic GPU; dK/dV on Triton at D128 when causal or "
+           "S ≤ 4096, else on Mosaic GPU — the table below); `sage (Triton)` and `sage (Mosaic)` put both backward "
+           "kernels on one backend, `sage (all Mosaic)` the forward too; `dS per row` is the default backends with "
+           "`ds_scale=\"row\"` (a dash: not run in that measurement).", "",
+           "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | dS per row "
+           "| cuDNN bf16 | Pallas mha bf16 | Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("throughput", []):
         tf = r["tflops"]
         out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(r['ms'].get('sage'), '{:.2f}')} | "
@@ -154,6 +154,22 @@ def render_backward_sweep(data: dict, title: str = "SageBwd tile sweep") -> list
     return out
 
 
+def render_backend_splits(data: dict) -> list[str]:
+    names = ["triton", "mosaic", "dkdv_triton_dq_mosaic", "dkdv_mosaic_dq_triton", "auto"]
+    out = ["", "### SageBwd kernel backends (the table behind `dkdv_backend`/`dq_backend` = \"auto\")", "",
+           f"{_provenance(data)}, `{data['command'].strip()}`. fwd+bwd ms (Triton forward in all columns); "
+           "bf16, layout (B, S, H, D); the fastest sage column in bold.", "",
+           "| B | S | Hq/Hkv | D | causal | cuDNN bf16 | all Triton | all Mosaic | dK/dV Triton + dQ Mosaic "
+           "| dK/dV Mosaic + dQ Triton | auto |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        ms = r["ms"]
+        best = min((ms[n] for n in names[:-1] if n in ms), default=None)
+        cells = [(f"**{ms[n]:.2f}**" if ms.get(n) == best else _f(ms.get(n), "{:.2f}")) for n in names]
+        out.append(f"| {r['b']} | {r['s']} | {r['hq']}/{r['hkv']} | {r['d']} | {r['causal']} | "
+                   f"{_f(ms.get('cudnn_bf16'), '{:.2f}')} | " + " | ".join(cells) + " |")
+    return out
+
+
 def _dq(dq) -> str:
     """The dQ column: a mode name, or the dQ kernel's (key tile, warps, stages)."""
     return dq if isinstance(dq, str) else f"{dq[0]} keys w{dq[1]} s{dq[2]}"
@@ -164,16 +180,19 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "TFLOP/s count 4·B·H·S²·D (halved if causal), fwd+bwd 3.5× that, for every method. bf16 inputs. "
            "The H200 has no FP4 tensor cores: FP4 is emulated (fake-quantized values, bf16 MMAs), so the cost is "
            "the in-register quantization of P plus the extra O' product. `qat naive` = FP4 forward with the "
-           "mismatched 16-bit backward (ablation).", "",
-           "| B | H | S | D | causal | fwd: qat | sage | cuDNN bf16 | qat / cuDNN | fwd+bwd: qat | qat naive | sage "
-           "| cuDNN bf16 | **qat / cuDNN** |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "mismatched 16-bit backward (ablation). `qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU "
+           "ones (`QatConfig(fwd_backend=\"mosaic\", bwd_backend=\"mosaic\")`; – where not run).", "",
+           "| B | H | S | D | causal | fwd: qat | mosaic | sage | cuDNN bf16 | qat / cuDNN | fwd+bwd: qat | mosaic "
+           "| qat naive | sage | cuDNN bf16 | **qat / cuDNN** | **mosaic / cuDNN** |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("throughput", []):
-        f, fb = r["fwd_tflops"], r["fwd_bwd_tflops"]
+        f, fb, ratio = r["fwd_tflops"], r["fwd_bwd_tflops"], r["fwd_bwd_vs_cudnn_bf16"]
         out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(f.get('qat'))} | "
-                   f"{_f(f.get('sage'))} | {_f(f.get('cudnn_bf16'))} | "
+                   f"{_f(f.get('qat_mosaic'))} | {_f(f.get('sage'))} | {_f(f.get('cudnn_bf16'))} | "
                    f"{_f(r['fwd_vs_cudnn_bf16'].get('qat'), '{:.2f}')}× | {_f(fb.get('qat'))} | "
-                   f"{_f(fb.get('qat_naive_bwd'))} | {_f(fb.get('sage'))} | {_f(fb.get('cudnn_bf16'))} | "
-                   f"**{_f(r['fwd_bwd_vs_cudnn_bf16'].get('qat'), '{:.2f}')}×** |")
+                   f"{_f(fb.get('qat_mosaic'))} | {_f(fb.get('qat_naive_bwd'))} | {_f(fb.get('sage'))} | "
+                   f"{_f(fb.get('cudnn_bf16'))} | **{_f(ratio.get('qat'), '{:.2f}')}×** | "
+                   f"**{_f(ratio.get('qat_mosaic'), '{:.2f}')}×** |")
     if data.get("accuracy"):
         r0 = data["accuracy"][0]
         out += ["", f"### Accuracy vs exact fp32 (B{r0['b']} H{r0['h']} S{r0['s']} D{r0['d']}, N(0,1), non-causal; "
@@ -183,10 +202,12 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
                 f"{r['metrics'][n]['cos_sim']:.4f} / {r['metrics'][n]['rel_l2']:.3f}" for n in ("o", "dq", "dk", "dv"))
                 + " |")
         out += ["| | Attn-QAT paper (≈) | 0.98 | 0.98 | 0.98 | 0.98 |"]
-    if data.get("kernel_checks"):
-        worst = max(r[n]["rel_l1"] for r in data["kernel_checks"] for n in ("o", "dq", "dk", "dv"))
-        out += ["", f"Compiled kernels vs the xla twin on awkward shapes (ragged, GQA/MQA, causal Sq≠Sk): "
-                f"{len(data['kernel_checks'])} cases, O and gradients, worst rel-L1 {worst:.1e}."]
+    for backend in ("triton", "mosaic"):
+        checks = [r for r in data.get("kernel_checks", []) if r.get("backend", "triton") == backend]
+        if checks:
+            worst = max(r[n]["rel_l1"] for r in checks for n in ("o", "dq", "dk", "dv"))
+            out += ["", f"Compiled {backend} kernels vs the xla twin on awkward shapes (ragged, GQA/MQA, causal "
+                    f"Sq≠Sk): {len(checks)} cases, O and gradients, worst rel-L1 {worst:.1e}."]
     if sweep:
         out += ["", f"### Tile sweep ({sweep['env']['date']}, `{sweep['command'].strip()}`, B4 H32 S4096 D128)", "",
                 "| part | tiles (bq×bk w s) | ms | TFLOP/s |", "|---|---|---|---|"]
@@ -243,6 +264,7 @@ def main() -> None:
     lines = ["# Benchmark results", "", "Generated by `benchmarks/render_results.py` from `benchmarks/results/*.json`; "
              "do not edit by hand. Notes on what was tried and why: `benchmarks/NOTES.md`.", ""]
     sections = [("attention", render_attention), ("attention_bwd", render_backward),
+                ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),
                 ("attention_bwd_dq_sweep", lambda data: render_backward_sweep(data, "SageBwd dQ-kernel tile sweep")),
                 ("training", render_training),

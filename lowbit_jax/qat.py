@@ -37,6 +37,7 @@ from lowbit_jax.qat_reference import (
 from pallas_kernels import fake_quant as fake_quant_kernels
 from pallas_kernels import qat_bwd as qat_bwd_kernels
 from pallas_kernels import qat_fwd as qat_fwd_kernels
+from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
 from pallas_kernels.configs import QatConfig, qat_config
 
 
@@ -144,7 +145,12 @@ def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, w
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               out_dtype=q.dtype, with_aux=with_aux)
     if opts.implementation == "pallas":
-        o, o_aux, lse, m = qat_fwd_kernels.qat_attention_fwd(qf, kf, vf, interpret=opts.interpret, **kw)
+        forward = qat_fwd_kernels.qat_attention_fwd
+        if opts.config.fwd_backend == "mosaic" and qat_fwd_mosaic.supports(
+                sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=qf.shape[2], head_dim=qf.shape[3], causal=opts.causal,
+                out_dtype=q.dtype, config=opts.config):
+            forward = qat_fwd_mosaic.qat_attention_fwd_mosaic
+        o, o_aux, lse, m = forward(qf, kf, vf, interpret=opts.interpret, **kw)
     else:
         o, o_aux, lse, m = qat_forward_reference(qf, kf, vf, **kw)
     return o, o_aux, lse, m, (qf, kf, vf)
@@ -165,6 +171,12 @@ def _qat_bwd(opts: QatOptions, residuals, do):
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               naive=opts.naive_backward)
     if opts.implementation == "pallas":
+        if opts.config.bwd_backend == "mosaic" and qat_bwd_mosaic.supports(
+                sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=qf.shape[2], sk_pad=kf.shape[2], head_dim=qf.shape[3],
+                causal=opts.causal, dtype=qf.dtype, do_dtype=do.dtype):
+            return qat_bwd_mosaic.qat_attention_bwd_mosaic(
+                qf, kf, vf, o_aux, lse, m, do, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal,
+                scale=opts.scale, naive=opts.naive_backward, interpret=opts.interpret)
         return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, interpret=opts.interpret, **kw)
     return qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, **kw)
 

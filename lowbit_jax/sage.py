@@ -274,10 +274,12 @@ def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> 
     backend = getattr(opts.config, f"{kernel}_backend")
     if backend == "triton" or (backend == "auto" and (opts.interpret or not on_hopper())):
         return False
-    short_d128 = ops.q.shape[3] == 128 and ops.q.shape[2] <= 4096
-    if backend == "auto" and (opts.causal or (kernel == "dkdv" and short_d128)):
-        # H200: Triton dK/dV 7.25 ms vs Mosaic 7.77 at B4 H32 S4096 D128 (Mosaic wins at S16k, D64);
-        # the causal Mosaic kernels are not measured yet.
+    d128 = ops.q.shape[3] == 128
+    if backend == "auto" and kernel == "dkdv" and d128 and (opts.causal or ops.q.shape[2] <= 4096):
+        # H200 fwd+bwd, B4 H32 D128 (benchmarks/NOTES.md, fifth session): Triton dK/dV + Mosaic dQ
+        # 14.30 ms vs all-Mosaic 14.82 at S4096; causal 8.08 vs 9.20 (S4096) and 30.6 vs 33.5 (S16k).
+        # All-Mosaic wins non-causal at S16k (56.4 vs 61.8) and at D64, causal or not
+        # (B8 S2048: 5.46 vs 5.80; the 50m model's B16 S2048 Hq10 Hkv5 causal: 2.19 vs 2.27).
         return False
     return sage_bwd_mosaic.supports(
         kernel, sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=ops.q.shape[2], sk_pad=ops.k.shape[2],
@@ -305,7 +307,7 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
             sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
-            interpret=opts.interpret)
+            ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
     else:
         dk, dv = sage_bwd_kernels.sage_bwd_dkdv(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, ops.vt,
@@ -314,7 +316,7 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
         dq = sage_bwd_mosaic.sage_bwd_dq_mosaic(
             ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t, vd, sq_len=opts.seq_q,
             sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block, scale=opts.scale,
-            interpret=opts.interpret)
+            ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
     else:
         dq = sage_bwd_kernels.sage_bwd_dq(ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t,
                                           ops.vt, ops.v_scale, bias, **kw)

@@ -155,7 +155,8 @@ def sage_backward_reference(
     Scans over query tiles (memory O(S·D) per step, not S²·D). Same quantization
     as the kernels: dO INT8 per query tile, P INT8 per key row of each tile for
     dV, dS INT8 per tile — (bwd_block_q × bwd_block_k) for dK, (bwd_block_q × dq_block_k)
-    for dQ — (with per-token Q/K scales folded in first), dP = dO·Ṽᵀ with
+    for dQ; with ``config.ds_scale="row"`` per key of the dK tile and per query row of
+    the dQ tile — (with per-token Q/K scales folded in first), dP = dO·Ṽᵀ with
     Ṽ = V̂·s_V rounded to dO's dtype, fp32 accumulation.
 
     Args:
@@ -213,22 +214,25 @@ def sage_backward_reference(
         # dS tiles: (bq × bk) for dK (reduction over queries), (bq × dq_block_k) for dQ (over keys)
         dst = ds.reshape(b, hq, bq, nkb, bk)
         dsq_t = ds.reshape(b, hq, bq, nkb_q, bk_q)
+        # one scale per tile, or per key (dK) / per query row and key tile (dQ) with ds_scale="row"
+        k_axes, q_axes = ((2,), (4,)) if config.ds_scale == "row" else ((2, 4), (2, 4))
         if per_block:
-            dsk8, sc = int8.quantize(dst, (2, 4))
-            dsk_fac = sc[:, :, 0, :, 0] * qs_i[:, :, :1] / LOG2E  # (B, H, nkb)
-            dsq8, sc = int8.quantize(dsq_t, (2, 4))
-            dsq_fac = sc[:, :, 0, :, 0] * ks_q_tiles[..., 0] * scale
+            dsk8, dsk_fac = int8.quantize(dst, k_axes)
+            dsk_fac = dsk_fac * qs_i[:, :, :1, None, None] / LOG2E
+            dsq8, dsq_fac = int8.quantize(dsq_t, q_axes)
+            dsq_fac = dsq_fac * ks_q_tiles[:, :, None, :, :1] * scale
         else:
-            dsk8, sc = int8.quantize(dst * qs_i[:, :, :, None, None], (2, 4))
-            dsk_fac = sc[:, :, 0, :, 0] / LOG2E
-            dsq8, sc = int8.quantize(dsq_t * ks_q_tiles[:, :, None], (2, 4))
-            dsq_fac = sc[:, :, 0, :, 0] * scale
+            dsk8, dsk_fac = int8.quantize(dst * qs_i[:, :, :, None, None], k_axes)
+            dsk_fac = dsk_fac / LOG2E
+            dsq8, dsq_fac = int8.quantize(dsq_t * ks_q_tiles[:, :, None], q_axes)
+            dsq_fac = dsq_fac * scale
+        # factors: dK (B, H, 1, nkb, bk|1) → per key; dQ (B, H, bq|1, nkb_q, 1) → per query row
         dk_int = _int8_product("bhqjk,bhqd->bhjkd", dsk8, q_i)
-        dk = dk + (dk_int * dsk_fac[..., None, None]).reshape(b, hq, sk_pad, d)
+        dk = dk + (dk_int * dsk_fac[:, :, 0, :, :, None]).reshape(b, hq, sk_pad, d)
         if has_bias:
             dk = dk + scale * jnp.sum(ds, axis=2)[..., None] * qmean_i[:, :, None, :]
         dq_int = _int8_product("bhqjk,bhjkd->bhqjd", dsq8, k_q_tiles)
-        dq_i = jnp.sum(dq_int * dsq_fac[:, :, None, :, None], axis=3)
+        dq_i = jnp.sum(dq_int * dsq_fac, axis=3)
         extra = (p, dp, ds) if intermediates else ()
         return (dk, dv), (dq_i,) + extra
 

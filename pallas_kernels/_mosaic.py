@@ -81,6 +81,55 @@ def tile_max(x: jax.Array, scratch) -> jax.Array:
     return jnp.max(col_vector(scratch))
 
 
+def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offset: int = 0,
+                sk_len: int | None = None, transposed: bool = False) -> jax.Array:
+    """−inf where the key is padding (≥ ``sk_len``, if given) or, if ``causal``, key > query +
+    ``offset`` (bottom-right aligned); a (queries × keys) WGMMA tile, or (keys × queries) if
+    ``transposed``. ``key_start``/``query_start``: the tile's first key and query."""
+    key_dim, query_dim = (0, 1) if transposed else (1, 0)
+    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, scores.shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
+    keys = iota(key_dim) + key_start
+    visible = None if sk_len is None else keys < sk_len
+    if causal:
+        in_window = keys <= iota(query_dim) + query_start + offset
+        visible = in_window if visible is None else visible & in_window
+    return scores if visible is None else jnp.where(visible, scores, -jnp.inf)
+
+
+def grid_position() -> tuple:
+    """(batch, head, warpgroup) of this thread on a ("heads", <blocks>, "batch") grid with axis "wg"."""
+    return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+
+
+def query_block_keys(rows: int, sk_pad: int, block_k: int, *, sk_len: int, causal: bool, offset: int) -> tuple:
+    """For a CTA of ``rows`` query rows (grid axis "q") streaming ``block_k``-key tiles of a
+    ``sk_pad``-key sequence: its first query row, how many key tiles it visits (all, or if
+    causal, bottom-right aligned, up to the last one its last row sees) and whether its tiles
+    need masking (causal, or padded keys)."""
+    start = lax.axis_index("q") * rows
+    n_ktiles = sk_pad // block_k
+    steps = jnp.clip(lax.div(start + rows + offset + block_k - 1, block_k), 0, n_ktiles) if causal else n_ktiles
+    return start, steps, causal or sk_len != sk_pad
+
+
+def first_query_tile(cta_keys, block_q: int, n_qtiles: int, *, causal: bool, offset: int):
+    """The first query tile that sees a CTA's keys (from ``cta_keys`` on): 0, or if causal the
+    tile of query ``cta_keys − offset``; earlier tiles are fully masked."""
+    return jnp.clip(lax.div(cta_keys - offset, block_q), 0, n_qtiles) if causal else 0
+
+
+def wg_tiles(wgs: int, rows: int, dtype, cols: int):
+    """One (rows, cols) SMEM tile per compute warpgroup, tiled and swizzled for TMA and ``wgmma``."""
+    return plgpu.SMEM((wgs, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
+
+
+def launch(kernel, out_type, scratch_types, grid, grid_names, *, compute_wgs: int, interpret: bool):
+    """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg")."""
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
+                        compiler_params=compiler_params(), num_threads=compute_wgs + 1, thread_name="wg",
+                        interpret=interpret_params(interpret))
+
+
 def matmul(acc_shape: tuple[int, int], acc_dtype, a, b) -> jax.Array:
     """``a @ b`` on the tensor cores (``a`` SMEM or registers, ``b`` SMEM), as a fresh array."""
 
@@ -89,6 +138,17 @@ def matmul(acc_shape: tuple[int, int], acc_dtype, a, b) -> jax.Array:
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
+
+
+def register_operand(x: jax.Array, scratch, interpret: bool):
+    """``x`` (a 16-bit WGMMA-layout tile) as the register A operand of ``wgmma``; the
+    Mosaic GPU interpreter takes SMEM operands only, so there it goes through
+    ``scratch`` (same values)."""
+    if not interpret:
+        return x
+    scratch[...] = x
+    plgpu.commit_smem()
+    return scratch
 
 
 def matmul_pair(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -> tuple[jax.Array, jax.Array]:
@@ -108,6 +168,23 @@ def matmul_pair(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -
 
     zeros = [plgpu.layout_cast(jnp.zeros(s, dt), plgpu.Layout.WGMMA) for s, dt in zip(shapes, dtypes)]
     return pl.run_state(body)(tuple(plgpu.ACC.init(z) for z in zeros))
+
+
+def accumulate(accs: tuple, operands: tuple, *, fused: bool) -> tuple:
+    """``acc_i + a_i @ b_i`` for each accumulator (float32 WGMMA-layout arrays).
+
+    ``fused`` issues every product into its accumulator in place and waits once;
+    otherwise (the Mosaic GPU interpreter) each product is computed into a fresh
+    accumulator and added (same values up to accumulation order).
+    """
+    if not fused:
+        return tuple(acc + matmul(acc.shape, acc.dtype, a, b) for acc, (a, b) in zip(accs, operands))
+
+    def body(refs):
+        for ref, (a, b) in zip(refs, operands):
+            plgpu.wgmma(ref, a, b)
+
+    return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
 def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 2, stages: int = 2):
@@ -148,6 +225,6 @@ def on_hopper() -> bool:
 
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
-           "row_vector", "col_vector", "tile_max", "matmul", "matmul_pair", "compute_pipeline", "key_step_specs",
-           "transposed_step_spec", "copy_in", "on_hopper",
-           "MEMORY_REGISTERS"]
+           "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
+           "first_query_tile", "wg_tiles", "launch", "matmul", "matmul_pair", "register_operand", "accumulate",
+           "compute_pipeline", "key_step_specs", "transposed_step_spec", "copy_in", "on_hopper", "MEMORY_REGISTERS"]

@@ -15,6 +15,8 @@ import jax
 
 #: Pallas backends a kernel family may run on ("auto" picks per device and call).
 BACKENDS = ("auto", "triton", "mosaic")
+#: granularities of SageBwd's INT8 dS scales (SageFwdConfig.ds_scale)
+DS_SCALES = ("tile", "row")
 
 
 def _is_pow2(n: int) -> bool:
@@ -41,14 +43,17 @@ class SageFwdConfig:
       dkdv_backend, dq_backend: the Pallas backend of the SageBwd dK/dV and dQ kernels:
         "triton", "mosaic" (Mosaic GPU, warp-specialised ``wgmma``; sm_90 only, and only
         for the calls :mod:`pallas_kernels.sage_bwd_mosaic` supports, else Triton) or
-        "auto": the faster one measured on the H200 where supported — dQ on mosaic (4.4 ms vs
-        5.8 at B4 H32 S4096 D128); dK/dV on mosaic except at D128 with Sq ≤ 4096 (triton 7.25 ms
-        vs mosaic 7.77 there; mosaic 30.2 vs 35.7 at B1 S16384) — and triton for causal calls
-        (the causal Mosaic kernels are tested but not yet timed), in interpret mode and off
-        Hopper. The numerics are the same.
+        "auto": the faster pair measured on the H200 where supported (RESULTS.md, "SageBwd
+        kernel backends") — dQ on mosaic; dK/dV on triton at D128 when causal or Sq ≤ 4096,
+        else on mosaic — and triton in interpret mode and off Hopper. The numerics are the same.
       fwd_backend: the forward kernel's backend: "triton" (default) or "mosaic"
-        (:mod:`pallas_kernels.sage_fwd_mosaic`, where it applies; tested, not yet timed,
-        so not the default).
+        (:mod:`pallas_kernels.sage_fwd_mosaic`, where it applies; timed no faster than
+        Triton's, so not the default).
+      ds_scale: granularity of the INT8 dS scales. "tile" (default, SPEC §1): one scale per
+        backward tile. "row" (an option): each kernel uses its own dS in one product only,
+        so the scale may follow that product's output rows (SPEC's rule on where a scale
+        may live) — one per key for dK = dSᵀQ̂, one per query row for dQ = dŜK̂: finer,
+        and a reduction inside each warp instead of across the warpgroup.
     """
 
     block_q: int = 64
@@ -66,11 +71,14 @@ class SageFwdConfig:
     dkdv_backend: str = "auto"
     dq_backend: str = "auto"
     fwd_backend: str = "triton"
+    ds_scale: str = "tile"
 
     def __post_init__(self) -> None:
         for name in ("dkdv_backend", "dq_backend", "fwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"SageFwdConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
+        if self.ds_scale not in DS_SCALES:
+            raise ValueError(f"SageFwdConfig.ds_scale must be one of {DS_SCALES}, got {self.ds_scale!r}")
         if self.bwd_block_q is None:
             object.__setattr__(self, "bwd_block_q", min(64, self.block_q))
         if self.bwd_block_k is None:
@@ -162,6 +170,11 @@ class QatConfig:
       num_warps, num_stages: forward launch parameters.
       bwd_block_q, bwd_block_k, bwd_warps, bwd_stages: backward tiles/launch.
       quant_block, quant_warps: rows per program of the fused Q/K/V fake-quant kernel.
+      fwd_backend: the forward kernel's backend: "triton" (default; "auto" means it too
+        until the Mosaic kernel is timed) or "mosaic" (Pallas Mosaic GPU, Hopper:
+        ``pallas_kernels.qat_fwd_mosaic``; calls it does not cover run on Triton).
+      bwd_backend: the same choice for the two backward kernels
+        (``pallas_kernels.qat_bwd_mosaic``).
     """
 
     # H200 sweep 2026-11-29 (benchmarks/results/qat.json, B4 H32 S4096 D128): forward 64x64 w4 s3
@@ -176,8 +189,13 @@ class QatConfig:
     bwd_stages: int = 2
     quant_block: int = 64
     quant_warps: int = 4
+    fwd_backend: str = "triton"
+    bwd_backend: str = "triton"
 
     def __post_init__(self) -> None:
+        for name in ("fwd_backend", "bwd_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"QatConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
         for name in ("block_q", "block_k", "num_warps", "bwd_block_q", "bwd_block_k", "bwd_warps", "quant_block",
                      "quant_warps"):
             value = getattr(self, name)
@@ -195,7 +213,8 @@ class QatConfig:
     @property
     def pad(self) -> int:
         """Sequence padding of the fake-quantized operands: a multiple of every tile."""
-        return max(self.block_q, self.block_k, self.bwd_block_q, self.bwd_block_k, self.quant_block)
+        mosaic_rows = 128 if "mosaic" in (self.fwd_backend, self.bwd_backend) else 0  # two 64-row warpgroups
+        return max(self.block_q, self.block_k, self.bwd_block_q, self.bwd_block_k, self.quant_block, mosaic_rows)
 
     def fitted(self, seq_q: int, seq_k: int) -> "QatConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""

@@ -114,6 +114,7 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, i
 def _dkdv_kernel(
     q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vt_ref, vs_ref, *refs,
     block_q, block_k, sq_len, sk_len, sq_pad, sk_pad, causal, per_block, has_bias, scale, group, n_qblocks, q_ratio,
+    ds_axes,
 ):
     if has_bias:
         bias_ref, qmean_ref, dk_ref, dv_ref = refs
@@ -153,10 +154,10 @@ def _dkdv_kernel(
         dpt = _dot_f32(vd, do)
         dst = pt * (dpt - delta_ref[g, rows][None, :])
         if per_block:
-            ds8, ds_scale = int8.quantize(dst, _TILE)
+            ds8, ds_scale = int8.quantize(dst, ds_axes)
             factor = ds_scale * qs_ref[g, q_start] * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = int8.quantize(dst * qs[None, :], _TILE)
+            ds8, ds_scale = int8.quantize(dst * qs[None, :], ds_axes)
             factor = ds_scale * (1.0 / LOG2E)
         dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
         if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
@@ -182,7 +183,7 @@ def _dkdv_kernel(
 
 def _dq_kernel(
     q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vt_ref, vs_ref, *refs,
-    block_q, block_k, sq_len, sk_len, sq_pad, causal, per_block, has_bias, scale,
+    block_q, block_k, sq_len, sk_len, sq_pad, causal, per_block, has_bias, scale, ds_axes,
 ):
     if has_bias:
         bias_ref, dq_ref = refs
@@ -215,10 +216,10 @@ def _dq_kernel(
         dp = jnp.dot(do, dequantize_v_t(vt_ref[:, keys], vs, do.dtype), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if per_block:
-            ds8, ds_scale = int8.quantize(ds, _TILE)
+            ds8, ds_scale = int8.quantize(ds, ds_axes)
             factor = ds_scale * ks_ref[start] * scale
         else:
-            ds8, ds_scale = int8.quantize(ds * ks[None, :], _TILE)
+            ds8, ds_scale = int8.quantize(ds * ks[None, :], ds_axes)
             factor = ds_scale * scale
         return acc + _dot_i8(ds8, kt_ref[:, keys]) * factor
 
@@ -233,8 +234,10 @@ def _dq_kernel(
 
 
 def _common(config, sq_len, sk_len, sq_pad, causal, per_block, scale, has_bias):
+    # dS: one scale per tile (both axes), or per row of the kernel's tile (its product's output rows)
+    ds_axes = 1 if config.ds_scale == "row" else (0, 1)
     return dict(block_q=config.bwd_block_q, block_k=config.bwd_block_k, sq_len=sq_len, sk_len=sk_len, sq_pad=sq_pad,
-                causal=causal, per_block=per_block, has_bias=has_bias, scale=scale)
+                causal=causal, per_block=per_block, has_bias=has_bias, scale=scale, ds_axes=ds_axes)
 
 
 @functools.partial(

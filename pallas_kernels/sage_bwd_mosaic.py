@@ -44,8 +44,9 @@ from jax import lax
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compiler_params, compute_pipeline, copy_in, interpret_params, key_step_specs, matmul,
-    matmul_pair, pl, plgpu, row_vector, rows_of, tile_max, tile_transforms, transposed_step_spec,
+    col_vector, cols_of, compute_pipeline, copy_in, first_query_tile, grid_position, key_step_specs, launch,
+    mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max, tile_transforms,
+    transposed_step_spec, wg_tiles,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -82,10 +83,14 @@ def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
 
 
-def _tile_quantize(x: jax.Array, scratch) -> tuple[jax.Array, jax.Array]:
-    """ψ with one scale for the whole 2-D tile (int8.quantize over both axes), scalar scale."""
-    amax = tile_max(jnp.abs(x), scratch)
-    scale = int8.scale_from_amax(amax)
+def _ds_quantize(x: jax.Array, scratch, per_row: bool) -> tuple[jax.Array, jax.Array]:
+    """ψ of a dS tile: one scale for the whole tile (int8.quantize over both axes; a scalar) or,
+    ``per_row``, one per row (over axis 1; a row vector, no cross-warp reduction)."""
+    if per_row:
+        scale = int8.scale_from_amax(jnp.max(jnp.abs(x), axis=1))
+        rows = lambda v: rows_of(v, x.shape)  # noqa: E731
+        return int8.encode_with_scale(x, scale, native_round=True, broadcast=rows), scale
+    scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch))
     return int8.encode_with_scale(x, scale, native_round=True), scale
 
 
@@ -96,30 +101,19 @@ def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
     return codes, int8.scale_from_amax(pmax)
 
 
-def _causal_mask(scores: jax.Array, k_start, q_start, offset: int, *, transposed: bool) -> jax.Array:
-    """−inf where key > query + offset (tile_ranges.visible); ``transposed``: a (keys, queries) tile."""
-    key_dim, query_dim = (0, 1) if transposed else (1, 0)
-    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, scores.shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
-    keys = iota(key_dim) + k_start
-    queries = iota(query_dim) + q_start
-    return jnp.where(keys <= queries + offset, scores, -jnp.inf)
-
-
 # ----------------------------------------------------------------------------- dK, dV
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
                  dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, dk_smem2, p_smem2, ds_smem2, red_smem2, barriers,
-                 *, group, n_qtiles, per_block, head_dim, fused, causal, offset):
-    b = lax.axis_index("batch")
-    hkv = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
+                 *, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row):
+    b, hkv, wg = grid_position()
     h0 = hkv * group
     shape = (TILE, TILE)  # (keys, queries)
     # Causal: the query tiles before the first one that sees any key of this CTA are skipped
     # (not even loaded); the rest are masked element-wise (bottom-right aligned, tile_ranges).
     cta_keys = lax.axis_index("kv") * (WGS * TILE)
-    i_first = jnp.clip(lax.div(cta_keys - offset, TILE), 0, n_qtiles) if causal else 0
+    i_first = first_query_tile(cta_keys, TILE, n_qtiles, causal=causal, offset=offset)
     n_vis = n_qtiles - i_first
 
     def compute(pipeline):
@@ -149,7 +143,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         st = st * rows_of(ks, shape) * cols_of(qs, shape)  # base-2 scores Sᵀ
         if causal:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
-            st = _causal_mask(st, cta_keys + wg * TILE, q_start, offset, transposed=True)
+            st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True)
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # dV += P̂ᵀ dÔ (P per key row of the tile, dO one scale per query tile).
         p8, p_scale = _unit_rows_quantize(pt)
@@ -163,15 +157,15 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (one dS scale per tile).
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
         if per_block:
-            ds8, ds_scale = _tile_quantize(dst, red_smem2.at[wg])
+            ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row)
             factor = ds_scale * jnp.max(qs) * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = _tile_quantize(dst * cols_of(qs, shape), red_smem2.at[wg])
+            ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * (1.0 / LOG2E)
         ds_smem[...] = ds8
         plgpu.commit_smem()
         dk_part = matmul((TILE, head_dim), jnp.int32, ds_smem, qt_smem.T)
-        dk_acc = dk_acc + dk_part.astype(jnp.float32) * factor
+        dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, dk_part.shape) if ds_per_row else factor)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
@@ -211,17 +205,13 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
 
 def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vd_ref, dq_ref,
                q_smem2, do_smem2, qs_smem2, lse_smem2, delta_smem2, ds_smem2, red_smem2, barriers,
-               *, group, scale, per_block, head_dim, fused, causal, offset):
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
+               *, group, scale, per_block, head_dim, fused, causal, offset, ds_per_row):
+    b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, TILE)  # (queries, keys)
-    n_ktiles = k_ref.shape[2] // TILE
-    cta_queries = lax.axis_index("q") * (WGS * TILE)
-    # Causal: stop after the last key tile any query of this CTA sees; mask element-wise.
-    n_steps = (jnp.clip(lax.div(cta_queries + WGS * TILE + offset + TILE - 1, TILE), 0, n_ktiles) if causal
-               else n_ktiles)
+    # Causal: stop after the last key tile any query of this CTA sees; mask element-wise (no padded keys).
+    cta_queries, n_steps, _ = query_block_keys(WGS * TILE, k_ref.shape[2], TILE, sk_len=k_ref.shape[2],
+                                               causal=causal, offset=offset)
 
     def compute(pipeline):
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -246,21 +236,21 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
                             ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
         s = s.astype(jnp.float32) * rows_of(qs, shape) * cols_of(ks, shape)
         if causal:
-            s = _causal_mask(s, idx[0] * TILE, cta_queries + wg * TILE, offset, transposed=False)
+            s = mask_scores(s, idx[0] * TILE, cta_queries + wg * TILE, causal=True, offset=offset)
         p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
         ds = p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))
         if per_block:
-            ds8, ds_scale = _tile_quantize(ds, red_smem2.at[wg])
+            ds8, ds_scale = _ds_quantize(ds, red_smem2.at[wg], ds_per_row)
             factor = ds_scale * jnp.max(ks) * scale
         else:
-            ds8, ds_scale = _tile_quantize(ds * cols_of(ks, shape), red_smem2.at[wg])
+            ds8, ds_scale = _ds_quantize(ds * cols_of(ks, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * scale
         ds_smem[...] = ds8
         plgpu.commit_smem()
         dq_part = matmul((TILE, head_dim), jnp.int32, ds_smem, kt_smem.T)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
-        return dq_acc + dq_part.astype(jnp.float32) * factor
+        return dq_acc + dq_part.astype(jnp.float32) * (rows_of(factor, dq_part.shape) if ds_per_row else factor)
 
     pipeline = compute_pipeline(
         step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES, in_specs=[
@@ -274,44 +264,37 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
 # ----------------------------------------------------------------------------- calls
 
 
-def _smem_tiles(rows: int, dtype, cols: int):
-    """One (rows, cols) SMEM tile per compute warpgroup."""
-    return plgpu.SMEM((WGS, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
-
-
-def _launch(kernel, out_type, scratch_types, grid, grid_names, interpret):
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
-                        compiler_params=compiler_params(), num_threads=WGS + 1, thread_name="wg",
-                        interpret=interpret_params(interpret))
-
-
 def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd, *,
-                         sq_len: int, sk_len: int, causal: bool, per_block: bool,
+                         sq_len: int, sk_len: int, causal: bool, per_block: bool, ds_per_row: bool = False,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
-    Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding."""
+    Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding;
+    ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``)."""
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
-                               head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len)
-    scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
-               _smem_tiles(TILE, f16, d), _smem_tiles(TILE, i8, TILE), _smem_tiles(TILE, i8, TILE),
+                               head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
+                               ds_per_row=ds_per_row)
+    scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
+               wg_tiles(WGS, TILE, f16, d), wg_tiles(WGS, TILE, i8, TILE), wg_tiles(WGS, TILE, i8, TILE),
                plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
-    return _launch(kernel, [jax.ShapeDtypeStruct((b, sk_len, hkv, d), f16)] * 2, scratch,
-                   (hkv, sk_pad // (WGS * TILE), b), ("heads", "kv", "batch"), interpret,
-                   )(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd)
+    return launch(kernel, [jax.ShapeDtypeStruct((b, sk_len, hkv, d), f16)] * 2, scratch,
+                  (hkv, sk_pad // (WGS * TILE), b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret,
+                  )(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd)
 
 
 def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *, sq_len: int, sk_len: int,
-                       causal: bool, per_block: bool, scale: float, interpret: bool = False) -> jax.Array:
-    """dQ (B, Sq, Hq, D) in do's dtype. Inputs as :func:`sage_bwd_dkdv_mosaic` plus K̂ᵀ (B, Hkv, D, Sk)."""
+                       causal: bool, per_block: bool, scale: float, ds_per_row: bool = False,
+                       interpret: bool = False) -> jax.Array:
+    """dQ (B, Sq, Hq, D) in do's dtype. Inputs as :func:`sage_bwd_dkdv_mosaic` plus K̂ᵀ (B, Hkv, D, Sk);
+    ``ds_per_row``: dS scales per query row instead of per tile."""
     b, hq, sq_pad, d = q8.shape
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     kernel = functools.partial(_dq_kernel, group=hq // k8.shape[1], scale=scale, per_block=per_block, head_dim=d,
-                               fused=not interpret, causal=causal, offset=sk_len - sq_len)
-    scratch = [_smem_tiles(TILE, i8, d), _smem_tiles(TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
-        _smem_tiles(TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
-    return _launch(kernel, jax.ShapeDtypeStruct((b, sq_len, hq, d), f16), scratch,
-                   (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), interpret,
-                   )(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd)
+                               fused=not interpret, causal=causal, offset=sk_len - sq_len, ds_per_row=ds_per_row)
+    scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
+        wg_tiles(WGS, TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
+    return launch(kernel, jax.ShapeDtypeStruct((b, sq_len, hq, d), f16), scratch,
+                  (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS, interpret=interpret,
+                  )(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd)

@@ -17,7 +17,8 @@ masked tiles (causal diagonal, ragged key tail) are masked element-wise.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
-Selected with ``SageFwdConfig.fwd_backend="mosaic"``; not yet timed on the GPU.
+Selected with ``SageFwdConfig.fwd_backend="mosaic"``; on the H200 it is no faster than the
+Triton kernel (benchmarks/NOTES.md, fifth session), so it is not the default.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from jax import lax
 
 from lowbit_jax.formats import int8
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compiler_params, compute_pipeline, copy_in, interpret_params, key_step_specs, matmul, pl,
-    plgpu, row_vector, rows_of, tile_transforms, transposed_step_spec,
+    col_vector, cols_of, compute_pipeline, copy_in, grid_position, key_step_specs, launch, mask_scores, matmul, pl,
+    plgpu, query_block_keys, row_vector, rows_of, transposed_step_spec, wg_tiles,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -50,17 +51,11 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
                 q_smem2, qs_smem2, vs_smem2, p_smem2, o_smem2, lse_smem2, barriers,
                 *, group, block_k, head_dim, sk_len, causal, offset):
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
+    b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, block_k)
-    n_ktiles = k_ref.shape[2] // block_k
-    cta_queries = lax.axis_index("q") * (WGS * TILE)
-    n_steps = n_ktiles
-    if causal:  # the last key tile the block's last query row sees
-        n_steps = jnp.clip(lax.div(cta_queries + WGS * TILE + offset + block_k - 1, block_k), 0, n_ktiles)
-    masked = causal or sk_len % block_k != 0
+    cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
+                                                    causal=causal, offset=offset)
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
 
@@ -88,12 +83,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T).astype(jnp.float32)
         s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
         if masked:
-            iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
-            keys = iota(1) + idx[0] * block_k
-            visible = keys < sk_len
-            if causal:
-                visible = visible & (keys <= iota(0) + q_start + offset)
-            s = jnp.where(visible, s, -jnp.inf)
+            s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
         m_cur = jnp.max(s, axis=1)
         m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
         e = jnp.exp2(s - rows_of(m_ref, shape))
@@ -139,15 +129,9 @@ def sage_attention_fwd_mosaic(
     f32 = jnp.float32
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len)
-    scratch = [plgpu.SMEM((WGS, TILE, d), jnp.int8, transforms=tile_transforms(jnp.int8, d)),
-               plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
-               plgpu.SMEM((WGS, TILE, config.block_k), jnp.int8, transforms=tile_transforms(jnp.int8, config.block_k)),
-               plgpu.SMEM((WGS, TILE, d), out_dtype), plgpu.SMEM((WGS, TILE), f32),
-               plgpu.Barrier(num_barriers=(3, WGS))]
-    return plgpu.kernel(
-        kernel,
-        out_type=[jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype), jax.ShapeDtypeStruct((b, hq, sq_len), f32)],
-        scratch_types=scratch, grid=(hq, sq_pad // (WGS * TILE), b), grid_names=("heads", "q", "batch"),
-        compiler_params=compiler_params(), num_threads=WGS + 1, thread_name="wg",
-        interpret=interpret_params(interpret),
-    )(q8, q_scale, k8, k_scale, vt8, v_scale)
+    scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
+               wg_tiles(WGS, TILE, jnp.int8, config.block_k), plgpu.SMEM((WGS, TILE, d), out_dtype),
+               plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
+    out_type = [jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype), jax.ShapeDtypeStruct((b, hq, sq_len), f32)]
+    return launch(kernel, out_type, scratch, (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"),
+                  compute_wgs=WGS, interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)

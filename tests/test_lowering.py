@@ -23,7 +23,7 @@ CASES = [
     (4096, 4096, 8, 8, 128, False, "per_block", False, lb.sage_fwd_config(128, False, "NVIDIA H200")),
     (1000, 1000, 8, 2, 128, True, "per_block", False, lb.SageFwdConfig(128, 128, 8, 3, dq_block_k=128, dq_warps=8)),
     (300, 700, 8, 1, 64, True, "per_token", True, lb.sage_fwd_config(64, True, "NVIDIA H200")),
-    (77, 50, 4, 2, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2, bwd_block_q=32)),
+    (77, 50, 4, 2, 64, False, "per_block", True, lb.SageFwdConfig(64, 64, 4, 2, bwd_block_q=32, ds_scale="row")),
     (256, 256, 2, 2, 32, False, "per_token", False, lb.SageFwdConfig(64, 64, 4, 2)),
 ]
 
@@ -174,11 +174,12 @@ def test_qat_forward_and_backward_lower_to_triton(case):
         assert name in text
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sage_backward_lowers_to_mosaic_gpu(causal):
-    """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls."""
+@pytest.mark.parametrize("causal, ds_scale", [(False, "tile"), (True, "tile"), (True, "row")])
+def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale):
+    """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls
+    (dS scales per tile, or per row: ``ds_scale``)."""
     cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), dkdv_backend="mosaic",
-                              dq_backend="mosaic")
+                              dq_backend="mosaic", ds_scale=ds_scale)
     sq = 384 if causal else 1024  # causal needs Sq ≤ Sk
     specs, opts = specs_and_options(sq, 512, 8, 2, 128, causal, "per_token", False, cfg)
 
@@ -200,3 +201,31 @@ def test_sage_forward_lowers_to_mosaic_gpu(causal):
     text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
     assert text.count(TRITON_CALL) == 2  # sage_quantize_q, sage_quantize_kv; no Triton attention kernel
     assert "sage_quantize_q" in text and "sage_quantize_kv" in text and "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("d, causal, naive", [(128, False, False), (64, True, False), (128, True, True)])
+@pytest.mark.parametrize("backends", [("mosaic", "triton"), ("mosaic", "mosaic"), ("triton", "mosaic")])
+def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
+    """QatConfig(fwd_backend=…, bwd_backend=…): the kernels on "mosaic" lower for an H200 as Mosaic GPU calls
+    (forward: register P̃/P operands, O and O' issued together; backward: FQ(P)·(1/l) and dS through SMEM as
+    transposed operands, dS·K̃ from registers); the fake-quant kernel and the others stay Triton."""
+    from lowbit_jax import qat as qat_mod
+
+    fwd, bwd = backends
+    q = jax.ShapeDtypeStruct((2, 384, 8, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, 2, d), jnp.bfloat16)
+    opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
+                                       jnp.zeros(kv.shape, kv.dtype), causal=causal, naive_backward=naive,
+                                       implementation="pallas", interpret=True,
+                                       config=lb.QatConfig(fwd_backend=fwd, bwd_backend=bwd))
+    opts = dataclasses.replace(opts, interpret=False)
+
+    def grads(q, k, v):
+        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    text = lower_for_h200(grads, q, kv, kv)
+    assert "mosaic_gpu" in text and "fp4_fake_quant" in text
+    assert ('qat_attention_fwd"' in text) == (fwd == "triton")  # the Triton forward's name
+    for name in ("qat_bwd_dkdv", "qat_bwd_dq"):
+        assert (name in text) == (bwd == "triton")

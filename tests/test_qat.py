@@ -61,6 +61,60 @@ def test_kernel_matches_xla_forward_and_gradients(case, dtype):
         assert rel < 2e-3, (name, rel)  # same quantization; differences are accumulation order / 16-bit rounding
 
 
+MOSAIC = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic")
+MOSAIC_CASES = [  # (B, Sq, Sk, Hq, Hkv, D, causal, naive): Sq ≤ Sk when causal (else the Triton kernels run)
+    (1, 128, 128, 2, 2, 64, False, False),
+    (1, 100, 250, 4, 1, 128, True, False),  # ragged Sq and Sk, MQA, chunked-prefill causal
+    (2, 200, 200, 4, 2, 64, True, True),  # ragged, GQA, two 128-row CTAs; the naive backward
+    (1, 192, 192, 2, 1, 128, False, False),  # a fully padded key tile (Sk_pad 256)
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES)
+def test_mosaic_kernels_match_triton_and_xla(case, monkeypatch):
+    """fwd_backend = bwd_backend = "mosaic" (Mosaic GPU interpreter on the CPU): O and the gradients equal
+    the Triton kernels' and the xla twin's up to accumulation order."""
+    from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
+
+    calls = []
+    for mod, name in ((qat_fwd_mosaic, "qat_attention_fwd_mosaic"), (qat_bwd_mosaic, "qat_attention_bwd_mosaic")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    b, sq, sk, hq, hkv, d, causal, naive = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, seed=sq + d)
+    do = cotangent(q)
+    opts = dict(causal=causal, naive_backward=naive)
+    g_m = grads(q, k, v, do, implementation="pallas", interpret=True, config=MOSAIC, **opts)
+    assert sorted(set(calls)) == ["qat_attention_bwd_mosaic", "qat_attention_fwd_mosaic"], calls
+    g_t = grads(q, k, v, do, implementation="pallas", interpret=True, config=lb.QatConfig(), **opts)
+    g_x = grads(q, k, v, do, implementation="xla", config=lb.QatConfig(), **opts)
+    for name, a, t, x in zip(("o", "dq", "dk", "dv"), g_m, g_t, g_x):
+        assert a.shape == x.shape and a.dtype == x.dtype
+        assert metrics(a, t)[1] < 2e-3 and metrics(a, x)[1] < 2e-3, name
+    o_only = lb.qat_attention(q, k, v, causal=causal, implementation="pallas", interpret=True, config=MOSAIC)
+    np.testing.assert_array_equal(np.asarray(o_only, np.float32), np.asarray(g_m[0], np.float32))
+
+
+def test_mosaic_coverage():
+    from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
+
+    ok = dict(sq_len=256, sk_len=256, sq_pad=256, head_dim=128, causal=True, out_dtype=jnp.bfloat16, config=MOSAIC)
+    assert qat_fwd_mosaic.supports(**ok)
+    for change in (dict(head_dim=32), dict(sq_pad=192), dict(out_dtype=jnp.float32), dict(sq_len=300, sq_pad=384),
+                   dict(config=lb.QatConfig(block_k=32, fwd_backend="mosaic"))):
+        assert not qat_fwd_mosaic.supports(**{**ok, **change}), change
+    ok = dict(sq_len=256, sk_len=256, sq_pad=256, sk_pad=256, head_dim=64, causal=True, dtype=jnp.float16,
+              do_dtype=jnp.float16)
+    assert qat_bwd_mosaic.supports(**ok)
+    for change in (dict(head_dim=32), dict(sk_pad=192), dict(sq_pad=320), dict(do_dtype=jnp.float32),
+                   dict(dtype=jnp.float32, do_dtype=jnp.float32), dict(sq_len=300, sq_pad=384)):
+        assert not qat_bwd_mosaic.supports(**{**ok, **change}), change
+    assert MOSAIC.pad == 128 and lb.QatConfig(bwd_backend="mosaic").pad == 128 and lb.QatConfig().pad == 64
+    for name in ("fwd_backend", "bwd_backend"):
+        with pytest.raises(ValueError, match=f"{name} must be one of"):
+            lb.QatConfig(**{name: "cuda"})
+
+
 def test_float32_inputs_and_naive_backward_kernel():
     q, k, v = make_qkv(1, 64, 96, 2, 1, 128, dtype=jnp.float32, seed=3)
     do = cotangent(q)

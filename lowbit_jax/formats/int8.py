@@ -21,7 +21,7 @@ per element instead of a floor and two conversions (shared/DEVICE_NOTES.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,8 @@ def _round_away(y: jax.Array, native_round: bool = False) -> jax.Array:
     return jnp.where(y < 0.0, -r, r)
 
 
-def encode_with_scale(x: jax.Array, scale: jax.Array, *, native_round: bool = False) -> jax.Array:
+def encode_with_scale(x: jax.Array, scale: jax.Array, *, native_round: bool = False,
+                      broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """INT8 codes of ``x`` given a broadcastable dequantization ``scale``.
 
     Args:
@@ -63,11 +64,13 @@ def encode_with_scale(x: jax.Array, scale: jax.Array, *, native_round: bool = Fa
       native_round: round with ``lax.round`` (the Mosaic GPU kernels; ``floor`` does not
         lower there) instead of the floor form (Triton has no ``round``). Same codes except
         where |x|/scale + 0.5 rounds up in fp32 (just below a half).
+      broadcast: maps the reciprocal of ``scale`` onto x's shape, for callers whose
+        arrays do not broadcast implicitly (a per-row vector over a Mosaic GPU tile).
     Returns:
       int8 array of x's shape, ``clip(round_away(x / scale), -127, 127)``.
     """
     inv = 1.0 / scale  # once per group: the (small) scale array, not per element
-    y = x.astype(jnp.float32) * inv
+    y = x.astype(jnp.float32) * (inv if broadcast is None else broadcast(inv))
     return jnp.clip(_round_away(y, native_round), -QMAX, QMAX).astype(jnp.int8)
 
 

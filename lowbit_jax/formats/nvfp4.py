@@ -53,16 +53,20 @@ def _pow2(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
-def e4m3_round(x: jax.Array) -> jax.Array:
+def e4m3_round(x: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     """Round non-negative float32 to the nearest e4m3fn value (ties to even), saturating at 448.
 
-    NaN stays NaN; +inf becomes 448.
+    NaN stays NaN; +inf becomes 448. ``assume_finite=True`` (the caller guarantees
+    finite input, e.g. softmax probabilities) skips that handling: the same values for
+    finite x, and no ``is_finite``, which Pallas Mosaic GPU (jax 0.11.2) cannot lower.
     """
     x = x.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     exp = ((bits >> 23) & 0xFF) - 127  # unbiased exponent (valid for normal float32 x)
     quantum = jnp.where(exp < _E4M3_MIN_NORMAL_EXP, _E4M3_SUBNORMAL_QUANTUM,
                         _pow2(jnp.clip(exp, _E4M3_MIN_NORMAL_EXP, 8) - 3))
+    if assume_finite:
+        return jnp.minimum(_rne(x / quantum) * quantum, E4M3_MAX)
     finite = jnp.where(jnp.isfinite(x), x, 0.0)
     rounded = _rne(finite / quantum) * quantum
     out = jnp.minimum(rounded, E4M3_MAX)
@@ -166,11 +170,37 @@ def quantize_groups(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Arr
     """
     xf = x.astype(jnp.float32)
     mag_in = xf if nonnegative else jnp.abs(xf)
-    amax = jnp.max(mag_in, axis=-1, keepdims=True)
-    sf = e4m3_round(amax / E2M1_MAX)
-    sf = jnp.where(sf == 0.0, 1.0, sf)
+    sf = group_scale(jnp.max(mag_in, axis=-1, keepdims=True))
     mag = e2m1_round(mag_in * (1.0 / sf))  # one reciprocal per group, as NVFP4 encoders do
     return (mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)), sf
+
+
+def group_scale(amax: jax.Array, *, assume_finite: bool = False) -> jax.Array:
+    """The e4m3 group scale ``sf = e4m3(amax / 6)``, 1 for all-zero groups (float32, amax's shape)."""
+    sf = e4m3_round(amax / E2M1_MAX, assume_finite=assume_finite)
+    return jnp.where(sf == 0.0, 1.0, sf)
+
+
+def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False) -> jax.Array:
+    """:func:`fake_quant_last` of a 2-D tile (rows, n), group by group as 16-column slices.
+
+    The same values as ``fake_quant_last(x)``, written without the (rows, n/16, 16)
+    reshape, which Pallas Mosaic GPU cannot apply to a register tile in the WGMMA
+    layout: each group is a static 16-column slice, reduced along its rows, rounded,
+    and the groups are concatenated back. ``assume_finite`` as in :func:`e4m3_round`.
+    """
+    if x.ndim != 2 or x.shape[1] % GROUP:
+        raise ValueError(f"fake_quant_columns needs a 2-D tile with a multiple of {GROUP} columns, got {x.shape}")
+    xf = x.astype(jnp.float32)
+    groups = []
+    for g in range(xf.shape[1] // GROUP):
+        part = xf[:, g * GROUP:(g + 1) * GROUP]
+        mag_in = part if nonnegative else jnp.abs(part)
+        sf = group_scale(jnp.max(mag_in, axis=1), assume_finite=assume_finite)
+        rows = lambda vec: jax.lax.broadcast_in_dim(vec, part.shape, [0])  # noqa: E731
+        mag = e2m1_round(mag_in * rows(1.0 / sf)) * rows(sf)
+        groups.append(mag if nonnegative else jnp.where(part < 0.0, -mag, mag))
+    return jnp.concatenate(groups, axis=1)
 
 
 def fake_quant_last(x: jax.Array, *, nonnegative: bool = False) -> jax.Array:

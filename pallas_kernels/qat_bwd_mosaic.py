@@ -1,0 +1,208 @@
+"""Attn-QAT backward in Pallas Mosaic GPU (Hopper): the two kernels of :mod:`pallas_kernels.qat_bwd`.
+
+Same numerics as the Triton kernels and ``lowbit_jax.qat_reference.qat_backward_reference``:
+S = Q̃K̃ᵀ·scale·log2 e, E = exp2(S − m) with the forward's row max m, P = E·(1/l);
+dV += (FQ(E)·(1/l))ᵀdO — FP4 fake quantization in groups of 16 keys per row, relative
+to the row max as in the forward — or PᵀdO for the naive ablation; dP = dO·Ṽᵀ;
+dS = P ∘ (dP − D) rounded to the 16-bit operand dtype; dK += dSᵀQ̃, dQ += dS·K̃, both
+times ``scale``. D = rowsum(dO ∘ O'), m, 1/l and head-major dO come from
+``qat_reference.backward_rows`` (one XLA-fused, memory-bound op).
+
+Both kernels: a memory warpgroup streams tiles through a two-stage TMA pipeline to
+two compute warpgroups of 64 rows each, 16-bit ``wgmma`` with fp32 accumulators
+updated in place, the two independent products of a step issued together.
+
+* dK/dV: grid (kv head, 128-key block, batch); each warpgroup owns 64 keys and
+  loops over the query tiles of every query head of its GQA group. The tiles are
+  computed as (queries × keys), so FQ runs on 16-column slices
+  (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`); FQ(P)·(1/l) and dS go
+  through SMEM and enter dV and dK as transposed A operands.
+* dQ: grid (query head, 128-query block, batch); each warpgroup owns 64 queries and
+  loops over key tiles; dS is the register A operand of dS·K̃.
+
+Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
+query tile that sees the block's keys, the dQ pipeline stops after the last key
+tile its queries see; masked tiles (causal, ragged key tail) are masked
+element-wise. Not covered (:func:`supports`): head dims other than 64/128,
+sequence paddings not a multiple of 128, 32-bit dO, Sq > Sk when causal.
+Selected with ``QatConfig.bwd_backend="mosaic"``; not yet timed on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit_jax.formats import nvfp4
+from lowbit_jax.qat_reference import backward_rows
+from pallas_kernels._mosaic import (
+    accumulate, compute_pipeline, copy_in, first_query_tile, grid_position, launch, mask_scores, matmul_pair, pl,
+    plgpu, query_block_keys, register_operand, row_vector, rows_of, tile_transforms, wg_tiles,
+)
+
+LOG2E = math.log2(math.e)
+TILE = 64  # rows per compute warpgroup, and the pipelined tile
+WGS = 2
+STAGES = 2
+
+
+def supports(*, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool, dtype,
+             do_dtype) -> bool:
+    """Whether the Mosaic backward covers this call (else the Triton kernels run)."""
+    sixteen_bit = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return (head_dim in (64, 128) and sq_pad % (WGS * TILE) == 0 and sk_pad % (WGS * TILE) == 0
+            and jnp.dtype(dtype) in sixteen_bit and jnp.dtype(do_dtype) == jnp.dtype(dtype)
+            and (not causal or sq_len <= sk_len))
+
+
+def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
+    """S·scale·log2 e and dP = dO·Ṽᵀ for a (queries × keys) tile, issued together."""
+    shape = (q_smem.shape[0], k_smem.shape[0])
+    s, dp = matmul_pair((shape, shape), (jnp.float32, jnp.float32), ((q_smem, k_smem.T), (do_smem, v_smem.T)),
+                        fused=fused)
+    return s * score_scale, dp
+
+
+def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
+                 k_smem2, v_smem2, p_smem2, ds_smem2, barriers,
+                 *, group, n_qtiles, head_dim, sk_len, causal, offset, score_scale, scale, naive, interpret):
+    b, hkv, wg = grid_position()
+    out_shape = (TILE, head_dim)
+    masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
+    cta_keys = lax.axis_index("kv") * (WGS * TILE)
+    key_start = cta_keys + wg * TILE
+    rows = pl.ds(key_start, TILE)
+    # Causal: query tiles before i_first see none of this CTA's keys (not even loaded).
+    i_first = first_query_tile(cta_keys, TILE, n_qtiles, causal=causal, offset=offset)
+    n_vis = n_qtiles - i_first
+
+    def compute(pipeline):
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        copy_in(((k_ref.at[b, hkv, rows], k_smem), (v_ref.at[b, hkv, rows], v_smem)), barriers, wg)
+        zeros = plgpu.layout_cast(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = pipeline((zeros, zeros))
+        k_smem[...] = (dk * scale).astype(k_smem.dtype)  # K̃ and Ṽ are no longer needed: reuse their SMEM
+        v_smem[...] = dv.astype(v_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, hkv], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, hkv], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
+        *consumed, (dk, dv) = consumed_and_carry
+        k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_smem2.at[wg]
+        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
+        if masked:
+            q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
+            s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len)
+        shape = s.shape
+        e = jnp.exp2(s - rows_of(row_vector(m_smem), shape))  # row max 1: FQ relative to it, as the forward
+        inv_l = rows_of(row_vector(il_smem), shape)
+        p = e * inv_l
+        pv = p if naive else nvfp4.fake_quant_columns(e, nonnegative=True, assume_finite=True) * inv_l
+        dt = p_smem.dtype
+        p_smem[...] = pv.astype(dt)
+        ds_smem[...] = (p * (dp - rows_of(row_vector(delta_smem), shape))).astype(dt)
+        plgpu.commit_smem()
+        dv, dk = accumulate((dv, dk), ((p_smem.T, do_smem), (ds_smem.T, q_smem)), fused=not interpret)
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return dk, dv
+
+    def head_and_tile(i):  # step i → (query head of the group, query tile)
+        return lax.div(i, n_vis), i_first + lax.rem(i, n_vis)
+
+    dt = q_ref.dtype
+    tile = plgpu.BlockSpec((None, TILE, head_dim), lambda i: (*head_and_tile(i), 0),
+                           transforms=tile_transforms(dt, head_dim))
+    vec = plgpu.BlockSpec((None, TILE), head_and_tile)
+    pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES,
+                                in_specs=[tile, tile, vec, vec, vec])
+    heads = pl.ds(hkv * group, group)
+    pipeline(q_ref.at[b, heads], do_ref.at[b, heads], m_ref.at[b, heads], il_ref.at[b, heads],
+             delta_ref.at[b, heads])
+
+
+def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
+               q_smem2, do_smem2, m_smem2, il_smem2, delta_smem2, ds_smem2, barriers,
+               *, group, head_dim, sk_len, causal, offset, score_scale, scale, interpret):
+    b, h, wg = grid_position()
+    hkv = lax.div(h, group)
+    # Causal: stop after the last key tile any query of this CTA sees.
+    cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], TILE, sk_len=sk_len, causal=causal,
+                                                    offset=offset)
+    q_start = cta_queries + wg * TILE
+    rows = pl.ds(q_start, TILE)
+
+    def compute(pipeline):
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        copies = ((q_ref.at[b, h, rows], q_smem), (do_ref.at[b, h, rows], do_smem),
+                  (m_ref.at[b, h, rows], m_smem2.at[wg]), (il_ref.at[b, h, rows], il_smem2.at[wg]),
+                  (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
+        copy_in(copies, barriers, wg)
+        zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dq = pipeline(zeros)
+        do_smem[...] = (dq * scale).astype(do_smem.dtype)  # dO is no longer needed: reuse its SMEM
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[b, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, k_smem, v_smem, *consumed_and_carry):
+        *consumed, dq = consumed_and_carry
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
+        if masked:
+            s = mask_scores(s, idx[0] * TILE, q_start, causal=causal, offset=offset, sk_len=sk_len)
+        shape = s.shape
+        p = jnp.exp2(s - rows_of(row_vector(m_smem2.at[wg]), shape)) * rows_of(row_vector(il_smem2.at[wg]), shape)
+        ds = (p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))).astype(k_smem.dtype)
+        ds = register_operand(ds, ds_smem2.at[wg] if interpret else None, interpret)
+        (dq,) = accumulate((dq,), ((ds, k_smem),), fused=not interpret)
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return dq
+
+    dt = k_ref.dtype
+    kv = plgpu.BlockSpec((TILE, head_dim), lambda j: (j, 0), transforms=tile_transforms(dt, head_dim))
+    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES, in_specs=[kv, kv])
+    pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv])
+
+
+@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "naive", "interpret"))
+def qat_attention_bwd_mosaic(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
+                             naive: bool = False, interpret: bool = False):
+    """Attn-QAT gradients w.r.t. the fake-quantized operands (= w.r.t. q, k, v by the STE).
+
+    Args and results as :func:`pallas_kernels.qat_bwd.qat_attention_bwd` (no tiles: 64 rows
+    per warpgroup): qf (B, Hq, Sq_pad, D); kf, vf (B, Hkv, Sk_pad, D), 16-bit, both
+    paddings multiples of 128; o_aux O' (or O when ``naive``) and do (B, Sq, Hq, D) in
+    qf's dtype; lse, m float32 (B, Hq, Sq). Returns dq (B, Sq, Hq, D), dk and dv
+    (B, Sk, Hkv, D) in do's dtype.
+    """
+    b, hq, sq_pad, d = qf.shape
+    hkv = kf.shape[1]
+    group = hq // hkv
+    dt, f32 = qf.dtype, jnp.float32
+    delta, m_rows, inv_l, do_h = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=dt)
+    common = dict(head_dim=d, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
+                  scale=scale, interpret=interpret)
+    kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
+    dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, p_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
+    dk, dv = launch(
+        functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, **common),
+        [jax.ShapeDtypeStruct((b, sk_len, hkv, d), do.dtype)] * 2, dkdv_scratch,
+        (hkv, kf.shape[2] // (WGS * TILE), b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret,
+    )(qf, do_h, m_rows, inv_l, delta, kf, vf)
+    row_vecs = plgpu.SMEM((WGS, TILE), f32)
+    dq_scratch = [kv_tiles, kv_tiles, row_vecs, row_vecs, row_vecs, p_tiles, plgpu.Barrier(num_barriers=(5, WGS))]
+    dq = launch(
+        functools.partial(_dq_kernel, group=group, **common),
+        jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype), dq_scratch,
+        (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS, interpret=interpret,
+    )(qf, do_h, m_rows, inv_l, delta, kf, vf)
+    return dq, dk, dv

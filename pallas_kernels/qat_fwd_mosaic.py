@@ -1,0 +1,166 @@
+"""Attn-QAT forward (NVFP4 fake-quantized P) in Pallas Mosaic GPU (Hopper).
+
+The numerics of :mod:`pallas_kernels.qat_fwd` (the Triton kernel) and of
+``lowbit_jax.qat_reference.qat_forward_reference``: S = Q̃K̃ᵀ·scale·log2 e (16-bit
+``wgmma``, fp32 accumulation) on the fake-quantized operands, online softmax in
+base 2, P = exp2(S − m) with m the running row max at the tile, P̃ = FQ(P) in
+groups of 16 keys per row, O += P̃Ṽ and the high-precision O' += PṼ; l from the
+unquantized P; outputs O, O', the base-2 log-sum-exp (+inf for rows that see no
+key) and the row max m.
+
+FlashAttention-3's shape, as :mod:`pallas_kernels.sage_fwd_mosaic`: grid (query
+head, 128-query block, batch); a memory warpgroup streams K̃ and Ṽ tiles through a
+two-stage TMA pipeline; two compute warpgroups each own 64 query rows. P̃ and P
+are the register A operands of the two PV products (16-bit, so the accumulator
+layout converts directly), issued together. FQ(P) runs on the accumulator tile
+group by group (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`: Mosaic GPU
+cannot reshape a WGMMA-layout tile into groups). Causal (bottom-right aligned,
+Sq ≤ Sk): the pipeline stops after the last key tile the block sees; masked tiles
+(causal, ragged key tail) are masked element-wise.
+
+Not covered (:func:`supports`; the Triton kernel runs instead): head dims other
+than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128, fp32
+outputs. Selected with ``QatConfig.fwd_backend="mosaic"``; not yet timed on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit_jax.formats import int8, nvfp4
+from pallas_kernels._mosaic import (
+    compute_pipeline, copy_in, grid_position, launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys,
+    register_operand, rows_of, tile_transforms, wg_tiles,
+)
+from pallas_kernels.configs import QatConfig
+
+TILE = 64  # query rows per compute warpgroup
+WGS = 2
+STAGES = 2
+LOG2E = math.log2(math.e)
+
+
+def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, out_dtype,
+             config: QatConfig) -> bool:
+    """Whether the Mosaic forward covers this call (else the Triton kernel runs)."""
+    return (head_dim in (64, 128) and config.block_k in (64, 128) and sq_pad % (WGS * TILE) == 0
+            and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and (not causal or sq_len <= sk_len))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, causal, offset, score_scale,
+                with_aux, interpret):
+    n_out = 4 if with_aux else 3
+    outs, (q_smem2, o_smem2, o2_smem2, lse_smem2, m_smem2, barriers, *p_smem) = refs[:n_out], refs[n_out:]
+    p_smem = p_smem[0] if interpret else None  # (WGS, 2, TILE, block_k): the interpreter's A operands
+    o_ref, o2_ref, lse_ref, m_ref = outs if with_aux else (outs[0], None, *outs[1:])
+    b, h, wg = grid_position()
+    hkv = lax.div(h, group)
+    shape = (TILE, block_k)
+    out_shape = (TILE, head_dim)
+    cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
+                                                    causal=causal, offset=offset)
+    q_start = cta_queries + wg * TILE
+    rows = pl.ds(q_start, TILE)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def compute(pipeline):
+        copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)
+        zeros = plgpu.layout_cast(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+        acc, acc2, m, l = pipeline((zeros, zeros if with_aux else None, m, l))
+        empty = l == 0.0
+        inv_l = rows_of(int8.reciprocal_or_zero(l), out_shape)
+        o_smem, lse_smem, m_smem = o_smem2.at[wg], lse_smem2.at[wg], m_smem2.at[wg]
+        o_smem[...] = (acc * inv_l).astype(o_smem.dtype)
+        lse_smem[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        m_smem[...] = m
+        if with_aux:
+            o2_smem2.at[wg][...] = (acc2 * inv_l).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, h], commit_group=False)
+        if with_aux:
+            plgpu.copy_smem_to_gmem(o2_smem2.at[wg], o2_ref.at[b, rows, h], commit_group=False)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, h, rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, k_smem, v_smem, *consumed_and_carry):
+        *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
+        s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T) * score_scale
+        if masked:
+            s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        p = jnp.exp2(s - rows_of(m_ref, shape))
+        alpha = rows_of(jnp.exp2(m_prev - m_ref), out_shape)
+        l_new = l_prev * jnp.exp2(m_prev - m_ref) + jnp.sum(p, axis=1)
+        dt = v_smem.dtype
+        pq = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True).astype(dt)
+        pq = register_operand(pq, p_smem.at[wg, 0] if interpret else None, interpret)
+        if with_aux:
+            p16 = register_operand(p.astype(dt), p_smem.at[wg, 1] if interpret else None, interpret)
+            pv, pv2 = matmul_pair((out_shape, out_shape), (jnp.float32, jnp.float32),
+                                  ((pq, v_smem), (p16, v_smem)), fused=not interpret)
+            acc2 = acc2 * alpha + pv2
+        else:
+            pv = matmul(out_shape, jnp.float32, pq, v_smem)
+        acc = acc * alpha + pv
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return acc, acc2, m_new, l_new
+
+    def kv_spec(dtype):
+        return plgpu.BlockSpec((block_k, head_dim), lambda j: (j, 0), transforms=tile_transforms(dtype, head_dim))
+
+    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES,
+                                in_specs=[kv_spec(k_ref.dtype), kv_spec(v_ref.dtype)])
+    pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "out_dtype", "config", "with_aux", "interpret"))
+def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_len: int, sk_len: int, causal: bool,
+                             scale: float, out_dtype, config: QatConfig, with_aux: bool = True,
+                             interpret: bool = False):
+    """Attn-QAT forward on fake-quantized operands (arguments and results as
+    :func:`pallas_kernels.qat_fwd.qat_attention_fwd`).
+
+    Args:
+      qf: (B, Hq, Sq_pad, D); kf, vf: (B, Hkv, Sk_pad, D); bf16/fp16, Sq_pad a multiple
+        of 128, Sk_pad of ``config.block_k`` (rows beyond the real lengths are ignored).
+      sq_len, sk_len: real lengths. causal: bottom-right aligned mask (Sq ≤ Sk).
+      scale: softmax scale. out_dtype: bf16/fp16 dtype of O and O'.
+      config: ``block_k`` (64 or 128) sets the FP4 groups of P̃ relative to the running max.
+      with_aux: also return O'.
+    Returns:
+      o (B, Sq, Hq, D), o_aux (same, or None), base-2 lse float32 (B, Hq, Sq) and the
+      base-2 row max m float32 (B, Hq, Sq; −inf for rows that see no key).
+    """
+    b, hq, sq_pad, d = qf.shape
+    hkv = kf.shape[1]
+    f32 = jnp.float32
+    kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
+                               causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
+                               interpret=interpret)
+    o_tiles = wg_tiles(WGS, TILE, out_dtype, d)
+    scratch = [wg_tiles(WGS, TILE, qf.dtype, d), o_tiles, o_tiles,
+               plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(1, WGS))]
+    if interpret:
+        bk = config.block_k
+        scratch.append(plgpu.SMEM((WGS, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
+    o_type = jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype)
+    row_type = jax.ShapeDtypeStruct((b, hq, sq_len), f32)
+    outs = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
+                  (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS, interpret=interpret,
+                  )(qf, kf, vf)
+    if with_aux:
+        return tuple(outs)
+    return outs[0], None, outs[1], outs[2]
