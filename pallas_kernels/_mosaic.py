@@ -101,12 +101,18 @@ def grid_position() -> tuple:
     return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
 
 
-def query_block_keys(rows: int, sk_pad: int, block_k: int, *, sk_len: int, causal: bool, offset: int) -> tuple:
+def query_block_keys(rows: int, sk_pad: int, block_k: int, *, sk_len: int, causal: bool, offset: int,
+                     heavy_first_of: int | None = None) -> tuple:
     """For a CTA of ``rows`` query rows (grid axis "q") streaming ``block_k``-key tiles of a
     ``sk_pad``-key sequence: its first query row, how many key tiles it visits (all, or if
     causal, bottom-right aligned, up to the last one its last row sees) and whether its tiles
-    need masking (causal, or padded keys)."""
-    start = lax.axis_index("q") * rows
+    need masking (causal, or padded keys). ``heavy_first_of`` (the number of query blocks):
+    if causal, grid index 0 takes the last block, which sees the most keys (launched first,
+    the longest CTAs do not trail the grid)."""
+    block = lax.axis_index("q")
+    if causal and heavy_first_of is not None:
+        block = heavy_first_of - 1 - block
+    start = block * rows
     n_ktiles = sk_pad // block_k
     steps = jnp.clip(lax.div(start + rows + offset + block_k - 1, block_k), 0, n_ktiles) if causal else n_ktiles
     return start, steps, causal or sk_len != sk_pad

@@ -22,7 +22,7 @@ updated in place, the two independent products of a step issued together.
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
-tile its queries see; masked tiles (causal, ragged key tail) are masked
+tile its queries see (its heaviest query blocks launch first); masked tiles (causal, ragged key tail) are masked
 element-wise. Not covered (:func:`supports`): head dims other than 64/128,
 sequence paddings not a multiple of 128, 32-bit dO, Sq > Sk when causal.
 Selected with ``QatConfig.bwd_backend="mosaic"``; not yet timed on the GPU.
@@ -135,7 +135,7 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
     hkv = lax.div(h, group)
     # Causal: stop after the last key tile any query of this CTA sees.
     cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], TILE, sk_len=sk_len, causal=causal,
-                                                    offset=offset)
+                                                    offset=offset, heavy_first_of=q_ref.shape[2] // (WGS * TILE))
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
 
@@ -174,8 +174,9 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "naive", "interpret"))
-def qat_attention_bwd_mosaic(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,
-                             naive: bool = False, interpret: bool = False):
+def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux: jax.Array, lse: jax.Array,
+                             m: jax.Array, do: jax.Array, *, sq_len: int, sk_len: int, causal: bool, scale: float,
+                             naive: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attn-QAT gradients w.r.t. the fake-quantized operands (= w.r.t. q, k, v by the STE).
 
     Args and results as :func:`pallas_kernels.qat_bwd.qat_attention_bwd` (no tiles: 64 rows

@@ -10,13 +10,14 @@ key) and the row max m.
 
 FlashAttention-3's shape, as :mod:`pallas_kernels.sage_fwd_mosaic`: grid (query
 head, 128-query block, batch); a memory warpgroup streams K̃ and Ṽ tiles through a
-two-stage TMA pipeline; two compute warpgroups each own 64 query rows. P̃ and P
-are the register A operands of the two PV products (16-bit, so the accumulator
-layout converts directly), issued together. FQ(P) runs on the accumulator tile
-group by group (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`: Mosaic GPU
-cannot reshape a WGMMA-layout tile into groups). Causal (bottom-right aligned,
-Sq ≤ Sk): the pipeline stops after the last key tile the block sees; masked tiles
-(causal, ragged key tail) are masked element-wise.
+two-stage TMA pipeline; two compute warpgroups each own 64 query rows. P̃ and P are
+the register A operands of the two PV products (16-bit, so the accumulator layout
+converts directly), issued together into the rescaled O and O' accumulators. FQ(P)
+runs on the accumulator tile group by group
+(:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`: Mosaic GPU cannot reshape a
+WGMMA-layout tile into groups). Causal (bottom-right aligned, Sq ≤ Sk): the pipeline
+stops after the last key tile the block sees, the heaviest blocks launch first; masked tiles (causal, ragged key tail)
+are masked element-wise.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): head dims other
 than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128, fp32
@@ -34,7 +35,7 @@ from jax import lax
 
 from lowbit_jax.formats import int8, nvfp4
 from pallas_kernels._mosaic import (
-    compute_pipeline, copy_in, grid_position, launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys,
+    accumulate, compute_pipeline, copy_in, grid_position, launch, mask_scores, matmul, pl, plgpu, query_block_keys,
     register_operand, rows_of, tile_transforms, wg_tiles,
 )
 from pallas_kernels.configs import QatConfig
@@ -64,7 +65,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
     shape = (TILE, block_k)
     out_shape = (TILE, head_dim)
     cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
-                                                    causal=causal, offset=offset)
+                                                    causal=causal, offset=offset,
+                                                    heavy_first_of=q_ref.shape[2] // (WGS * TILE))
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -105,14 +107,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         dt = v_smem.dtype
         pq = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True).astype(dt)
         pq = register_operand(pq, p_smem.at[wg, 0] if interpret else None, interpret)
+        # rescale, then accumulate P̃Ṽ (and PṼ) into the same registers, both products issued together
         if with_aux:
             p16 = register_operand(p.astype(dt), p_smem.at[wg, 1] if interpret else None, interpret)
-            pv, pv2 = matmul_pair((out_shape, out_shape), (jnp.float32, jnp.float32),
-                                  ((pq, v_smem), (p16, v_smem)), fused=not interpret)
-            acc2 = acc2 * alpha + pv2
+            acc, acc2 = accumulate((acc * alpha, acc2 * alpha), ((pq, v_smem), (p16, v_smem)), fused=not interpret)
         else:
-            pv = matmul(out_shape, jnp.float32, pq, v_smem)
-        acc = acc * alpha + pv
+            (acc,) = accumulate((acc * alpha,), ((pq, v_smem),), fused=not interpret)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return acc, acc2, m_new, l_new
@@ -129,7 +129,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
     jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "out_dtype", "config", "with_aux", "interpret"))
 def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_len: int, sk_len: int, causal: bool,
                              scale: float, out_dtype, config: QatConfig, with_aux: bool = True,
-                             interpret: bool = False):
+                             interpret: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
     """Attn-QAT forward on fake-quantized operands (arguments and results as
     :func:`pallas_kernels.qat_fwd.qat_attention_fwd`).
 

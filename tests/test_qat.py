@@ -62,11 +62,11 @@ def test_kernel_matches_xla_forward_and_gradients(case, dtype):
 
 
 MOSAIC = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic")
-MOSAIC_CASES = [  # (B, Sq, Sk, Hq, Hkv, D, causal, naive): Sq ≤ Sk when causal (else the Triton kernels run)
-    (1, 128, 128, 2, 2, 64, False, False),
-    (1, 100, 250, 4, 1, 128, True, False),  # ragged Sq and Sk, MQA, chunked-prefill causal
-    (2, 200, 200, 4, 2, 64, True, True),  # ragged, GQA, two 128-row CTAs; the naive backward
-    (1, 192, 192, 2, 1, 128, False, False),  # a fully padded key tile (Sk_pad 256)
+MOSAIC_CASES = [  # (B, Sq, Sk, Hq, Hkv, D, causal, naive, dtype): Sq ≤ Sk when causal (else Triton runs)
+    (1, 128, 128, 2, 2, 64, False, False, jnp.bfloat16),
+    (1, 100, 250, 4, 1, 128, True, False, jnp.float16),  # ragged Sq and Sk, MQA, chunked-prefill causal
+    (2, 200, 200, 4, 2, 64, True, True, jnp.bfloat16),  # ragged, GQA, two 128-row CTAs; the naive backward
+    (1, 192, 192, 2, 1, 128, False, False, jnp.bfloat16),  # a fully padded key tile (Sk_pad 256)
 ]
 
 
@@ -80,8 +80,8 @@ def test_mosaic_kernels_match_triton_and_xla(case, monkeypatch):
     for mod, name in ((qat_fwd_mosaic, "qat_attention_fwd_mosaic"), (qat_bwd_mosaic, "qat_attention_bwd_mosaic")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    b, sq, sk, hq, hkv, d, causal, naive = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, seed=sq + d)
+    b, sq, sk, hq, hkv, d, causal, naive, dtype = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + d)
     do = cotangent(q)
     opts = dict(causal=causal, naive_backward=naive)
     g_m = grads(q, k, v, do, implementation="pallas", interpret=True, config=MOSAIC, **opts)
@@ -89,7 +89,7 @@ def test_mosaic_kernels_match_triton_and_xla(case, monkeypatch):
     g_t = grads(q, k, v, do, implementation="pallas", interpret=True, config=lb.QatConfig(), **opts)
     g_x = grads(q, k, v, do, implementation="xla", config=lb.QatConfig(), **opts)
     for name, a, t, x in zip(("o", "dq", "dk", "dv"), g_m, g_t, g_x):
-        assert a.shape == x.shape and a.dtype == x.dtype
+        assert a.shape == x.shape and a.dtype == x.dtype == dtype
         assert metrics(a, t)[1] < 2e-3 and metrics(a, x)[1] < 2e-3, name
     o_only = lb.qat_attention(q, k, v, causal=causal, implementation="pallas", interpret=True, config=MOSAIC)
     np.testing.assert_array_equal(np.asarray(o_only, np.float32), np.asarray(g_m[0], np.float32))
