@@ -242,12 +242,15 @@ def sweep_backward(log, shapes=((4, 32, 4096, 128, False), (4, 32, 4096, 128, Tr
 def check_gradients(log, smoke=False):
     """Compiled kernels' gradients vs the xla reference (same quantization) and exact autodiff."""
     rows = []
-    # (..., backend): "default" = the config's backend choice; "mosaic" = every kernel on Mosaic GPU
+    # (..., backend): "default" = the config's backend choice; "mosaic" = every kernel on Mosaic GPU;
+    # "+ds_row": dS scaled per row (SageFwdConfig.ds_scale="row")
     cases = [(2, 100, 77, 4, 2, 64, True, "per_block", False, "default"),
              (1, 300, 300, 4, 1, 128, False, "per_token", True, "default"),
              (2, 129, 257, 8, 2, 128, True, "per_block", True, "default"),
              (1, 512, 512, 4, 2, 128, False, "per_token", False, "mosaic"),
-             (2, 384, 640, 4, 4, 64, True, "per_block", False, "mosaic")]
+             (2, 384, 640, 4, 4, 64, True, "per_block", False, "mosaic"),
+             (2, 129, 257, 8, 2, 128, True, "per_token", False, "default+ds_row"),
+             (1, 512, 512, 4, 2, 128, False, "per_block", False, "mosaic+ds_row")]
     impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
     for b, sq, sk, hq, hkv, d, causal, gran, smooth_q, backend in cases[:1] if smoke else cases:
         kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(sq * sk), 4)
@@ -256,8 +259,10 @@ def check_gradients(log, smoke=False):
         v = jax.random.normal(kv, (b, sk, hkv, d), jnp.bfloat16)
         do = jax.random.normal(kd, q.shape, q.dtype)
         cfg = sage_config(d, causal)
-        if backend == "mosaic":
+        if backend.startswith("mosaic"):
             cfg = dataclasses.replace(cfg, **SAGE_BACKENDS["sage_mosaic_all"])
+        if backend.endswith("+ds_row"):
+            cfg = dataclasses.replace(cfg, **SAGE_BACKENDS["sage_ds_row"])
         kw = dict(causal=causal, qk_granularity=gran, smooth_q=smooth_q, config=cfg)
         g_p = fwd_bwd(functools.partial(lb.sage_attention, **kw, **impl))(q, k, v, do)
         g_x = fwd_bwd(functools.partial(lb.sage_attention, **kw, implementation="xla"))(q, k, v, do)

@@ -204,6 +204,10 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
         out += ["| | Attn-QAT paper (≈) | 0.98 | 0.98 | 0.98 | 0.98 |"]
     for backend in ("triton", "mosaic"):
         checks = [r for r in data.get("kernel_checks", []) if r.get("backend", "triton") == backend]
+        failed = [r for r in checks if "error" in r]
+        checks = [r for r in checks if "error" not in r]
+        for r in failed:
+            out += ["", f"Compiled {backend} kernels FAILED on {tuple(r['case'])}: `{r['error']}`"]
         if checks:
             worst = max(r[n]["rel_l1"] for r in checks for n in ("o", "dq", "dk", "dv"))
             out += ["", f"Compiled {backend} kernels vs the xla twin on awkward shapes (ragged, GQA/MQA, causal "
