@@ -43,7 +43,8 @@ XLA_SCORE_BYTES_LIMIT = 20e9
 SAGE_OVERRIDES: dict = {}  # --dq-tiles: SageFwdConfig fields replaced in the sage runs
 
 
-#: sage variants with every backward kernel (and, for "all", the forward) on one Pallas backend
+#: sage variants (SageFwdConfig fields replaced): every backward kernel (and, for "all", the forward) on
+#: one Pallas backend, or the default backends with per-row dS scales
 SAGE_BACKENDS = {
     "sage_triton": dict(dkdv_backend="triton", dq_backend="triton"),
     "sage_mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic"),
@@ -100,7 +101,7 @@ def fwd_bwd(fn):
 
 def methods_for(b, h, s, d, causal):
     names = ["sage", "cudnn_bf16", "pallas_mha_bf16", "sage_mosaic", "sage_mosaic_all", "sage_ds_row"]
-    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; causal sage is all-Triton by default
+    if not causal:  # attention_mgpu has no causal backward in jax 0.11.2; causal all-Triton: the --backends table
         names += ["sage_triton", "pallas_mgpu_bf16"]
     if b * h * s * s * 4 * 4 <= XLA_SCORE_BYTES_LIMIT:
         names.append("xla_bf16")
@@ -109,8 +110,8 @@ def methods_for(b, h, s, d, causal):
 
 #: per-kernel backend splits timed by --backends ("auto" is the library's choice)
 BACKEND_SPLITS = {
-    "triton": dict(dkdv_backend="triton", dq_backend="triton"),
-    "mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic"),
+    "triton": SAGE_BACKENDS["sage_triton"],
+    "mosaic": SAGE_BACKENDS["sage_mosaic"],
     "dkdv_triton_dq_mosaic": dict(dkdv_backend="triton", dq_backend="mosaic"),
     "dkdv_mosaic_dq_triton": dict(dkdv_backend="mosaic", dq_backend="triton"),
     "auto": {},

@@ -303,20 +303,18 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
     lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
     dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, ops, bias, opts) for name in ("dkdv", "dq"))
     vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
+    mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
+                     ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
     if dkdv_mosaic:
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
-            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
-            sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
-            ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd, **mosaic_kw)
     else:
         dk, dv = sage_bwd_kernels.sage_bwd_dkdv(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, ops.vt,
             ops.v_scale, ops.q_mean, bias, **kw)
     if dq_mosaic:
         dq = sage_bwd_mosaic.sage_bwd_dq_mosaic(
-            ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t, vd, sq_len=opts.seq_q,
-            sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block, scale=opts.scale,
-            ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
+            ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t, vd, scale=opts.scale, **mosaic_kw)
     else:
         dq = sage_bwd_kernels.sage_bwd_dq(ops.q, ops.q_scale, lse_pad, delta, do, ops.k, ops.k_scale, ops.k_t,
                                           ops.vt, ops.v_scale, bias, **kw)

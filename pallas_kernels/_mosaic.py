@@ -136,6 +136,11 @@ def launch(kernel, out_type, scratch_types, grid, grid_names, *, compute_wgs: in
                         interpret=interpret_params(interpret))
 
 
+def wgmma_zeros(shape: tuple[int, int], dtype=jnp.float32) -> jax.Array:
+    """A zero tile in the ``wgmma`` accumulator (WGMMA) register layout."""
+    return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
+
+
 def matmul(acc_shape: tuple[int, int], acc_dtype, a, b) -> jax.Array:
     """``a @ b`` on the tensor cores (``a`` SMEM or registers, ``b`` SMEM), as a fresh array."""
 
@@ -164,20 +169,13 @@ def matmul_pair(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -
     back to back); otherwise one after the other, each waited. The Mosaic GPU
     interpreter only runs the second form (same values).
     """
-    (a0, b0), (a1, b1) = operands
     if not fused:
-        return matmul(shapes[0], dtypes[0], a0, b0), matmul(shapes[1], dtypes[1], a1, b1)
-
-    def body(refs):
-        plgpu.wgmma(refs[0], a0, b0)
-        plgpu.wgmma(refs[1], a1, b1)
-
-    zeros = [plgpu.layout_cast(jnp.zeros(s, dt), plgpu.Layout.WGMMA) for s, dt in zip(shapes, dtypes)]
-    return pl.run_state(body)(tuple(plgpu.ACC.init(z) for z in zeros))
+        return tuple(matmul(s, dt, a, b) for s, dt, (a, b) in zip(shapes, dtypes, operands))
+    return accumulate(tuple(wgmma_zeros(s, dt) for s, dt in zip(shapes, dtypes)), operands, fused=True)
 
 
 def accumulate(accs: tuple, operands: tuple, *, fused: bool) -> tuple:
-    """``acc_i + a_i @ b_i`` for each accumulator (float32 WGMMA-layout arrays).
+    """``acc_i + a_i @ b_i`` for each accumulator (float32 or int32 WGMMA-layout arrays).
 
     ``fused`` issues every product into its accumulator in place and waits once;
     otherwise (the Mosaic GPU interpreter) each product is computed into a fresh
@@ -223,6 +221,16 @@ def copy_in(copies, barriers, wg) -> None:
         plgpu.barrier_wait(barriers.at[i, wg])
 
 
+def copy_out(copies) -> None:
+    """Fence this warpgroup's SMEM writes, TMA-copy each ``(smem src, gmem dst)`` out as one
+    group, and wait for it (the counterpart of :func:`copy_in`)."""
+    plgpu.commit_smem()
+    for src, dst in copies:
+        plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
 def on_hopper() -> bool:
     """True when the default device is an sm_90 GPU (H100/H200), where these kernels run."""
     if jax.default_backend() not in ("gpu", "cuda"):
@@ -232,5 +240,6 @@ def on_hopper() -> bool:
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
-           "first_query_tile", "wg_tiles", "launch", "matmul", "matmul_pair", "register_operand", "accumulate",
-           "compute_pipeline", "key_step_specs", "transposed_step_spec", "copy_in", "on_hopper", "MEMORY_REGISTERS"]
+           "first_query_tile", "wg_tiles", "launch", "wgmma_zeros", "matmul", "matmul_pair", "register_operand",
+           "accumulate", "compute_pipeline", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out",
+           "on_hopper", "MEMORY_REGISTERS"]

@@ -40,8 +40,9 @@ from jax import lax
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._mosaic import (
-    accumulate, compute_pipeline, copy_in, first_query_tile, grid_position, launch, mask_scores, matmul_pair, pl,
-    plgpu, query_block_keys, register_operand, row_vector, rows_of, tile_transforms, wg_tiles,
+    accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
+    matmul_pair, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, tile_transforms, wg_tiles,
+    wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -83,15 +84,11 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
     def compute(pipeline):
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         copy_in(((k_ref.at[b, hkv, rows], k_smem), (v_ref.at[b, hkv, rows], v_smem)), barriers, wg)
-        zeros = plgpu.layout_cast(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA)
+        zeros = wgmma_zeros(out_shape)
         dk, dv = pipeline((zeros, zeros))
         k_smem[...] = (dk * scale).astype(k_smem.dtype)  # K̃ and Ṽ are no longer needed: reuse their SMEM
         v_smem[...] = dv.astype(v_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, hkv], commit_group=False)
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, hkv], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+        copy_out(((k_smem, dk_ref.at[b, rows, hkv]), (v_smem, dv_ref.at[b, rows, hkv])))
 
     def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
         *consumed, (dk, dv) = consumed_and_carry
@@ -145,12 +142,9 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
                   (m_ref.at[b, h, rows], m_smem2.at[wg]), (il_ref.at[b, h, rows], il_smem2.at[wg]),
                   (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
         copy_in(copies, barriers, wg)
-        zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dq = pipeline(zeros)
+        dq = pipeline(wgmma_zeros((TILE, head_dim)))
         do_smem[...] = (dq * scale).astype(do_smem.dtype)  # dO is no longer needed: reuse its SMEM
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[b, rows, h])
-        plgpu.wait_smem_to_gmem(0)
+        copy_out(((do_smem, dq_ref.at[b, rows, h]),))
 
     def step(idx, k_smem, v_smem, *consumed_and_carry):
         *consumed, dq = consumed_and_carry

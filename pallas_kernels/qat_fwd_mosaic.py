@@ -35,8 +35,8 @@ from jax import lax
 
 from lowbit_jax.formats import int8, nvfp4
 from pallas_kernels._mosaic import (
-    accumulate, compute_pipeline, copy_in, grid_position, launch, mask_scores, matmul, pl, plgpu, query_block_keys,
-    register_operand, rows_of, tile_transforms, wg_tiles,
+    accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
+    query_block_keys, register_operand, rows_of, tile_transforms, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
@@ -73,7 +73,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
 
     def compute(pipeline):
         copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)
-        zeros = plgpu.layout_cast(jnp.zeros(out_shape, jnp.float32), plgpu.Layout.WGMMA)
+        zeros = wgmma_zeros(out_shape)
         m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
         acc, acc2, m, l = pipeline((zeros, zeros if with_aux else None, m, l))
@@ -85,14 +85,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         m_smem[...] = m
         if with_aux:
             o2_smem2.at[wg][...] = (acc2 * inv_l).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, h], commit_group=False)
-        if with_aux:
-            plgpu.copy_smem_to_gmem(o2_smem2.at[wg], o2_ref.at[b, rows, h], commit_group=False)
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows], commit_group=False)
-        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, h, rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+        aux = ((o2_smem2.at[wg], o2_ref.at[b, rows, h]),) if with_aux else ()
+        copy_out(((o_smem, o_ref.at[b, rows, h]), *aux, (lse_smem, lse_ref.at[b, h, rows]),
+                  (m_smem, m_ref.at[b, h, rows])))
 
     def step(idx, k_smem, v_smem, *consumed_and_carry):
         *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry

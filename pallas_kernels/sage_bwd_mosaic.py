@@ -44,9 +44,9 @@ from jax import lax
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, first_query_tile, grid_position, key_step_specs, launch,
-    mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max, tile_transforms,
-    transposed_step_spec, wg_tiles,
+    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
+    launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
+    tile_transforms, transposed_step_spec, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -121,16 +121,12 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         rows = pl.ds(cta_keys + wg * TILE, TILE)
         copy_in(((k_ref.at[b, hkv, rows], k_smem), (vd_ref.at[b, hkv, rows], vd_smem),
                  (ks_ref.at[b, hkv, rows], ks_smem)), barriers, wg)
-        zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        zeros = wgmma_zeros((TILE, head_dim))
         dk, dv = pipeline((zeros, zeros))
         dk_smem = dk_smem2.at[wg]
         dk_smem[...] = dk.astype(dk_smem.dtype)
         vd_smem[...] = dv.astype(vd_smem.dtype)  # Ṽ is no longer needed: reuse its SMEM
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, rows, hkv], commit_group=False)
-        plgpu.copy_smem_to_gmem(vd_smem, dv_ref.at[b, rows, hkv], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+        copy_out(((dk_smem, dk_ref.at[b, rows, hkv]), (vd_smem, dv_ref.at[b, rows, hkv])))
 
     def step(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem,
              *consumed_and_carry):
@@ -220,12 +216,9 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
                   (qs_ref.at[b, h, rows], qs_smem2.at[wg]), (lse_ref.at[b, h, rows], lse_smem2.at[wg]),
                   (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
         copy_in(copies, barriers, wg)
-        zeros = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dq = pipeline(zeros)
+        dq = pipeline(wgmma_zeros((TILE, head_dim)))
         do_smem[...] = dq.astype(do_smem.dtype)  # dO is no longer needed: reuse its SMEM
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[b, rows, h])
-        plgpu.wait_smem_to_gmem(0)
+        copy_out(((do_smem, dq_ref.at[b, rows, h]),))
 
     def step(idx, k_smem, ks_smem, kt_smem, vd_smem, *consumed_and_carry):
         *consumed, dq_acc = consumed_and_carry

@@ -31,8 +31,8 @@ from jax import lax
 
 from lowbit_jax.formats import int8
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, grid_position, key_step_specs, launch, mask_scores, matmul, pl,
-    plgpu, query_block_keys, row_vector, rows_of, transposed_step_spec, wg_tiles,
+    col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, key_step_specs, launch, mask_scores,
+    matmul, pl, plgpu, query_block_keys, row_vector, rows_of, transposed_step_spec, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -63,7 +63,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
                   (vs_ref.at[b, hkv], vs_smem2.at[wg]))
         copy_in(copies, barriers, wg)
-        acc = plgpu.layout_cast(jnp.zeros((TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        acc = wgmma_zeros((TILE, head_dim))
         m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = pipeline((acc, m, l))
@@ -72,11 +72,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
         o_smem[...] = o.astype(o_smem.dtype)
         lse_smem[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, h], commit_group=False)
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+        copy_out(((o_smem, o_ref.at[b, rows, h]), (lse_smem, lse_ref.at[b, h, rows])))
 
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
         *consumed, (acc, m_prev, l_prev) = consumed_and_carry
