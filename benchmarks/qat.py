@@ -7,7 +7,8 @@ Usage (GPU machine, repo root):
 Measures, in one run: compiled kernels vs the xla twin on awkward shapes (forward
 and gradients); a small tile sweep of the forward and the backward at
 B4 H32 S4096 D128; forward and fwd+bwd time and TFLOP/s (4·B·H·S²·D, halved if
-causal; fwd+bwd 3.5×) of qat (Triton kernels), qat_mosaic (Pallas Mosaic GPU kernels),
+causal; fwd+bwd 3.5×) of qat (Triton kernels), qat_mosaic (Pallas Mosaic GPU kernels, the
+library's default on Hopper),
 qat with the naive backward, sage and cuDNN bf16;
 O and gradient cos-sim / rel-L2 vs exact fp32 on N(0,1) at S=4096.
 Writes benchmarks/results/qat.json (and $OUT/qat.json).
@@ -49,11 +50,16 @@ def mosaic_config(config=None) -> lb.QatConfig:
     return dataclasses.replace(config or lb.QatConfig(), fwd_backend="mosaic", bwd_backend="mosaic")
 
 
+def triton_config(config=None) -> lb.QatConfig:
+    """``config`` (default: the library's) with the forward and backward on Pallas Triton."""
+    return dataclasses.replace(config or lb.QatConfig(), fwd_backend="triton", bwd_backend="triton")
+
+
 def method_fns(d, causal, config):
     return {
-        "qat": qat_fn(causal, config),
+        "qat": qat_fn(causal, triton_config(config)),
         "qat_mosaic": qat_fn(causal, mosaic_config(config)),
-        "qat_naive_bwd": qat_fn(causal, config, naive=True),
+        "qat_naive_bwd": qat_fn(causal, mosaic_config(config), naive=True),
         "sage": functools.partial(lb.sage_attention, causal=causal),
         "cudnn_bf16": functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"),
     }
@@ -73,7 +79,7 @@ def check_kernels(log, smoke):
         k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.bfloat16)
         v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.bfloat16)
         do = jax.random.normal(ks[3], q.shape, q.dtype)
-        config = mosaic_config() if backend == "mosaic" else None
+        config = mosaic_config() if backend == "mosaic" else triton_config()
         row = dict(case=(b, sq, sk, hq, hkv, d, causal), backend=backend)
         try:
             g_p = fwd_bwd(qat_fn(causal, config, **impl))(q, k, v, do)
@@ -99,7 +105,7 @@ def sweep(log, smoke):
     extra = dict(implementation="pallas", interpret=True) if smoke else {}
     rows, best_fwd, best_bwd = [], None, None
     for bq, bk, w, st in FWD_SWEEP[:1] if smoke else FWD_SWEEP:
-        cfg = lb.QatConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+        cfg = triton_config(lb.QatConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st))
         try:
             ms = time_fn(jax.jit(qat_fn(False, cfg, **extra)), q, k, v, warmup=1, iters=3 if smoke else 10, batches=3)
         except Exception as e:  # noqa: BLE001
@@ -110,7 +116,7 @@ def sweep(log, smoke):
         if best_fwd is None or ms < best_fwd[1]:
             best_fwd = ((bq, bk, w, st), ms)
     bq, bk, w, st = best_fwd[0]
-    base = lb.QatConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+    base = triton_config(lb.QatConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st))
     for bbq, bbk, bw, bst in BWD_SWEEP[:1] if smoke else BWD_SWEEP:
         cfg = dataclasses.replace(base, bwd_block_q=bbq, bwd_block_k=bbk, bwd_warps=bw, bwd_stages=bst)
         try:

@@ -125,15 +125,24 @@ def render_backward(data: dict) -> list[str]:
         out += ["| SageBwd paper (real activations) | | .9969 / .079 | | | | .9789 / .205 | .9664 / .258 | "
                 ".9537 / .307 | .9985 / .054 |"]
     if data.get("gradient_checks"):
-        out += ["", "Compiled kernels vs the xla reference (same quantization), gradients, on awkward shapes:", "",
+        heading = "Compiled kernels vs the xla reference (same quantization), gradients, on awkward shapes"
+        if data.get("gradient_checks_command"):
+            heading += (f" (re-run alone after the table above: `{data['gradient_checks_command']}`, "
+                        f"{data.get('gradient_checks_date', '')})")
+        out += ["", heading + ":", "",
                 "| case (B, Sq, Sk, Hq, Hkv, D, causal) | granularity | Q-smoothing | kernels | dQ / dK / dV rel-L1 vs "
                 "xla | dQ / dK / dV cos-sim vs exact |", "|---|---|---|---|---|---|"]
         for r in data["gradient_checks"]:
+            if "error" in r:
+                out.append(f"| {tuple(r['case'])} | {r['gran']} | {r['smooth_q']} | {r.get('backend', 'default')} | "
+                           f"FAILED: `{r['error'][:120]}` | |")
+                continue
             out.append(f"| {tuple(r['case'])} | {r['gran']} | {r['smooth_q']} | {r.get('backend', 'default')} | "
                        + " / ".join(
                 f"{r[n]['kernel_vs_xla']['rel_l1']:.1e}" for n in ("dq", "dk", "dv")) + " | " + " / ".join(
                 f"{r[n]['kernel_vs_exact']['cos_sim']:.5f}" for n in ("dq", "dk", "dv")) + " |")
-        if any(r[n]["kernel_vs_xla"]["rel_l1"] > 1e-2 for r in data["gradient_checks"] for n in ("dq", "dk", "dv")):
+        if any(r[n]["kernel_vs_xla"]["rel_l1"] > 1e-2 for r in data["gradient_checks"] if "error" not in r
+               for n in ("dq", "dk", "dv")):
             out += ["", "A rel-L1 above 1e-2 here means kernel and reference disagree while the kernel stays close "
                     "to exact: see NOTES.md (the xla reference's dV went wrong on the GPU in one case)."]
     return out
@@ -180,8 +189,9 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "TFLOP/s count 4·B·H·S²·D (halved if causal), fwd+bwd 3.5× that, for every method. bf16 inputs. "
            "The H200 has no FP4 tensor cores: FP4 is emulated (fake-quantized values, bf16 MMAs), so the cost is "
            "the in-register quantization of P plus the extra O' product. `qat naive` = FP4 forward with the "
-           "mismatched 16-bit backward (ablation). `qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU "
-           "ones (`QatConfig(fwd_backend=\"mosaic\", bwd_backend=\"mosaic\")`; – where not run).", "",
+           "mismatched 16-bit backward (ablation; on the Mosaic kernels from the 2026-11-29 run on, Triton before). "
+           "`qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU ones (`QatConfig(fwd_backend=\"mosaic\", "
+           "bwd_backend=\"mosaic\")`, what the default \"auto\" picks on Hopper; – where not run).", "",
            "| B | H | S | D | causal | fwd: qat | mosaic | sage | cuDNN bf16 | qat / cuDNN | fwd+bwd: qat | mosaic "
            "| qat naive | sage | cuDNN bf16 | **qat / cuDNN** | **mosaic / cuDNN** |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -238,7 +248,10 @@ def render_qat_training(runs: list[dict]) -> list[str]:
 def render_training(data: dict) -> list[str]:
     out = ["", "## Training step throughput (dense vs sage attention, same run)", "",
            f"{_provenance(data)}. Command: `{data['command'].strip()}`. Jitted train step (fwd + bwd + AdamW, bf16 compute), "
-           "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention.", "",
+           "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention."
+           + (f" Median of {data['rounds']} interleaved windows of {data['steps_per_round']} steps; the ratio to "
+              "dense is the median of the per-round ratios." if data.get("rounds") else
+              " One window of timed steps per method, back to back."), "",
            "| method | params | batch × seq | ms / step | tokens/s | MFU |", "|---|---|---|---|---|---|"]
     for r in data["rows"]:
         out.append(f"| {r['method']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq']} | {r['step_ms']:.1f} | "

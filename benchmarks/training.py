@@ -3,10 +3,15 @@
 Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/training.py                 # preset 50m, sequence 2048
     PYTHONPATH=. python benchmarks/training.py --smoke         # tiny model, runs anywhere
+    PYTHONPATH=. python benchmarks/training.py --methods dense sage sage:row qat_fp4
+                                    # METHOD:DS_SCALE = sage with TrainConfig.ds_scale (dS per row)
 
 Tokens/s of the jitted data-parallel train step (fwd + bwd + AdamW) and model
 FLOP utilisation: 6·N + 6·L·S·d FLOPs per token (the parameters' matmuls plus
-causal attention, 12·L·S·d halved) over the device's dense bf16 peak.
+causal attention, 12·L·S·d halved) over the device's dense bf16 peak. Every method
+is compiled first, then timed in ``--rounds`` interleaved windows of ``--steps``
+steps (median per method; the ratio to dense is the median of per-round ratios),
+because back-to-back single windows drifted by up to 35% on the lent H200.
 Writes benchmarks/results/training.json (and $OUT/training.json).
 """
 
@@ -33,53 +38,73 @@ def flops_per_token(cfg, seq: int, n_params: int) -> float:
     return 6.0 * n_params + 6.0 * cfg.num_layers * seq * cfg.dim
 
 
-def measure(method: str, preset: str, batch: int, seq: int, steps: int, log) -> dict:
-    cfg = TrainConfig(preset=preset, method=method, batch=batch, seq=seq, steps=steps + 2, max_corpus_mb=8)
+def prepare(method: str, preset: str, batch: int, seq: int, steps: int) -> dict:
+    """A compiled, warmed-up train step for ``method`` (a model method, or "sage:row": sage with
+    dS scaled per row) and ``run()``, which times ``steps`` steps and returns seconds per step."""
+    base, _, ds_scale = method.partition(":")
+    cfg = TrainConfig(preset=preset, method=base, batch=batch, seq=seq, steps=steps + 2, max_corpus_mb=8,
+                      ds_scale=ds_scale or "tile")
     b = build(cfg.resolved())
     data = PackedBatches(load_corpus(None, 8 * 2**20), seq, batch, 1, 0)
-    params, opt_state = b["params"], b["tx"].init(b["params"])
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    batches = [jax.numpy.asarray(data.batch(i)) for i in range(steps + 2)]
-    for i in range(2):  # compile + warm up
-        params, opt_state, m = b["train_step"](params, opt_state, batches[i])
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    for i in range(2, steps + 2):
-        params, opt_state, m = b["train_step"](params, opt_state, batches[i])
-    jax.block_until_ready(m)
-    dt = (time.perf_counter() - t0) / steps
-    tok_s = batch * seq / dt
-    peak = PEAK_BF16.get(jax.devices()[0].device_kind)
-    mfu = flops_per_token(b["model_config"], seq, n_params) * tok_s / peak if peak else None
-    row = dict(method=method, preset=preset, params=n_params, batch=batch, seq=seq, step_ms=dt * 1e3,
-               tokens_per_s=tok_s, mfu=mfu, final_loss=float(m["loss"]))
-    log(f"{method:6s} {preset} ({n_params / 1e6:.1f}M) B{batch} S{seq}: {dt * 1e3:.1f} ms/step, "
-        f"{tok_s:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu else ""))
-    return row
+    state = dict(params=b["params"], opt_state=b["tx"].init(b["params"]), metrics=None)
+    batches = [jax.numpy.asarray(data.batch(i)) for i in range(steps)]
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for tokens in batches:
+            state["params"], state["opt_state"], state["metrics"] = b["train_step"](
+                state["params"], state["opt_state"], tokens)
+        jax.block_until_ready(state["metrics"])
+        return (time.perf_counter() - t0) / steps
+
+    run()  # compile + warm up
+    n_params = sum(x.size for x in jax.tree.leaves(b["params"]))
+    return dict(run=run, state=state, n_params=n_params, flops=flops_per_token(b["model_config"], seq, n_params))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    parser.add_argument("--rounds", type=int, default=3, help="timed windows per method, interleaved")
     parser.add_argument("--methods", nargs="+", default=["dense", "sage"], help="attention methods, dense first")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/training.py needs a GPU (or --smoke)")
         return 2
     preset, seq, batch = ("tiny", 128, 8) if args.smoke else ("50m", 2048, args.batch)
+    steps, rounds = (2, 2) if args.smoke else (args.steps, args.rounds)
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/training.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]), rows=[])
-    rows = payload["rows"]
-    for method in args.methods:
-        rows.append(measure(method, preset, batch, seq, 2 if args.smoke else args.steps, print))
-        by = {r["method"]: r["tokens_per_s"] for r in rows}
-        payload["vs_dense"] = {m: t / by["dense"] for m, t in by.items()} if "dense" in by else {}
-        payload["sage_vs_dense"] = payload["vs_dense"].get("sage")
-        write_json("training_smoke" if args.smoke else "training", payload)
-    print("tokens/s relative to dense: " + ", ".join(f"{m} {r:.2f}" for m, r in payload["vs_dense"].items()))
-    np.testing.assert_(all(np.isfinite(r["final_loss"]) for r in rows))
+        argv if argv is not None else sys.argv[1:]), rows=[], rounds=rounds, steps_per_round=steps)
+    runs = {m: prepare(m, preset, batch, seq, steps) for m in args.methods}
+    times = {m: [] for m in args.methods}
+    for r in range(rounds):  # round-robin: clock drift and neighbours hit every method alike
+        for m in args.methods:
+            times[m].append(runs[m]["run"]())
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{m} {times[m][-1] * 1e3:.1f} ms" for m in args.methods),
+              flush=True)
+    peak = PEAK_BF16.get(jax.devices()[0].device_kind)
+    for m in args.methods:
+        dt = float(np.median(times[m]))
+        tok_s = batch * seq / dt
+        mfu = runs[m]["flops"] * tok_s / peak if peak else None
+        payload["rows"].append(dict(method=m, preset=preset, params=runs[m]["n_params"], batch=batch, seq=seq,
+                                    step_ms=dt * 1e3, step_ms_rounds=[t * 1e3 for t in times[m]],
+                                    tokens_per_s=tok_s, mfu=mfu,
+                                    final_loss=float(runs[m]["state"]["metrics"]["loss"])))
+        print(f"{m:8s} {preset} ({runs[m]['n_params'] / 1e6:.1f}M) B{batch} S{seq}: {dt * 1e3:.1f} ms/step "
+              f"(median of {rounds}), {tok_s:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu else ""))
+    if "dense" in times:  # per-round (paired) ratios: dense time / method time, then the median
+        payload["vs_dense"] = {m: float(np.median(np.array(times["dense"]) / np.array(times[m]))) for m in times}
+        payload["vs_dense_rounds"] = {m: list(np.array(times["dense"]) / np.array(times[m])) for m in times}
+    else:
+        payload["vs_dense"] = {}
+    payload["sage_vs_dense"] = payload["vs_dense"].get("sage")
+    write_json("training_smoke" if args.smoke else "training", payload)
+    print("tokens/s relative to dense (median of per-round ratios): "
+          + ", ".join(f"{m} {r:.2f}" for m, r in payload["vs_dense"].items()))
+    np.testing.assert_(all(np.isfinite(r["final_loss"]) for r in payload["rows"]))
     return 0
 
 

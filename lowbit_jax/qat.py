@@ -38,6 +38,7 @@ from pallas_kernels import fake_quant as fake_quant_kernels
 from pallas_kernels import qat_bwd as qat_bwd_kernels
 from pallas_kernels import qat_fwd as qat_fwd_kernels
 from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
+from pallas_kernels._mosaic import on_hopper
 from pallas_kernels.configs import QatConfig, qat_config
 
 
@@ -119,7 +120,9 @@ def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
     elif not isinstance(config, QatConfig):
         raise TypeError(f"config must be a QatConfig, got {type(config).__name__}")
     return QatOptions(causal=causal, scale=scale, naive_backward=naive_backward, smooth_k=smooth_k,
-                      implementation=impl, interpret=interpret, config=config.fitted(shape.seq_q, shape.seq_k),
+                      implementation=impl, interpret=interpret,
+                      config=config.fitted(shape.seq_q, shape.seq_k).with_backends(
+                          impl == "pallas" and not interpret and on_hopper()),
                       seq_q=shape.seq_q, seq_k=shape.seq_k)
 
 

@@ -124,6 +124,28 @@ def first_query_tile(cta_keys, block_q: int, n_qtiles: int, *, causal: bool, off
     return jnp.clip(lax.div(cta_keys - offset, block_q), 0, n_qtiles) if causal else 0
 
 
+def tma_rows(n: int) -> int:
+    """``n`` rounded up to a multiple of 8: the sequence length of an output that a tiled TMA store
+    writes (the store needs the GMEM row count a multiple of the SMEM tiling's 8 rows; rows past
+    the end of the array are clipped by the TMA unit). Trim with :func:`trim_rows`."""
+    return -(-n // 8) * 8
+
+
+def trim_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """``x`` cut to ``n`` entries along ``axis`` (no copy when it already has ``n``)."""
+    return x if x.shape[axis] == n else lax.slice_in_dim(x, 0, n, axis=axis)
+
+
+def pad_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    """``x`` zero-padded to ``n`` entries along ``axis`` (no copy when it already has ``n``): an input
+    that a tiled TMA load reads needs :func:`tma_rows` rows."""
+    if x.shape[axis] == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def wg_tiles(wgs: int, rows: int, dtype, cols: int):
     """One (rows, cols) SMEM tile per compute warpgroup, tiled and swizzled for TMA and ``wgmma``."""
     return plgpu.SMEM((wgs, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
@@ -240,6 +262,6 @@ def on_hopper() -> bool:
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
-           "first_query_tile", "wg_tiles", "launch", "wgmma_zeros", "matmul", "matmul_pair", "register_operand",
-           "accumulate", "compute_pipeline", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out",
-           "on_hopper", "MEMORY_REGISTERS"]
+           "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
+           "matmul_pair", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
+           "transposed_step_spec", "copy_in", "copy_out", "on_hopper", "MEMORY_REGISTERS"]

@@ -21,7 +21,9 @@ are masked element-wise.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): head dims other
 than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128, fp32
-outputs. Selected with ``QatConfig.fwd_backend="mosaic"``; not yet timed on the GPU.
+outputs. Selected by ``QatConfig.fwd_backend`` "mosaic", or "auto" (the default) on Hopper: on the
+H200 it beat the Triton forward at every benchmarked shape (251 vs 220 TFLOP/s at B4 H32
+S4096 D128; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from jax import lax
 from lowbit_jax.formats import int8, nvfp4
 from pallas_kernels._mosaic import (
     accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
-    query_block_keys, register_operand, rows_of, tile_transforms, wg_tiles, wgmma_zeros,
+    query_block_keys, register_operand, rows_of, tile_transforms, tma_rows, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
@@ -151,11 +153,10 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     if interpret:
         bk = config.block_k
         scratch.append(plgpu.SMEM((WGS, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
-    o_type = jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype)
-    row_type = jax.ShapeDtypeStruct((b, hq, sq_len), f32)
-    outs = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
-                  (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS, interpret=interpret,
-                  )(qf, kf, vf)
-    if with_aux:
-        return tuple(outs)
-    return outs[0], None, outs[1], outs[2]
+    o_type = jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype)
+    row_type = jax.ShapeDtypeStruct((b, hq, sq_pad), f32)  # padded: a TMA copy needs the last dim a multiple of 8
+    *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
+                           (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS,
+                           interpret=interpret)(qf, kf, vf)
+    outs = [trim_rows(o, sq_len) for o in outs]
+    return outs[0], outs[1] if with_aux else None, lse[..., :sq_len], m[..., :sq_len]

@@ -32,7 +32,8 @@ from jax import lax
 from lowbit_jax.formats import int8
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, key_step_specs, launch, mask_scores,
-    matmul, pl, plgpu, query_block_keys, row_vector, rows_of, transposed_step_spec, wg_tiles, wgmma_zeros,
+    matmul, pl, plgpu, query_block_keys, row_vector, rows_of, tma_rows, transposed_step_spec, trim_rows, wg_tiles,
+    wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -128,6 +129,9 @@ def sage_attention_fwd_mosaic(
     scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
                wg_tiles(WGS, TILE, jnp.int8, config.block_k), plgpu.SMEM((WGS, TILE, d), out_dtype),
                plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
-    out_type = [jax.ShapeDtypeStruct((b, sq_len, hq, d), out_dtype), jax.ShapeDtypeStruct((b, hq, sq_len), f32)]
-    return launch(kernel, out_type, scratch, (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"),
-                  compute_wgs=WGS, interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
+    # Written with tma_rows(Sq) rows and the row vector padded: TMA stores need multiples of 8.
+    out_type = [jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype),
+                jax.ShapeDtypeStruct((b, hq, sq_pad), f32)]
+    o, lse = launch(kernel, out_type, scratch, (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"),
+                    compute_wgs=WGS, interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
+    return trim_rows(o, sq_len), lse[..., :sq_len]

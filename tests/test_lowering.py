@@ -174,13 +174,13 @@ def test_qat_forward_and_backward_lower_to_triton(case):
         assert name in text
 
 
-@pytest.mark.parametrize("causal, ds_scale", [(False, "tile"), (True, "tile"), (True, "row")])
-def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale):
+@pytest.mark.parametrize("causal, ds_scale, sq", [(False, "tile", 1024), (True, "tile", 384), (True, "row", 380)])
+def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq):
     """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls
-    (dS scales per tile, or per row: ``ds_scale``)."""
+    (dS scales per tile, or per row: ``ds_scale``; Sq = 380 is not a multiple of the TMA tiling's
+    8 rows, which only the lowering — not the interpreter — rejects)."""
     cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), dkdv_backend="mosaic",
                               dq_backend="mosaic", ds_scale=ds_scale)
-    sq = 384 if causal else 1024  # causal needs Sq ≤ Sk
     specs, opts = specs_and_options(sq, 512, 8, 2, 128, causal, "per_token", False, cfg)
 
     def grads(q, k, v):
@@ -197,7 +197,9 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale):
 def test_sage_forward_lowers_to_mosaic_gpu(causal):
     """fwd_backend="mosaic": the quantize kernels stay Triton, the attention is a Mosaic GPU call."""
     cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), fwd_backend="mosaic")
-    specs, opts = specs_and_options(384, 512, 8, 2, 128, causal, "per_block", False, cfg)
+    # causal: Sq = 380, not a multiple of the 8 rows a tiled TMA store needs (only lowering catches that)
+    specs, opts = specs_and_options(380 if causal else 384, 512, 8, 2, 128, causal,
+                                    "per_token" if causal else "per_block", False, cfg)
     text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
     assert text.count(TRITON_CALL) == 2  # sage_quantize_q, sage_quantize_kv; no Triton attention kernel
     assert "sage_quantize_q" in text and "sage_quantize_kv" in text and "mosaic_gpu" in text
@@ -212,8 +214,8 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     from lowbit_jax import qat as qat_mod
 
     fwd, bwd = backends
-    q = jax.ShapeDtypeStruct((2, 384, 8, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 512, 2, d), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 300 if d == 64 else 384, 8, d), jnp.bfloat16)  # 300: not a multiple of 8
+    kv = jax.ShapeDtypeStruct((2, 300 if d == 64 else 512, 2, d), jnp.bfloat16)
     opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
                                        jnp.zeros(kv.shape, kv.dtype), causal=causal, naive_backward=naive,
                                        implementation="pallas", interpret=True,

@@ -109,7 +109,14 @@ def test_mosaic_coverage():
     for change in (dict(head_dim=32), dict(sk_pad=192), dict(sq_pad=320), dict(do_dtype=jnp.float32),
                    dict(dtype=jnp.float32, do_dtype=jnp.float32), dict(sq_len=300, sq_pad=384)):
         assert not qat_bwd_mosaic.supports(**{**ok, **change}), change
-    assert MOSAIC.pad == 128 and lb.QatConfig(bwd_backend="mosaic").pad == 128 and lb.QatConfig().pad == 64
+    triton = lb.QatConfig(fwd_backend="triton", bwd_backend="triton")
+    assert MOSAIC.pad == 128 and lb.QatConfig(bwd_backend="mosaic").pad == 128 and triton.pad == 64
+    # "auto" (the default): Mosaic on a compiled Hopper call, Triton elsewhere (the CPU included)
+    assert lb.QatConfig().with_backends(True) == MOSAIC and lb.QatConfig().with_backends(False) == triton
+    assert lb.QatConfig().with_backends(False).pad == 64
+    opts = lb.qat.resolve_qat_options(*(jnp.ones((1, 64, 2, 64), jnp.bfloat16),) * 3, implementation="pallas",
+                                      interpret=True)
+    assert (opts.config.fwd_backend, opts.config.bwd_backend) == ("triton", "triton")
     for name in ("fwd_backend", "bwd_backend"):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             lb.QatConfig(**{name: "cuda"})

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from train import generate as generate_cli
 from train import pretrain, qat
@@ -81,6 +82,23 @@ def test_data_parallel_step_equals_single_device(method):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-6)
 
 
+def test_ds_scale_row_reaches_sage_backward():
+    """--ds-scale row: the model's sage attention gets SageFwdConfig(ds_scale="row"), which changes the
+    INT8 backward's gradients (a little) but not the forward's loss."""
+    batch = jnp.asarray(PackedBatches(load_corpus(None, 2**20), 32, 4, 1, seed=0).batch(0))
+    results = {}
+    for ds_scale in ("tile", "row"):
+        b = build(TrainConfig(method="sage", ds_scale=ds_scale, dtype="float32", **FAST).resolved())
+        model = nnx.merge(b["graphdef"], b["params"])
+        config = model.blocks[0].attn.attention_options.get("config")
+        assert (config.ds_scale if config is not None else "tile") == ds_scale
+        _, _, m = b["train_step"](b["params"], b["tx"].init(b["params"]), batch)
+        results[ds_scale] = (float(m["loss"]), float(m["grad_norm"]))
+    (l_tile, g_tile), (l_row, g_row) = results["tile"], results["row"]
+    assert l_tile == l_row
+    assert g_tile != g_row and g_row == pytest.approx(g_tile, rel=0.05)
+
+
 @pytest.mark.parametrize(
     "overrides, err, match",
     [
@@ -91,6 +109,8 @@ def test_data_parallel_step_equals_single_device(method):
         (dict(batch=6, devices=4), ValueError, "divisible by the number of devices"),
         (dict(steps=0), ValueError, "steps must be >= 1"),
         (dict(method="sage", naive_backward=True), ValueError, "needs method='qat_fp4'"),
+        (dict(method="dense", ds_scale="row"), ValueError, "needs method='sage'"),
+        (dict(ds_scale="token"), ValueError, "ds_scale must be one of"),
     ],
 )
 def test_bad_training_config(tmp_path, overrides, err, match):

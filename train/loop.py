@@ -16,7 +16,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+import lowbit_jax as lb
 from models import TransformerLM, model_config
+from pallas_kernels.configs import DS_SCALES
 from train.checkpoint import SUBDIR, Checkpoints, read_config, resolve_dir
 from train.data import PackedBatches, load_corpus, train_val_split
 from train.metrics import MetricsLog, plot_losses
@@ -39,6 +41,7 @@ class TrainConfig:
     dtype: str = "bfloat16"  # compute dtype of the model (parameters stay float32)
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
     naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
+    ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (faster, more accurate)
     corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
     max_corpus_mb: int = 64
     steps: int = 200
@@ -105,6 +108,13 @@ def build(cfg: TrainConfig):
         if cfg.method != "qat_fp4":
             raise ValueError(f"naive_backward is an Attn-QAT ablation: it needs method='qat_fp4', got {cfg.method!r}")
         options["naive_backward"] = True
+    if cfg.ds_scale not in DS_SCALES:
+        raise ValueError(f"ds_scale must be one of {DS_SCALES}, got {cfg.ds_scale!r}")
+    if cfg.ds_scale != "tile":
+        if cfg.method != "sage":
+            raise ValueError(f"ds_scale is a SageBwd option: it needs method='sage', got {cfg.method!r}")
+        head_dim = mcfg.dim // mcfg.num_heads
+        options["config"] = dataclasses.replace(lb.sage_fwd_config(head_dim, True), ds_scale=cfg.ds_scale)
     if cfg.implementation == "pallas" and jax.default_backend() == "cpu":
         options["interpret"] = True
     model = TransformerLM(mcfg, rngs=nnx.Rngs(cfg.seed), attention_options=options)
