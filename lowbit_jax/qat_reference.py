@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import nvfp4
+from lowbit_jax.formats import int8, nvfp4, sage_tiles
 from lowbit_jax.reference import causal_mask
 from pallas_kernels.configs import QatConfig
 from pallas_kernels.tile_ranges import visible
@@ -108,9 +108,8 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
     zeros = jnp.zeros((b, hq, sq_pad, d), jnp.float32)
     init = (zeros, zeros, jnp.full((b, hq, sq_pad), -jnp.inf, jnp.float32), jnp.zeros((b, hq, sq_pad), jnp.float32))
     (acc, acc2, m, l), _ = jax.lax.scan(step, init, jnp.arange(nkb))
-    empty = l == 0.0
-    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))[..., None]
-    lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    inv_l = int8.reciprocal_or_zero(l)[..., None]
+    lse = sage_tiles.base2_lse(m, l)
     out = lambda a: jnp.swapaxes(a * inv_l, 1, 2)[:, :sq_len].astype(out_dtype)  # noqa: E731
     return out(acc), (out(acc2) if with_aux else None), lse[:, :, :sq_len], m[:, :, :sq_len]
 

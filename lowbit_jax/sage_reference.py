@@ -126,9 +126,8 @@ def sage_attention_reference(
     p8 = int8.encode_unit_interval(e)
     pv = jnp.einsum("bhqnk,bhdnk->bhqnd", p8, vt8.reshape(b, hq, d, nkb, bk), preferred_element_type=jnp.int32)
     acc = jnp.sum(pv.astype(jnp.float32) * (beta * (1.0 / int8.QMAX))[..., None], axis=3)
-    empty = l == 0.0
     o = acc * int8.reciprocal_or_zero(l)[..., None] * v_scale[:, :, None, :]
-    lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    lse = sage_tiles.base2_lse(m, l)
     o = jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
     return o, lse[..., :sq_len]
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8, nvfp4
+from lowbit_jax.formats import int8, nvfp4, sage_tiles
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
 from pallas_kernels.tile_ranges import key_tile_range, visible
@@ -72,9 +72,8 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
     if causal or sk_len % block_k:
         carry = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), carry)
     acc, acc2, m, l = carry
-    empty = l == 0.0
     inv_l = int8.reciprocal_or_zero(l)[:, None]
-    lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    lse = sage_tiles.base2_lse(m, l)
     valid = row_mask(q_start, block_q, sq_len) if sq_len % block_q else None
     store_rows(o_ref, (acc * inv_l).astype(o_ref.dtype), valid)
     if with_aux:

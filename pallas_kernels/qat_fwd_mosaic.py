@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8, nvfp4
+from lowbit_jax.formats import int8, nvfp4, sage_tiles
 from pallas_kernels._mosaic import (
     accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
     query_block_keys, register_operand, rows_of, tile_transforms, tma_rows, trim_rows, wg_tiles, wgmma_zeros,
@@ -79,11 +79,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
         acc, acc2, m, l = pipeline((zeros, zeros if with_aux else None, m, l))
-        empty = l == 0.0
         inv_l = rows_of(int8.reciprocal_or_zero(l), out_shape)
         o_smem, lse_smem, m_smem = o_smem2.at[wg], lse_smem2.at[wg], m_smem2.at[wg]
         o_smem[...] = (acc * inv_l).astype(o_smem.dtype)
-        lse_smem[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        lse_smem[...] = sage_tiles.base2_lse(m, l)
         m_smem[...] = m
         if with_aux:
             o2_smem2.at[wg][...] = (acc2 * inv_l).astype(o_smem.dtype)
@@ -99,8 +98,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         p = jnp.exp2(s - rows_of(m_ref, shape))
-        alpha = rows_of(jnp.exp2(m_prev - m_ref), out_shape)
-        l_new = l_prev * jnp.exp2(m_prev - m_ref) + jnp.sum(p, axis=1)
+        rescale = jnp.exp2(m_prev - m_ref)  # of the running sums, per row
+        alpha = rows_of(rescale, out_shape)
+        l_new = l_prev * rescale + jnp.sum(p, axis=1)
         dt = v_smem.dtype
         pq = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True).astype(dt)
         pq = register_operand(pq, p_smem.at[wg, 0] if interpret else None, interpret)
@@ -154,9 +154,10 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
         bk = config.block_k
         scratch.append(plgpu.SMEM((WGS, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
     o_type = jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype)
-    row_type = jax.ShapeDtypeStruct((b, hq, sq_pad), f32)  # padded: a TMA copy needs the last dim a multiple of 8
+    # rows padded to Sq_pad: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes
+    row_type = jax.ShapeDtypeStruct((b, hq, sq_pad), f32)
     *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
                            (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS,
                            interpret=interpret)(qf, kf, vf)
     outs = [trim_rows(o, sq_len) for o in outs]
-    return outs[0], outs[1] if with_aux else None, lse[..., :sq_len], m[..., :sq_len]
+    return outs[0], outs[1] if with_aux else None, trim_rows(lse, sq_len, axis=2), trim_rows(m, sq_len, axis=2)

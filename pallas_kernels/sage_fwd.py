@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8
+from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.tile_ranges import key_tile_range, visible
@@ -105,9 +105,8 @@ def _sage_fwd_kernel(
     if causal or sk_len % block_k:
         carry = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), carry)
     acc, m, l = carry
-    empty = l == 0.0
     o = acc * int8.reciprocal_or_zero(l)[:, None] * vs_ref[...][None, :]
-    lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    lse = sage_tiles.base2_lse(m, l)
     ragged = sq_len % block_q != 0
     store_rows(o_ref, o.astype(o_ref.dtype), row_mask(q_start, block_q, sq_len) if ragged else None)
     store_rows(lse_ref, lse, (rows < sq_len) if ragged else None)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8
+from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, key_step_specs, launch, mask_scores,
     matmul, pl, plgpu, query_block_keys, row_vector, rows_of, tma_rows, transposed_step_spec, trim_rows, wg_tiles,
@@ -68,11 +68,10 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = pipeline((acc, m, l))
-        empty = l == 0.0
         o = acc * rows_of(int8.reciprocal_or_zero(l), acc.shape) * cols_of(col_vector(vs_smem2.at[wg]), acc.shape)
         o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
         o_smem[...] = o.astype(o_smem.dtype)
-        lse_smem[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        lse_smem[...] = sage_tiles.base2_lse(m, l)
         copy_out(((o_smem, o_ref.at[b, rows, h]), (lse_smem, lse_ref.at[b, h, rows])))
 
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
@@ -129,9 +128,10 @@ def sage_attention_fwd_mosaic(
     scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
                wg_tiles(WGS, TILE, jnp.int8, config.block_k), plgpu.SMEM((WGS, TILE, d), out_dtype),
                plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
-    # Written with tma_rows(Sq) rows and the row vector padded: TMA stores need multiples of 8.
+    # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE rows padded to Sq_pad
+    # (a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
     out_type = [jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_pad), f32)]
     o, lse = launch(kernel, out_type, scratch, (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"),
                     compute_wgs=WGS, interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
-    return trim_rows(o, sq_len), lse[..., :sq_len]
+    return trim_rows(o, sq_len), trim_rows(lse, sq_len, axis=2)

@@ -130,6 +130,15 @@ def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
     return int8.dequantize(vt8, v_scale[..., None]).astype(dtype)
 
 
+def base2_lse(m: jax.Array, l: jax.Array) -> jax.Array:
+    """The base-2 log-sum-exp m + log2(l) of softmax rows with row max m and sum l = Σ exp2(S − m),
+    and +inf for rows that see no key (l = 0), so that P = exp2(S − L) is 0 there. The one
+    convention every forward (Sage and Attn-QAT, kernels and references) writes and
+    :func:`pad_lse` pads with."""
+    empty = l == 0.0
+    return jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
 def pad_lse(lse: jax.Array, sq_pad: int) -> jax.Array:
     """(B, Hq, Sq) base-2 LSE → (B, Hq, Sq_pad), padded with +inf (padded rows get P = 0).
 
