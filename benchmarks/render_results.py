@@ -191,18 +191,22 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "the in-register quantization of P plus the extra O' product. `qat naive` = FP4 forward with the "
            "mismatched 16-bit backward (ablation; on the Mosaic kernels from the 2026-11-29 run on, Triton before). "
            "`qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU ones (`QatConfig(fwd_backend=\"mosaic\", "
-           "bwd_backend=\"mosaic\")`, what the default \"auto\" picks on Hopper; – where not run).", "",
-           "| B | H | S | D | causal | fwd: qat | mosaic | sage | cuDNN bf16 | qat / cuDNN | fwd+bwd: qat | mosaic "
-           "| qat naive | sage | cuDNN bf16 | **qat / cuDNN** | **mosaic / cuDNN** |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bwd_backend=\"mosaic\")`, what the default \"auto\" picks on Hopper) without and `mosaic+pp` with "
+           "the forward's ping-pong schedule (`QatConfig.pingpong`, the default from the 2026-11-29 20:30 run on); "
+           "– where not run.", "",
+           "| B | H | S | D | causal | fwd: qat | mosaic | mosaic+pp | sage | cuDNN bf16 | mosaic / cuDNN "
+           "| fwd+bwd: qat | mosaic | mosaic+pp | qat naive | sage | cuDNN bf16 | **qat / cuDNN** "
+           "| **mosaic / cuDNN** | **mosaic+pp / cuDNN** |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("throughput", []):
         f, fb, ratio = r["fwd_tflops"], r["fwd_bwd_tflops"], r["fwd_bwd_vs_cudnn_bf16"]
+        pp = "qat_mosaic_pingpong"
         out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(f.get('qat'))} | "
-                   f"{_f(f.get('qat_mosaic'))} | {_f(f.get('sage'))} | {_f(f.get('cudnn_bf16'))} | "
-                   f"{_f(r['fwd_vs_cudnn_bf16'].get('qat'), '{:.2f}')}× | {_f(fb.get('qat'))} | "
-                   f"{_f(fb.get('qat_mosaic'))} | {_f(fb.get('qat_naive_bwd'))} | {_f(fb.get('sage'))} | "
-                   f"{_f(fb.get('cudnn_bf16'))} | **{_f(ratio.get('qat'), '{:.2f}')}×** | "
-                   f"**{_f(ratio.get('qat_mosaic'), '{:.2f}')}×** |")
+                   f"{_f(f.get('qat_mosaic'))} | {_f(f.get(pp))} | {_f(f.get('sage'))} | {_f(f.get('cudnn_bf16'))} | "
+                   f"{_f(r['fwd_vs_cudnn_bf16'].get('qat_mosaic'), '{:.2f}')}× | {_f(fb.get('qat'))} | "
+                   f"{_f(fb.get('qat_mosaic'))} | {_f(fb.get(pp))} | {_f(fb.get('qat_naive_bwd'))} | "
+                   f"{_f(fb.get('sage'))} | {_f(fb.get('cudnn_bf16'))} | **{_f(ratio.get('qat'), '{:.2f}')}×** | "
+                   f"**{_f(ratio.get('qat_mosaic'), '{:.2f}')}×** | **{_f(ratio.get(pp), '{:.2f}')}×** |")
     if data.get("accuracy"):
         r0 = data["accuracy"][0]
         out += ["", f"### Accuracy vs exact fp32 (B{r0['b']} H{r0['h']} S{r0['s']} D{r0['d']}, N(0,1), non-causal; "
@@ -212,7 +216,7 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
                 f"{r['metrics'][n]['cos_sim']:.4f} / {r['metrics'][n]['rel_l2']:.3f}" for n in ("o", "dq", "dk", "dv"))
                 + " |")
         out += ["| | Attn-QAT paper (≈) | 0.98 | 0.98 | 0.98 | 0.98 |"]
-    for backend in ("triton", "mosaic"):
+    for backend in ("triton", "mosaic", "mosaic_pingpong"):
         checks = [r for r in data.get("kernel_checks", []) if r.get("backend", "triton") == backend]
         failed = [r for r in checks if "error" in r]
         checks = [r for r in checks if "error" not in r]

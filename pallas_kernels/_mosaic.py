@@ -163,11 +163,15 @@ def wgmma_zeros(shape: tuple[int, int], dtype=jnp.float32) -> jax.Array:
     return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
 
 
-def matmul(acc_shape: tuple[int, int], acc_dtype, a, b) -> jax.Array:
-    """``a @ b`` on the tensor cores (``a`` SMEM or registers, ``b`` SMEM), as a fresh array."""
+def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued=None) -> jax.Array:
+    """``a @ b`` on the tensor cores (``a`` SMEM or registers, ``b`` SMEM), as a fresh array.
+    ``issued`` (optional) is called after the product is issued, before waiting for it
+    (:class:`PingPong`)."""
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
+        if issued is not None:
+            issued()
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
@@ -211,6 +215,50 @@ def accumulate(accs: tuple, operands: tuple, *, fused: bool) -> tuple:
             plgpu.wgmma(ref, a, b)
 
     return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+class PingPong:
+    """FlashAttention-3's ping-pong schedule between the two compute warpgroups of a CTA.
+
+    One barrier with two arrivals, passed by both warpgroups in turn (as JAX's
+    ``attention_mgpu`` does): each step issues its first tensor-core product(s), calls
+    :meth:`sync` before waiting for them, does its element-wise work, calls :meth:`sync`
+    again and issues the step's last product(s). Warpgroup 1 passes the barrier once
+    before the pipeline (:meth:`start`) and warpgroup 0 once after it (:meth:`finish`),
+    so one warpgroup's element-wise work runs while the other's products occupy the
+    tensor cores. It orders execution only; the values are the same with or without it.
+    Every step of both warpgroups must call :meth:`sync` equally often (the CTA's
+    warpgroups share one pipeline length, so they do). ``enabled=False``: no-ops.
+    """
+
+    def __init__(self, barrier, wg, enabled: bool):
+        self.barrier, self.wg, self.enabled = barrier, wg, enabled
+
+    def sync(self) -> None:
+        """Arrive on the schedule barrier and wait for the other warpgroup to arrive too."""
+        if self.enabled:
+            plgpu.barrier_arrive(self.barrier)
+            plgpu.barrier_wait(self.barrier)
+
+    def start(self) -> None:
+        """Before the pipeline: warpgroup 1 passes once, so it trails warpgroup 0 by half a step."""
+        if self.enabled:
+            pl.when(self.wg == 1)(self.sync)
+
+    def finish(self) -> None:
+        """After the pipeline: warpgroup 0 passes once, matching warpgroup 1's extra pass."""
+        if self.enabled:
+            pl.when(self.wg == 0)(self.sync)
+
+    def values(self, *xs):
+        """``xs`` computed before the next barrier (``lax.optimization_barrier`` when enabled): the
+        compiler must not sink element-wise work past :meth:`sync` into the other's turn."""
+        return lax.optimization_barrier(xs) if self.enabled else xs
+
+
+def schedule_barrier() -> plgpu.Barrier:
+    """The scratch barrier of a :class:`PingPong` (two compute warpgroups arrive per phase)."""
+    return plgpu.Barrier(num_arrivals=2)
 
 
 def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 2, stages: int = 2):
@@ -264,4 +312,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_pair", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
-           "transposed_step_spec", "copy_in", "copy_out", "on_hopper", "MEMORY_REGISTERS"]
+           "transposed_step_spec", "copy_in", "copy_out", "on_hopper", "MEMORY_REGISTERS", "PingPong",
+           "schedule_barrier"]

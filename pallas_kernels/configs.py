@@ -175,10 +175,16 @@ class QatConfig:
       fwd_backend: the forward kernel's backend: "triton", "mosaic" (Pallas Mosaic GPU,
         Hopper: ``pallas_kernels.qat_fwd_mosaic``; calls it does not cover run on Triton) or
         "auto" (default): Mosaic on an sm_90 GPU unless interpreting, else Triton. On the
-        H200 the Mosaic kernels were faster at every benchmarked shape (fwd+bwd 281 vs 251
-        TFLOP/s at B4 H32 S4096 D128, 313 vs 262 at S16384; benchmarks/RESULTS.md).
+        H200 the Mosaic kernels were faster at every benchmarked shape (fwd+bwd 333 vs 281
+        TFLOP/s at B4 H32 S4096 D128, 359 vs 297 at S16384; benchmarks/RESULTS.md).
       bwd_backend: the same choice for the two backward kernels
         (``pallas_kernels.qat_bwd_mosaic``).
+      pingpong: the Mosaic forward's two compute warpgroups take turns on the tensor cores
+        (FlashAttention-3's ping-pong, ``_mosaic.PingPong``): one's softmax/FQ(P) overlaps the
+        other's products. Scheduling only; the values are the same. On (default): up to 3% faster
+        on the H200 (fwd 327 vs 319 TFLOP/s at B4 H32 S4096 D128; one shape level).
+        The backward kernels do not take it (it made them slower: fwd+bwd 293 vs 329 TFLOP/s),
+        and interpreted causal calls skip it (the interpreter's warpgroup threads can starve).
     """
 
     # H200 sweep 2026-11-29 (benchmarks/results/qat.json, B4 H32 S4096 D128): forward 64x64 w4 s3
@@ -195,8 +201,11 @@ class QatConfig:
     quant_warps: int = 4
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
+    pingpong: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pingpong, bool):
+            raise TypeError(f"QatConfig.pingpong must be a bool, got {self.pingpong!r}")
         for name in ("fwd_backend", "bwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"QatConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")

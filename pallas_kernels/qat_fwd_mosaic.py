@@ -12,7 +12,10 @@ FlashAttention-3's shape, as :mod:`pallas_kernels.sage_fwd_mosaic`: grid (query
 head, 128-query block, batch); a memory warpgroup streams K̃ and Ṽ tiles through a
 two-stage TMA pipeline; two compute warpgroups each own 64 query rows. P̃ and P are
 the register A operands of the two PV products (16-bit, so the accumulator layout
-converts directly), issued together into the rescaled O and O' accumulators. FQ(P)
+converts directly), issued together into the rescaled O and O' accumulators; with
+``QatConfig.pingpong`` (the default) the two warpgroups take turns on the tensor cores
+(FlashAttention-3's ping-pong, :class:`pallas_kernels._mosaic.PingPong`). O leaves through Q's
+SMEM tile (Q is not read after the pipeline), so 128-key tiles fit in SMEM with O'. FQ(P)
 runs on the accumulator tile group by group
 (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`: Mosaic GPU cannot reshape a
 WGMMA-layout tile into groups). Causal (bottom-right aligned, Sq ≤ Sk): the pipeline
@@ -22,7 +25,7 @@ are masked element-wise.
 Not covered (:func:`supports`; the Triton kernel runs instead): head dims other
 than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128, fp32
 outputs. Selected by ``QatConfig.fwd_backend`` "mosaic", or "auto" (the default) on Hopper: on the
-H200 it beat the Triton forward at every benchmarked shape (251 vs 220 TFLOP/s at B4 H32
+H200 it beat the Triton forward at every benchmarked shape (327 vs 282 TFLOP/s at B4 H32
 S4096 D128; benchmarks/RESULTS.md).
 """
 
@@ -37,8 +40,9 @@ from jax import lax
 
 from lowbit_jax.formats import int8, nvfp4, sage_tiles
 from pallas_kernels._mosaic import (
-    accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
-    query_block_keys, register_operand, rows_of, tile_transforms, tma_rows, trim_rows, wg_tiles, wgmma_zeros,
+    PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
+    query_block_keys, register_operand, rows_of, schedule_barrier, tile_transforms, tma_rows, trim_rows, wg_tiles,
+    wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
@@ -57,9 +61,12 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, causal, offset, score_scale,
-                with_aux, interpret):
+                with_aux, pingpong, interpret):
     n_out = 4 if with_aux else 3
-    outs, (q_smem2, o_smem2, o2_smem2, lse_smem2, m_smem2, barriers, *p_smem) = refs[:n_out], refs[n_out:]
+    outs, scratch = refs[:n_out], list(refs[n_out:])
+    q_smem2 = o_smem2 = scratch.pop(0)  # Q is not read after the pipeline: O goes out through its SMEM
+    o2_smem2 = scratch.pop(0) if with_aux else None
+    lse_smem2, m_smem2, barriers, sched, *p_smem = scratch
     p_smem = p_smem[0] if interpret else None  # (WGS, 2, TILE, block_k): the interpreter's A operands
     o_ref, o2_ref, lse_ref, m_ref = outs if with_aux else (outs[0], None, *outs[1:])
     b, h, wg = grid_position()
@@ -72,13 +79,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    pp = PingPong(sched, wg, pingpong)
 
     def compute(pipeline):
         copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)
         zeros = wgmma_zeros(out_shape)
         m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+        pp.start()
         acc, acc2, m, l = pipeline((zeros, zeros if with_aux else None, m, l))
+        pp.finish()
         inv_l = rows_of(int8.reciprocal_or_zero(l), out_shape)
         o_smem, lse_smem, m_smem = o_smem2.at[wg], lse_smem2.at[wg], m_smem2.at[wg]
         o_smem[...] = (acc * inv_l).astype(o_smem.dtype)
@@ -92,7 +102,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
 
     def step(idx, k_smem, v_smem, *consumed_and_carry):
         *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
-        s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T) * score_scale
+        s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync) * score_scale
         if masked:
             s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -103,13 +113,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         l_new = l_prev * rescale + jnp.sum(p, axis=1)
         dt = v_smem.dtype
         pq = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True).astype(dt)
+        p16 = p.astype(dt) if with_aux else None
+        acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
+        pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)
+        pp.sync()  # the other warpgroup's products run while this one did the element-wise work
         pq = register_operand(pq, p_smem.at[wg, 0] if interpret else None, interpret)
-        # rescale, then accumulate P̃Ṽ (and PṼ) into the same registers, both products issued together
+        # accumulate P̃Ṽ (and PṼ) into the rescaled registers, both products issued together
         if with_aux:
-            p16 = register_operand(p.astype(dt), p_smem.at[wg, 1] if interpret else None, interpret)
-            acc, acc2 = accumulate((acc * alpha, acc2 * alpha), ((pq, v_smem), (p16, v_smem)), fused=not interpret)
+            p16 = register_operand(p16, p_smem.at[wg, 1] if interpret else None, interpret)
+            acc, acc2 = accumulate((acc, acc2), ((pq, v_smem), (p16, v_smem)), fused=not interpret)
         else:
-            (acc,) = accumulate((acc * alpha,), ((pq, v_smem),), fused=not interpret)
+            (acc,) = accumulate((acc,), ((pq, v_smem),), fused=not interpret)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return acc, acc2, m_new, l_new
@@ -146,10 +160,15 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     f32 = jnp.float32
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
-                               interpret=interpret)
-    o_tiles = wg_tiles(WGS, TILE, out_dtype, d)
-    scratch = [wg_tiles(WGS, TILE, qf.dtype, d), o_tiles, o_tiles,
-               plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(1, WGS))]
+                               # the schedule orders warpgroups only; interpreted causal calls can starve
+                               # the interpreter's warpgroup threads on small machines (a hang), so skip it
+                               pingpong=config.pingpong and not (interpret and causal), interpret=interpret)
+    if jnp.dtype(out_dtype) != qf.dtype:
+        raise ValueError(f"out_dtype must be qf's dtype {qf.dtype} (O reuses Q's SMEM), got {jnp.dtype(out_dtype)}")
+    o_tiles = wg_tiles(WGS, TILE, out_dtype, d)  # Q's, then O's; O' has its own (block_k 128 then fits in SMEM)
+    scratch = [o_tiles, *([o_tiles] if with_aux else []),
+               plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(1, WGS)),
+               schedule_barrier()]
     if interpret:
         bk = config.block_k
         scratch.append(plgpu.SMEM((WGS, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))

@@ -206,20 +206,23 @@ def test_sage_forward_lowers_to_mosaic_gpu(causal):
 
 
 @pytest.mark.parametrize("d, causal, naive", [(128, False, False), (64, True, False), (128, True, True)])
-@pytest.mark.parametrize("backends", [("mosaic", "triton"), ("mosaic", "mosaic"), ("triton", "mosaic")])
+@pytest.mark.parametrize("backends", [("mosaic", "triton"), ("mosaic", "mosaic"), ("triton", "mosaic"),
+                                      ("mosaic", "mosaic", "pingpong")])
 def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     """QatConfig(fwd_backend=…, bwd_backend=…): the kernels on "mosaic" lower for an H200 as Mosaic GPU calls
     (forward: register P̃/P operands, O and O' issued together; backward: FQ(P)·(1/l) and dS through SMEM as
-    transposed operands, dS·K̃ from registers); the fake-quant kernel and the others stay Triton."""
+    transposed operands, dS·K̃ from registers); the fake-quant kernel and the others stay Triton. A third
+    entry "pingpong" turns on the schedule barrier (QatConfig.pingpong)."""
     from lowbit_jax import qat as qat_mod
 
-    fwd, bwd = backends
+    fwd, bwd, *pingpong = backends
     q = jax.ShapeDtypeStruct((2, 300 if d == 64 else 384, 8, d), jnp.bfloat16)  # 300: not a multiple of 8
     kv = jax.ShapeDtypeStruct((2, 300 if d == 64 else 512, 2, d), jnp.bfloat16)
     opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
                                        jnp.zeros(kv.shape, kv.dtype), causal=causal, naive_backward=naive,
                                        implementation="pallas", interpret=True,
-                                       config=lb.QatConfig(fwd_backend=fwd, bwd_backend=bwd))
+                                       config=lb.QatConfig(fwd_backend=fwd, bwd_backend=bwd,
+                                                           pingpong=bool(pingpong)))
     opts = dataclasses.replace(opts, interpret=False)
 
     def grads(q, k, v):

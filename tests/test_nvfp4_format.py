@@ -40,14 +40,32 @@ def test_rounding_survives_jit():
     np.testing.assert_array_equal(np.asarray(jitted), oracle(np.asarray(x)))
 
 
-def test_element_rounding_exhaustive_grid_and_ties():
-    y = np.concatenate([np.arange(0, 7, 0.03125), [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 100.0]]).astype(np.float32)
-    ours = np.asarray(nvfp4.e2m1_round(jnp.asarray(y)))
+def _with_neighbours(x: np.ndarray) -> np.ndarray:
+    """x and the float32 numbers just below and above each value (the sides of every tie)."""
+    x = x.astype(np.float32)
+    return np.concatenate([x, np.nextafter(x, np.float32(-1)), np.nextafter(x, np.float32(np.inf))]).clip(0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_element_rounding_exhaustive_grid_and_ties(jit):
+    """e2m1/e4m3 rounding equals ml_dtypes on a fine grid, on every tie and on both float32 neighbours of
+    each tie, eagerly and under jit (the magic-number rounding must survive XLA's simplifier)."""
+    wrap = jax.jit if jit else (lambda f: f)  # noqa: E731
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 7.0, 100.0])
+    y = _with_neighbours(np.concatenate([np.arange(0, 7, 0.03125), ties]))
+    ours = np.asarray(wrap(nvfp4.e2m1_round)(jnp.asarray(y)))
     np.testing.assert_array_equal(ours, np.minimum(y, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
-    s = np.concatenate([np.geomspace(2.0**-12, 448, 5000), [0.0, 2.0**-9, 3 * 2.0**-10, 1.0625, 1.9375, 240.0]])
-    s = s.astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(nvfp4.e4m3_round(jnp.asarray(s))),
-                                  s.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
+    midpoints = (grid[:-1] + grid[1:]) / 2  # e4m3 ties (exact in float32)
+    s = _with_neighbours(np.concatenate([np.geomspace(2.0**-12, 448, 5000), grid, midpoints,
+                                         [0.0, 2.0**-9, 3 * 2.0**-10, 1.0625, 1.9375, 240.0]]))
+    want = s.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray(s))), want)
+    big = np.array([448.0, 449.0, 463.9, 464.0, 500.0, 1e30, np.inf], np.float32)  # saturate at 448
+    np.testing.assert_array_equal(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray(big))), np.full(big.shape, 448.0))
+    assert np.isnan(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray([np.nan], jnp.float32)))).all()
+    assert np.isnan(np.asarray(wrap(nvfp4.e2m1_round)(jnp.asarray([np.nan], jnp.float32)))).all()
 
 
 def test_codes_decode_and_pack_round_trip():

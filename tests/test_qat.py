@@ -95,6 +95,26 @@ def test_mosaic_kernels_match_triton_and_xla(case, monkeypatch):
     np.testing.assert_array_equal(np.asarray(o_only, np.float32), np.asarray(g_m[0], np.float32))
 
 
+def test_mosaic_forward_pingpong_same_values():
+    """QatConfig(pingpong=True): the Mosaic forward's schedule barrier (interpreter, two query blocks, ragged
+    Sq, GQA) orders the warpgroups only — O, O' and the LSE equal the unscheduled kernel's, and O the xla
+    twin's. Non-causal only: interpreted causal calls skip the schedule (they can starve the interpreter's
+    warpgroup threads on a 2-core machine: a hang); the lowering test and the GPU benchmark cover it."""
+    from lowbit_jax import qat as qat_mod
+
+    q, k, v = make_qkv(1, 200, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=31)
+    outs = []
+    for pingpong in (False, True):
+        cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=pingpong)
+        opts = qat_mod.resolve_qat_options(q, k, v, causal=False, naive_backward=False, implementation="pallas",
+                                           interpret=True, config=cfg)
+        outs.append(qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)[:4])
+    for name, a, r in zip(("o", "o_aux", "lse", "m"), *outs):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+    x = lb.qat_attention(q, k, v, implementation="xla", config=lb.QatConfig())
+    assert metrics(outs[1][0], x)[1] < 2e-3
+
+
 def test_mosaic_coverage():
     from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
 
@@ -242,6 +262,8 @@ def test_bad_config():
         lb.QatConfig(block_k=16)
     with pytest.raises(ValueError, match="power of two"):
         lb.QatConfig(block_q=48)
+    with pytest.raises(TypeError, match="pingpong"):
+        lb.QatConfig(pingpong=1)
 
 
 def test_error_report_for_qat():
