@@ -26,7 +26,8 @@ tile its queries see (its heaviest query blocks launch first); masked tiles (cau
 element-wise. Not covered (:func:`supports`): head dims other than 64/128,
 sequence paddings not a multiple of 128, 32-bit dO, Sq > Sk when causal.
 Selected by ``QatConfig.bwd_backend`` "mosaic", or "auto" (the default) on Hopper (fwd+bwd with
-both Mosaic kernels: 281 vs 250 TFLOP/s for Triton's at B4 H32 S4096 D128 on the H200).
+both Mosaic kernels: 330 vs 281 TFLOP/s for Triton's at B4 H32 S4096 D128 on the H200). FlashAttention-3's
+ping-pong schedule made these kernels slower (fwd+bwd 293 vs 329 TFLOP/s), so only the forward has it.
 """
 
 from __future__ import annotations
