@@ -29,12 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 GROUP = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-_E4M3_MIN_NORMAL_EXP = -6
-_E4M3_SUBNORMAL_QUANTUM = 2.0**-9
+_E4M3_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal, with the step of [2**-6, 2**-5): 2**-9
 
 
 def _exponent_floor(x: jax.Array) -> jax.Array:
@@ -67,7 +65,7 @@ def e4m3_round(x: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     """
     x = x.astype(jnp.float32)
     clamped = jnp.minimum(x, 512.0)
-    step = jnp.maximum(_exponent_floor(clamped), 2.0**_E4M3_MIN_NORMAL_EXP) * 0.125
+    step = jnp.maximum(_exponent_floor(clamped), _E4M3_MIN_NORMAL) * 0.125
     out = jnp.minimum(_round_to_step(clamped, step), E4M3_MAX)
     if assume_finite:
         return out
