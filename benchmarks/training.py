@@ -38,11 +38,12 @@ def flops_per_token(cfg, seq: int, n_params: int) -> float:
     return 6.0 * n_params + 6.0 * cfg.num_layers * seq * cfg.dim
 
 
-def prepare(method: str, preset: str, batch: int, seq: int, steps: int) -> dict:
+def prepare(method: str, preset: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
     """A compiled, warmed-up train step for ``method`` (a model method, or "sage:row": sage with
-    dS scaled per row) and ``run()``, which times ``steps`` steps and returns seconds per step."""
+    dS scaled per row) and ``run()``, which times ``steps`` steps and returns seconds per step
+    (called once to warm up, then ``rounds`` times: the LR schedule spans all those steps)."""
     base, _, ds_scale = method.partition(":")
-    cfg = TrainConfig(preset=preset, method=base, batch=batch, seq=seq, steps=steps + 2, max_corpus_mb=8,
+    cfg = TrainConfig(preset=preset, method=base, batch=batch, seq=seq, steps=steps * (rounds + 1), max_corpus_mb=8,
                       ds_scale=ds_scale or "tile")
     b = build(cfg.resolved())
     data = PackedBatches(load_corpus(None, 8 * 2**20), seq, batch, 1, 0)
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     steps, rounds = (2, 2) if args.smoke else (args.steps, args.rounds)
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/training.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), rows=[], rounds=rounds, steps_per_round=steps)
-    runs = {m: prepare(m, preset, batch, seq, steps) for m in args.methods}
+    runs = {m: prepare(m, preset, batch, seq, steps, rounds) for m in args.methods}
     times = {m: [] for m in args.methods}
     for r in range(rounds):  # round-robin: clock drift and neighbours hit every method alike
         for m in args.methods:
