@@ -263,6 +263,12 @@ def render_training(data: dict) -> list[str]:
     ratios = data.get("vs_dense") or {"sage": data["sage_vs_dense"]}
     out += ["", "tokens/s relative to dense: " + ", ".join(f"{m} **{r:.2f}**" for m, r in ratios.items()
                                                          if m != "dense")]
+    if data.get("vs_dense_rounds"):
+        out += ["", "Per-round ratios (each round times every method back to back): " + "; ".join(
+            f"{m} " + " ".join(f"{x:.2f}" for x in rs) for m, rs in data["vs_dense_rounds"].items() if m != "dense")
+            + ". Dense alone went from " + "{:.1f} to {:.1f} ms/step within the run.".format(
+                *[(r["step_ms_rounds"][0], r["step_ms_rounds"][-1]) for r in data["rows"]
+                  if r["method"] == "dense"][0])]
     if not data.get("rounds"):
         out += ["", "Back-to-back single windows are noisy on the lent H200: on 2026-11-29 the dense step measured "
                 "62.4–86.6 ms and sage/dense 0.70–0.88 across runs (benchmarks/NOTES.md, sixth session); "
@@ -280,6 +286,40 @@ def render_ablation(data: dict) -> list[str]:
     return out
 
 
+def render_dq_kernel(data: dict) -> list[str]:
+    out = ["", "## dQ inside the dK/dV kernel (`dq_kernel`: fused vs separate)", "",
+           *_command_block(data),
+           "fwd+bwd ms (TFLOP/s at 3.5× the forward's FLOPs, ratio to cuDNN bf16), one jitted `jax.vjp` + pullback; "
+           "bf16, layout (B, S, H, D). `separate`: the dQ kernel recomputes S, P and dP; `fused`: the dK/dV kernel "
+           "reduce-adds each step's dS·K into a float32 dQ with TMA. `sage separate` is the library's default "
+           "backends; `sage fused` runs the Mosaic dK/dV kernel (per-block Q/K scales, per-tile dS). The library "
+           "default (`dq_kernel=\"auto\"`) is fused at D64 and separate at D128, for both methods.", "",
+           "| B | Hq/Hkv | S | D | causal | cuDNN bf16 | sage separate | sage fused | qat separate | qat fused |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        b, h, hkv, s, d, causal = r["shape"]
+        ms, ref = r["ms"], r["ms"].get("cudnn")
+
+        def cell(name):
+            t = ms.get(name)
+            if t is None:
+                return "–"
+            ratio = f", {ref / t:.2f}×" if ref else ""
+            return f"{t:.2f} ({r['tflops'][name]:.0f}{ratio})"
+
+        out.append(f"| {b} | {h}/{hkv} | {s} | {d} | {causal} | {cell('cudnn')} | {cell('sage_separate')} | "
+                   f"{cell('sage_fused')} | {cell('qat_separate')} | {cell('qat_fused')} |")
+    out += ["", "Compiled gradients (dQ / dK / dV rel-L1): fused vs separate, and each vs the xla reference "
+            "(same quantization).", "",
+            "| case (B, Sq, Sk, Hq, Hkv, D, causal) | method | fused vs separate | fused vs xla | separate vs xla |",
+            "|---|---|---|---|---|"]
+    fmt = lambda xs: " / ".join(f"{x:.1e}" for x in xs)  # noqa: E731
+    for c in data["checks"]:
+        out.append(f"| {tuple(c['case'])} | {c['method']} | {fmt(c['fused_vs_separate'])} | {fmt(c['fused_vs_xla'])} "
+                   f"| {fmt(c['separate_vs_xla'])} |")
+    return out
+
+
 def _load(name: str) -> dict | None:
     path = HERE / "results" / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -293,6 +333,7 @@ def main() -> None:
                 ("attention_bwd_sweep", render_backward_sweep),
                 ("attention_bwd_dq_sweep", lambda data: render_backward_sweep(data, "SageBwd dQ-kernel tile sweep")),
                 ("training", render_training),
+                ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation)]
     for name, render in sections:
         data = _load(name)

@@ -305,6 +305,12 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
     vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
                      ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
+    fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3]) and sage_bwd_mosaic.supports_fused_dq(
+        head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=cfg.ds_scale == "row")
+    if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
+        return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
+            k8_t=ops.k_t, scale=opts.scale, **mosaic_kw)
     if dkdv_mosaic:
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd, **mosaic_kw)

@@ -301,6 +301,17 @@ def copy_out(copies) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
+def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool) -> None:
+    """``dst += value`` in GMEM by a TMA reduce-add, through the SMEM ``stage`` (reused once the previous
+    copy has read it; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
+    The Mosaic GPU interpreter has no TMA reduction: there it is a plain copy, so ``dst`` must be a
+    slice of a workspace that only this warpgroup writes, summed by the caller."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, dst, reduction_op=None if interpret else "add")
+
+
 def on_hopper() -> bool:
     """True when the default device is an sm_90 GPU (H100/H200), where these kernels run."""
     if jax.default_backend() not in ("gpu", "cuda"):
@@ -312,5 +323,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_pair", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
-           "transposed_step_spec", "copy_in", "copy_out", "on_hopper", "MEMORY_REGISTERS", "PingPong",
-           "schedule_barrier"]
+           "transposed_step_spec", "copy_in", "copy_out", "reduce_add_out", "on_hopper", "MEMORY_REGISTERS",
+           "PingPong", "schedule_barrier"]

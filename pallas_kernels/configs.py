@@ -15,6 +15,14 @@ import jax
 
 #: Pallas backends a kernel family may run on ("auto" picks per device and call).
 BACKENDS = ("auto", "triton", "mosaic")
+#: how a Mosaic backward computes dQ (SageFwdConfig.dq_kernel, QatConfig.dq_kernel)
+DQ_KERNELS = ("auto", "separate", "fused")
+
+
+def fuses_dq(dq_kernel: str, head_dim: int) -> bool:
+    """``dq_kernel`` resolved for a head dim: "auto" fuses at head dim 64, where it measured faster on the
+    H200 for both methods (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel")."""
+    return dq_kernel == "fused" or (dq_kernel == "auto" and head_dim <= 64)
 #: granularities of SageBwd's INT8 dS scales (SageFwdConfig.ds_scale)
 DS_SCALES = ("tile", "row")
 
@@ -56,6 +64,14 @@ class SageFwdConfig:
         and a reduction inside each warp instead of across the warpgroup. Measured on the
         H200: 3–10% faster fwd+bwd (e.g. 279 vs 270 TFLOP/s at B4 H32 S4096 D128, 280 vs
         255 causal at S16384) and dQ/dK rel-L2 0.022 instead of 0.050 vs exact.
+      dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales and
+        per-tile dS scales (``sage_bwd_mosaic.supports_fused_dq``), it also reduce-adds each
+        step's dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation
+        order then varies run to run) and ``dq_backend`` is unused; elsewhere, and with
+        "separate", the dQ kernel recomputes S, P and dP per query tile. "auto" (default):
+        fused at head dim 64 (fwd+bwd 4.31 vs 5.45 ms at B8 H32 S2048 on the H200); separate at
+        128, where fused (with the Mosaic dK/dV kernel it needs) was slower: 17.62 vs 14.20 ms
+        at B4 H32 S4096 (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel").
     """
 
     block_q: int = 64
@@ -74,8 +90,11 @@ class SageFwdConfig:
     dq_backend: str = "auto"
     fwd_backend: str = "triton"
     ds_scale: str = "tile"
+    dq_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dq_kernel not in DQ_KERNELS:
+            raise ValueError(f"SageFwdConfig.dq_kernel must be one of {DQ_KERNELS}, got {self.dq_kernel!r}")
         for name in ("dkdv_backend", "dq_backend", "fwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"SageFwdConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
@@ -110,6 +129,11 @@ class SageFwdConfig:
         if self.block_q % self.bwd_block_q or self.block_k % self.bwd_block_k:
             raise ValueError("SageFwdConfig.bwd_block_q/bwd_block_k must divide block_q/block_k, got "
                              f"{self.bwd_block_q}/{self.block_q} and {self.bwd_block_k}/{self.block_k}")
+
+    def fuses_dq(self, head_dim: int) -> bool:
+        """Whether a Mosaic dK/dV kernel should also compute dQ (``dq_kernel``; where it can:
+        ``sage_bwd_mosaic.supports_fused_dq``)."""
+        return fuses_dq(self.dq_kernel, head_dim)
 
     def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
@@ -185,6 +209,13 @@ class QatConfig:
         on the H200 (fwd 327 vs 319 TFLOP/s at B4 H32 S4096 D128; one shape level).
         The backward kernels do not take it (it made them slower: fwd+bwd 293 vs 329 TFLOP/s),
         and interpreted causal calls skip it (the interpreter's warpgroup threads can starve).
+      dq_kernel: how the Mosaic backward computes dQ: "separate" (a second kernel recomputing S, P
+        and dP per query tile; deterministic), "fused" (the dK/dV kernel also reduce-adds each
+        step's dS·K̃ into a float32 dQ with TMA, as FlashAttention-3 does; dQ's summation order
+        varies run to run, and it takes a float32 (B, Sq, Hq, D) buffer) or "auto" (default): fused
+        at head dim 64, separate at 128 — on the H200 fwd+bwd took 3.99 vs 4.40 ms at B8 H32
+        S2048 D64 fused, but 12.12 vs 11.57 ms at B4 H32 S4096 D128 (benchmarks/RESULTS.md,
+        "dQ inside the dK/dV kernel").
     """
 
     # H200 sweep 2026-11-29 (benchmarks/results/qat.json, B4 H32 S4096 D128): forward 64x64 w4 s3
@@ -202,10 +233,13 @@ class QatConfig:
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
     pingpong: bool = True
+    dq_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pingpong, bool):
             raise TypeError(f"QatConfig.pingpong must be a bool, got {self.pingpong!r}")
+        if self.dq_kernel not in DQ_KERNELS:
+            raise ValueError(f"QatConfig.dq_kernel must be one of {DQ_KERNELS}, got {self.dq_kernel!r}")
         for name in ("fwd_backend", "bwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"QatConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
@@ -227,6 +261,10 @@ class QatConfig:
         """"auto" backends resolved: Mosaic if ``hopper`` (an sm_90 GPU, compiled), else Triton."""
         pick = lambda b: ("mosaic" if hopper else "triton") if b == "auto" else b  # noqa: E731
         return dataclasses.replace(self, fwd_backend=pick(self.fwd_backend), bwd_backend=pick(self.bwd_backend))
+
+    def fuses_dq(self, head_dim: int) -> bool:
+        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``)."""
+        return fuses_dq(self.dq_kernel, head_dim)
 
     @property
     def pad(self) -> int:

@@ -19,6 +19,9 @@ updated in place, the two independent products of a step issued together.
   through SMEM and enter dV and dK as transposed A operands.
 * dQ: grid (query head, 128-query block, batch); each warpgroup owns 64 queries and
   loops over key tiles; dS is the register A operand of dS·K̃.
+* or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
+  dS·K̃ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
+  :func:`_dq_partial`); the default at head dim 64, where it is faster on the H200.
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
@@ -42,9 +45,9 @@ from jax import lax
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._mosaic import (
-    accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
-    matmul_pair, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, tile_transforms, wg_tiles,
-    tma_rows, trim_rows, wgmma_zeros,
+    accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores, matmul,
+    matmul_pair, pl, plgpu, query_block_keys, reduce_add_out, register_operand, row_vector, rows_of, tile_transforms,
+    wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -70,9 +73,14 @@ def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
     return s * score_scale, dp
 
 
-def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
-                 k_smem2, v_smem2, p_smem2, ds_smem2, barriers,
-                 *, group, n_qtiles, head_dim, sk_len, causal, offset, score_scale, scale, naive, interpret):
+def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, group, n_qtiles, head_dim, sk_len,
+                 causal, offset, score_scale, scale, naive, interpret, fused_dq):
+    """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref`` (:func:`_dq_partial`).
+    ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch."""
+    if fused_dq:
+        dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers, stage2 = refs
+    else:
+        dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers = refs
     b, hkv, wg = grid_position()
     out_shape = (TILE, head_dim)
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
@@ -109,6 +117,11 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
         ds_smem[...] = (p * (dp - rows_of(row_vector(delta_smem), shape))).astype(dt)
         plgpu.commit_smem()
         dv, dk = accumulate((dv, dk), ((p_smem.T, do_smem), (ds_smem.T, q_smem)), fused=not interpret)
+        if fused_dq:
+            g, t = head_and_tile(idx[0])
+            acc = dq_ref.at[lax.axis_index("kv"), wg] if interpret else dq_ref  # interpreter: a workspace
+            _dq_partial(ds_smem, k_smem, stage2.at[wg], interpret=interpret,
+                        dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols])
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk, dv
@@ -126,6 +139,26 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
     pipeline(q_ref.at[b, heads], do_ref.at[b, heads], m_ref.at[b, heads], il_ref.at[b, heads],
              delta_ref.at[b, heads])
 
+
+def _dq_partial(ds_smem, k_smem, stage, *, interpret: bool, dst) -> None:
+    """This step's dS·K̃ (a warpgroup's 64 queries × 64 keys times its K̃ tile), reduce-added to a float32
+    dQ in global memory by TMA, as FlashAttention-3 accumulates dQ: no second kernel recomputing S, P
+    and dP.
+
+    Computed and copied in 64-column chunks through ``stage`` ((queries, 64) float32 SMEM, reused once
+    the previous copy has read it); ``dst(cols)`` is the GMEM target of the chunk's columns. The
+    Mosaic GPU interpreter has no TMA reduction: there each warpgroup of each CTA writes its own
+    slice of a workspace (``dst`` indexes it) that the caller sums.
+
+    (Also measured on the H200: both warpgroups' dS combined after a barrier, each adding half the
+    columns over the CTA's 128 keys — half the reduce traffic, but the barrier locks the warpgroups
+    in step; slower than the separate dQ kernel at D128 too, 7.71 vs 7.64 ms. Not kept.)
+    """
+    cols = stage.shape[1]
+    for c in range(k_smem.shape[1] // cols):
+        chunk = pl.ds(c * cols, cols)
+        part = matmul(stage.shape, jnp.float32, ds_smem, k_smem.at[:, chunk])
+        reduce_add_out(stage, part, dst(chunk), interpret=interpret)
 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
                q_smem2, do_smem2, m_smem2, il_smem2, delta_smem2, ds_smem2, barriers,
@@ -169,10 +202,12 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
     pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv])
 
 
-@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "naive", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "naive", "fused_dq",
+                                             "interpret"))
 def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux: jax.Array, lse: jax.Array,
                              m: jax.Array, do: jax.Array, *, sq_len: int, sk_len: int, causal: bool, scale: float,
-                             naive: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             naive: bool = False, fused_dq: bool = False,
+                             interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attn-QAT gradients w.r.t. the fake-quantized operands (= w.r.t. q, k, v by the STE).
 
     Args and results as :func:`pallas_kernels.qat_bwd.qat_attention_bwd` (no tiles: 64 rows
@@ -180,6 +215,10 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     paddings multiples of 128; o_aux O' (or O when ``naive``) and do (B, Sq, Hq, D) in
     qf's dtype; lse, m float32 (B, Hq, Sq). Returns dq (B, Sq, Hq, D), dk and dv
     (B, Sk, Hkv, D) in do's dtype.
+
+    ``fused_dq``: one kernel for all three gradients — the dK/dV kernel also reduce-adds each
+    step's dS·K̃ into a float32 dQ (:func:`_dq_partial`; the order of those additions is not
+    fixed, so dQ is not bit-reproducible run to run) — instead of a separate dQ kernel.
     """
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
@@ -190,11 +229,24 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
                   scale=scale, interpret=interpret)
     kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
     dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, p_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
+    dkdv_args = [qf, do_h, m_rows, inv_l, delta, kf, vf]
+    kv_blocks = kf.shape[2] // (WGS * TILE)
+    if fused_dq:
+        cols = 64  # 128 bytes of a bf16 K̃ row (a swizzle width): the column chunk of dS·K̃
+        dkdv_scratch.append(plgpu.SMEM((WGS, TILE, cols), f32, transforms=tile_transforms(f32, cols)))
+        # the float32 dQ accumulator (interpreting: a workspace per key block and warpgroup, no TMA reduction)
+        dkdv_args.append(jax.new_ref(jnp.zeros((b, sq_pad, hq, d) if not interpret else
+                                               (kv_blocks, WGS, b, sq_pad, hq, d), f32)))
     dk, dv = launch(
-        functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, **common),
+        functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
+                          **common),
         [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), do.dtype)] * 2, dkdv_scratch,
-        (hkv, kf.shape[2] // (WGS * TILE), b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret,
-    )(qf, do_h, m_rows, inv_l, delta, kf, vf)
+        (hkv, kv_blocks, b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret,
+    )(*dkdv_args)
+    if fused_dq:
+        dq = dkdv_args[-1][...]
+        dq = jnp.sum(dq, axis=(0, 1)) if interpret else dq
+        return (dq[:, :sq_len] * scale).astype(do.dtype), trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     row_vecs = plgpu.SMEM((WGS, TILE), f32)
     dq_scratch = [kv_tiles, kv_tiles, row_vecs, row_vecs, row_vecs, p_tiles, plgpu.Barrier(num_barriers=(5, WGS))]
     dq = launch(

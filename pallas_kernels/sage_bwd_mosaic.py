@@ -14,6 +14,11 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
 * ``sage_bwd_dq_mosaic`` — grid (query head, 128-query block, batch); each
   compute warpgroup holds a 64-query tile and loops over the 64-key tiles:
   S, P, dP, dS as above, dQ += dŜK̂.
+* or dQ fused into ``sage_bwd_dkdv_mosaic`` (``k8_t=``; ``SageFwdConfig.dq_kernel``): the
+  per-tile dŜ is also stored transposed (through the WGMMA_TRANSPOSED register layout)
+  and each step's dŜK̂ is reduce-added by TMA into a float32 dQ (FlashAttention-3's
+  accumulation, :func:`_dq_partial`): the default at head dim 64 (fwd+bwd 21% less time on
+  the H200); slower at 128.
 
 INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
 accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
@@ -47,7 +52,7 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
-    pad_rows, tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    pad_rows, reduce_add_out, tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -73,6 +78,13 @@ def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int,
     if kernel == "dq":
         return common and config.dq_block_k == TILE and sq_pad % (WGS * TILE) == 0 and sk_pad % TILE == 0
     raise ValueError(f"kernel must be 'dkdv' or 'dq', got {kernel!r}")
+
+
+def supports_fused_dq(*, head_dim: int, per_block: bool, ds_per_row: bool) -> bool:
+    """Whether :func:`sage_bwd_dkdv_mosaic` can also produce dQ (``SageFwdConfig.dq_kernel``): one dŜ
+    per tile serves both dK = dŜᵀQ̂ and dQ = dŜK̂ only with per-block Q/K scales (per-token ones are
+    folded into dS before it is quantized, differently for each product) and per-tile dS scales."""
+    return head_dim in (64, 128) and per_block and not ds_per_row
 
 
 def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
@@ -106,8 +118,16 @@ def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
-                 dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, dk_smem2, p_smem2, ds_smem2, red_smem2, barriers,
-                 *, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row):
+                 *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, scale,
+                 interpret):
+    """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref`` (:func:`_dq_partial`).
+    ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, the scratch [, kt_smem2, dsq_smem2, stage2]."""
+    if fused_dq:
+        (kt_ref, dq_ref, dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, p_smem2, ds_smem2, red_smem2,
+         barriers, kt_smem2, dsq_smem2, stage2) = refs
+        dk_smem2 = None
+    else:
+        dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, dk_smem2, p_smem2, ds_smem2, red_smem2, barriers = refs
     b, hkv, wg = grid_position()
     h0 = hkv * group
     shape = (TILE, TILE)  # (keys, queries)
@@ -120,10 +140,20 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     def compute(pipeline):
         k_smem, vd_smem, ks_smem = k_smem2.at[wg], vd_smem2.at[wg], ks_smem2.at[wg]
         rows = pl.ds(cta_keys + wg * TILE, TILE)
-        copy_in(((k_ref.at[b, hkv, rows], k_smem), (vd_ref.at[b, hkv, rows], vd_smem),
-                 (ks_ref.at[b, hkv, rows], ks_smem)), barriers, wg)
+        copies = [(k_ref.at[b, hkv, rows], k_smem), (vd_ref.at[b, hkv, rows], vd_smem),
+                  (ks_ref.at[b, hkv, rows], ks_smem)]
+        if fused_dq:
+            copies.append((kt_ref.at[b, hkv, :, rows], kt_smem2.at[wg]))
+        copy_in(copies, barriers, wg)
         zeros = wgmma_zeros((TILE, head_dim))
         dk, dv = pipeline((zeros, zeros))
+        if fused_dq:  # no dK tile in SMEM (it would not fit beside the dQ buffers at D128): both through Ṽ's
+            plgpu.wait_smem_to_gmem(0)  # the last dQ copy is done
+            vd_smem[...] = dk.astype(vd_smem.dtype)
+            copy_out(((vd_smem, dk_ref.at[b, rows, hkv]),))
+            vd_smem[...] = dv.astype(vd_smem.dtype)
+            copy_out(((vd_smem, dv_ref.at[b, rows, hkv]),))
+            return
         dk_smem = dk_smem2.at[wg]
         dk_smem[...] = dk.astype(dk_smem.dtype)
         vd_smem[...] = dv.astype(vd_smem.dtype)  # Ṽ is no longer needed: reuse its SMEM
@@ -160,9 +190,16 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * (1.0 / LOG2E)
         ds_smem[...] = ds8
+        if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
+            _store_transposed(dsq_smem2.at[wg], ds8)
         plgpu.commit_smem()
         dk_part = matmul((TILE, head_dim), jnp.int32, ds_smem, qt_smem.T)
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, dk_part.shape) if ds_per_row else factor)
+        if fused_dq:
+            g, t = head_and_tile(idx[0])
+            acc = dq_ref.at[lax.axis_index("kv"), wg] if interpret else dq_ref  # interpreter: a workspace
+            _dq_partial(dsq_smem2.at[wg], kt_smem2.at[wg], stage2.at[wg], ds_scale * jnp.max(ks) * scale,
+                        interpret=interpret, dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols])
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
@@ -195,6 +232,26 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     heads = pl.ds(h0, group)
     pipeline(q_ref.at[b, heads], qs_ref.at[b, heads], qt_ref.at[b, heads], lse_ref.at[b, heads],
              delta_ref.at[b, heads], do_ref.at[b, :, heads], dot_ref.at[b, heads], dosc_ref.at[b, heads])
+
+
+def _store_transposed(ref, codes: jax.Array) -> None:
+    """``ref[...] = codes.T`` for an INT8 WGMMA-layout tile: through the WGMMA_TRANSPOSED register layout
+    (one lane shuffle per register pair; Mosaic GPU stores 8-bit tiles transposed only from it)."""
+    ref.T[...] = plgpu.layout_cast(codes.astype(jnp.int32), plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.int8)
+
+
+def _dq_partial(dsq_smem, kt_smem, stage, factor, *, interpret: bool, dst) -> None:
+    """This step's dŜ·K̂ (a warpgroup's 64 queries × 64 keys, INT8, then × ``factor``: the dS and K scales
+    and the softmax scale) reduce-added to a float32 dQ in global memory by TMA, as FlashAttention-3
+    accumulates dQ: no second kernel recomputing S, P and dP. In 64-column chunks through ``stage``
+    ((queries, 64) float32 SMEM, reused once the previous copy has read it); ``dst(cols)`` is the GMEM
+    target of a chunk. The Mosaic GPU interpreter has no TMA reduction: there each warpgroup of each CTA
+    writes its own slice of a workspace (``dst`` indexes it), summed by the caller."""
+    cols = stage.shape[1]
+    for c in range(kt_smem.shape[0] // cols):
+        chunk = pl.ds(c * cols, cols)
+        part = matmul(stage.shape, jnp.int32, dsq_smem, kt_smem.at[chunk].T).astype(jnp.float32) * factor
+        reduce_add_out(stage, part, dst(chunk), interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -262,24 +319,45 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
 
 def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd, *,
                          sq_len: int, sk_len: int, causal: bool, per_block: bool, ds_per_row: bool = False,
-                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                         k8_t: jax.Array | None = None, scale: float | None = None,
+                         interpret: bool = False) -> tuple[jax.Array, ...]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
     Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding;
-    ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``)."""
+    ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``).
+
+    With ``k8_t`` (K̂ᵀ, (B, Hkv, D, Sk)) and ``scale`` (the softmax scale) it also returns dQ
+    (B, Sq, Hq, D) — the fused backward (:func:`supports_fused_dq`): each step's dŜ·K̂ is
+    reduce-added into a float32 dQ (its summation order varies run to run).
+    """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     do = pad_rows(do, tma_rows(sq_len))  # read by tiled TMA loads
+    fused_dq = k8_t is not None
+    if fused_dq and not supports_fused_dq(head_dim=d, per_block=per_block, ds_per_row=ds_per_row):
+        raise ValueError("the fused dQ needs per-block Q/K scales and per-tile dS scales")
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
-                               ds_per_row=ds_per_row)
+                               ds_per_row=ds_per_row, fused_dq=fused_dq, scale=scale, interpret=interpret)
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
-               wg_tiles(WGS, TILE, f16, d), wg_tiles(WGS, TILE, i8, TILE), wg_tiles(WGS, TILE, i8, TILE),
-               plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
+               *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), wg_tiles(WGS, TILE, i8, TILE),
+               wg_tiles(WGS, TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32),
+               plgpu.Barrier(num_barriers=(4 if fused_dq else 3, WGS))]
+    args = [q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd]
+    kv_blocks = sk_pad // (WGS * TILE)
+    if fused_dq:
+        scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), wg_tiles(WGS, TILE, f32, 64)]
+        # the float32 dQ accumulator (interpreting: a workspace per key block and warpgroup, no TMA reduction)
+        args += [k8_t, jax.new_ref(jnp.zeros((b, sq_pad, hq, d) if not interpret else
+                                             (kv_blocks, WGS, b, sq_pad, hq, d), f32))]
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
-                    (hkv, sk_pad // (WGS * TILE), b), ("heads", "kv", "batch"), compute_wgs=WGS,
-                    interpret=interpret)(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd)
-    return trim_rows(dk, sk_len), trim_rows(dv, sk_len)
+                    (hkv, kv_blocks, b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret)(*args)
+    dk, dv = trim_rows(dk, sk_len), trim_rows(dv, sk_len)
+    if not fused_dq:
+        return dk, dv
+    dq = args[-1][...]
+    dq = jnp.sum(dq, axis=(0, 1)) if interpret else dq
+    return dq[:, :sq_len].astype(f16), dk, dv
 
 
 def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *, sq_len: int, sk_len: int,

@@ -174,14 +174,18 @@ def test_qat_forward_and_backward_lower_to_triton(case):
         assert name in text
 
 
-@pytest.mark.parametrize("causal, ds_scale, sq", [(False, "tile", 1024), (True, "tile", 384), (True, "row", 380)])
-def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq):
+@pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [
+    (False, "tile", 1024, 128, "per_token", False), (True, "tile", 384, 128, "per_token", False),
+    (True, "row", 380, 128, "per_token", False), (True, "tile", 300, 64, "per_block", True),
+    (False, "tile", 512, 64, "per_block", False)])
+def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity, fused):
     """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls
-    (dS scales per tile, or per row: ``ds_scale``; Sq = 380 is not a multiple of the TMA tiling's
-    8 rows, which only the lowering — not the interpreter — rejects)."""
-    cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), dkdv_backend="mosaic",
-                              dq_backend="mosaic", ds_scale=ds_scale)
-    specs, opts = specs_and_options(sq, 512, 8, 2, 128, causal, "per_token", False, cfg)
+    (dS scales per tile, or per row: ``ds_scale``; Sq = 380 and 300 are not multiples of the TMA tiling's
+    8 rows, which only the lowering — not the interpreter — rejects). ``fused``: dq_kernel="auto" at D64
+    with per-block scales, one Mosaic kernel (dQ reduce-added by TMA); else "separate" (two)."""
+    cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), dkdv_backend="mosaic",
+                              dq_backend="mosaic", ds_scale=ds_scale, dq_kernel="auto" if fused else "separate")
+    specs, opts = specs_and_options(sq, 512, 8, 2, d, causal, granularity, False, cfg)
 
     def grads(q, k, v):
         loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
@@ -190,7 +194,7 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq):
     text = lower_for_h200(grads, *specs)
     assert text.count(TRITON_CALL) == len(FWD_KERNELS) + 1  # the forward and the bwd preprocess
     assert "sage_bwd_dkdv" not in text and "sage_bwd_dq" not in text
-    assert "mosaic_gpu" in text
+    assert text.count("mosaic_gpu_v2(") == (1 if fused else 2)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -207,22 +211,25 @@ def test_sage_forward_lowers_to_mosaic_gpu(causal):
 
 @pytest.mark.parametrize("d, causal, naive", [(128, False, False), (64, True, False), (128, True, True)])
 @pytest.mark.parametrize("backends", [("mosaic", "triton"), ("mosaic", "mosaic"), ("triton", "mosaic"),
-                                      ("mosaic", "mosaic", "pingpong")])
+                                      ("mosaic", "mosaic", "pingpong"), ("mosaic", "mosaic", "fused"),
+                                      ("mosaic", "mosaic", "separate")])
 def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     """QatConfig(fwd_backend=…, bwd_backend=…): the kernels on "mosaic" lower for an H200 as Mosaic GPU calls
     (forward: register P̃/P operands, O and O' issued together; backward: FQ(P)·(1/l) and dS through SMEM as
     transposed operands, dS·K̃ from registers); the fake-quant kernel and the others stay Triton. A third
-    entry "pingpong" turns on the schedule barrier (QatConfig.pingpong)."""
+    entry: "pingpong" turns on the schedule barrier (QatConfig.pingpong); "fused"/"separate" is
+    QatConfig.dq_kernel (default "auto": fused at D64, where the dQ kernel is then absent)."""
     from lowbit_jax import qat as qat_mod
 
-    fwd, bwd, *pingpong = backends
+    fwd, bwd, *extra = backends
+    dq_kernel = extra[0] if extra and extra[0] in ("fused", "separate") else "auto"
     q = jax.ShapeDtypeStruct((2, 300 if d == 64 else 384, 8, d), jnp.bfloat16)  # 300: not a multiple of 8
     kv = jax.ShapeDtypeStruct((2, 300 if d == 64 else 512, 2, d), jnp.bfloat16)
     opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
                                        jnp.zeros(kv.shape, kv.dtype), causal=causal, naive_backward=naive,
                                        implementation="pallas", interpret=True,
                                        config=lb.QatConfig(fwd_backend=fwd, bwd_backend=bwd,
-                                                           pingpong=bool(pingpong)))
+                                                           pingpong=extra == ["pingpong"], dq_kernel=dq_kernel))
     opts = dataclasses.replace(opts, interpret=False)
 
     def grads(q, k, v):
@@ -234,3 +241,6 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     assert ('qat_attention_fwd"' in text) == (fwd == "triton")  # the Triton forward's name
     for name in ("qat_bwd_dkdv", "qat_bwd_dq"):
         assert (name in text) == (bwd == "triton")
+    if bwd == "mosaic":  # the fused dK/dV kernel reduce-adds dQ with TMA: no separate dQ kernel
+        kernels = (fwd == "mosaic") + (1 if opts.config.fuses_dq(d) else 2)
+        assert text.count("mosaic_gpu_v2(") == kernels, (text.count("mosaic_gpu_v2("), kernels)

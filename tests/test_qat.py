@@ -1,9 +1,11 @@
 """Attn-QAT: kernels (interpret on CPU) ↔ xla twin ↔ autodiff of the STE graph ↔ exact attention."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -113,6 +115,23 @@ def test_mosaic_forward_pingpong_same_values():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
     x = lb.qat_attention(q, k, v, implementation="xla", config=lb.QatConfig())
     assert metrics(outs[1][0], x)[1] < 2e-3
+
+
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 128, False), (2, 130, 200, 4, 2, 64, True)])
+def test_mosaic_fused_dq_same_gradients(case):
+    """QatConfig.dq_kernel="fused" (dS·K̃ reduce-added into a float32 dQ by the dK/dV kernel; in the
+    interpreter a per-block workspace, summed) gives the separate dQ kernel's gradients (ragged Sq,
+    GQA, D128 non-causal / D64 causal); dK and dV come from the same kernel body either way."""
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d)
+    do = cotangent(q)
+    got = {mode: grads(q, k, v, do, causal=causal, implementation="pallas", interpret=True,
+                       config=dataclasses.replace(MOSAIC, dq_kernel=mode)) for mode in ("fused", "separate")}
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got["fused"], got["separate"]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert metrics(a, r)[1] < 1e-5, (name, metrics(a, r))  # float32 sums in another order, then bf16
+    assert lb.QatConfig().fuses_dq(64) and not lb.QatConfig().fuses_dq(128)
+    assert lb.QatConfig(dq_kernel="fused").fuses_dq(128) and not lb.QatConfig(dq_kernel="separate").fuses_dq(64)
 
 
 def test_mosaic_coverage():
@@ -264,6 +283,8 @@ def test_bad_config():
         lb.QatConfig(block_q=48)
     with pytest.raises(TypeError, match="pingpong"):
         lb.QatConfig(pingpong=1)
+    with pytest.raises(ValueError, match="dq_kernel"):
+        lb.QatConfig(dq_kernel="atomic")
 
 
 def test_error_report_for_qat():

@@ -189,6 +189,38 @@ def test_mosaic_kernel_gradients_match_xla_backward(case):
             assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
 
 
+@pytest.mark.parametrize("case", [(1, 128, 256, 4, 2, 64, False), (2, 200, 384, 4, 2, 64, True),
+                                  (1, 128, 256, 4, 2, 128, False)])
+def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
+    """SageFwdConfig.dq_kernel: with per-block Q/K scales and per-tile dS, "fused" ("auto" at D64) computes
+    dQ in the Mosaic dK/dV kernel (the dQ kernel is not called; in the interpreter the per-block partial
+    sums go to a workspace) and gives the separate dQ kernel's gradients (the same dŜ codes, other order)."""
+    from pallas_kernels import sage_bwd_mosaic
+
+    calls = []
+    real = sage_bwd_mosaic.sage_bwd_dq_mosaic
+    monkeypatch.setattr(sage_bwd_mosaic, "sage_bwd_dq_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d, k_outlier=3.0)
+    do = cotangent(q)
+    got, n_calls = {}, {}
+    fused = "auto" if d == 64 else "fused"
+    for mode in (fused, "separate"):
+        got[mode] = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, causal=causal,
+                          qk_granularity="per_block", config=dataclasses.replace(MOSAIC, dq_kernel=mode))
+        n_calls[mode] = len(calls)
+    assert n_calls == {fused: 0, "separate": 1}
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[fused], got["separate"]):
+        cos, rel = metrics(a, r)
+        assert a.dtype == r.dtype and rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
+    assert sage_bwd_mosaic.supports_fused_dq(head_dim=64, per_block=True, ds_per_row=False)
+    for change in (dict(head_dim=32), dict(per_block=False), dict(ds_per_row=True)):
+        assert not sage_bwd_mosaic.supports_fused_dq(**{**dict(head_dim=64, per_block=True, ds_per_row=False),
+                                                        **change}), change
+    with pytest.raises(ValueError, match="dq_kernel"):
+        lb.SageFwdConfig(dq_kernel="atomic")
+
+
 def test_mosaic_backend_selection():
     """Which kernels Mosaic covers; 'auto' keeps Triton in interpret mode and off Hopper."""
     from pallas_kernels import sage_bwd_mosaic
