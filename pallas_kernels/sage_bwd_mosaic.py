@@ -336,6 +336,8 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     fused_dq = k8_t is not None
     if fused_dq and not supports_fused_dq(head_dim=d, per_block=per_block, ds_per_row=ds_per_row):
         raise ValueError("the fused dQ needs per-block Q/K scales and per-tile dS scales")
+    if fused_dq and scale is None:
+        raise ValueError("the fused dQ needs scale (the softmax scale) beside k8_t")
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
                                ds_per_row=ds_per_row, fused_dq=fused_dq, scale=scale, interpret=interpret)
