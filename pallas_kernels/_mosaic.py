@@ -301,6 +301,34 @@ def copy_out(copies) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
+#: columns of one TMA reduce-add chunk (128 bytes of a 16-bit row: one swizzle width, so a column
+#: slice of a K tile is a valid ``wgmma`` B operand)
+REDUCE_COLS = 64
+
+
+def reduce_add_stage(wgs: int, rows: int) -> plgpu.SMEM:
+    """The float32 SMEM stage of :func:`reduce_add_out`, one (rows, REDUCE_COLS) tile per compute warpgroup."""
+    return wg_tiles(wgs, rows, jnp.float32, REDUCE_COLS)
+
+
+def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool):
+    """A zeroed float32 GMEM ref of ``shape`` for :func:`reduce_add_out` to add into (a kernel operand).
+    Interpreting (no TMA reduction) it gets one slice per writer, ``writers`` axes prepended: select one
+    with :func:`reduce_add_slot`, sum them with :func:`reduce_add_total`."""
+    return jax.new_ref(jnp.zeros(shape if not interpret else (*writers, *shape), jnp.float32))
+
+
+def reduce_add_slot(ref, writer: tuple, *, interpret: bool):
+    """This writer's target in a :func:`reduce_add_accumulator` (all of it unless interpreting)."""
+    return ref.at[writer] if interpret else ref
+
+
+def reduce_add_total(ref, n_writer_axes: int, *, interpret: bool) -> jax.Array:
+    """The value of a :func:`reduce_add_accumulator` after the kernel (its slices summed when interpreting)."""
+    total = ref[...]
+    return jnp.sum(total, axis=tuple(range(n_writer_axes))) if interpret else total
+
+
 def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool) -> None:
     """``dst += value`` in GMEM by a TMA reduce-add, through the SMEM ``stage`` (reused once the previous
     copy has read it; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
@@ -323,5 +351,6 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_pair", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
-           "transposed_step_spec", "copy_in", "copy_out", "reduce_add_out", "on_hopper", "MEMORY_REGISTERS",
+           "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
+           "reduce_add_slot", "reduce_add_total", "reduce_add_out", "on_hopper", "MEMORY_REGISTERS",
            "PingPong", "schedule_barrier"]

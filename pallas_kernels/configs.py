@@ -23,6 +23,8 @@ def fuses_dq(dq_kernel: str, head_dim: int) -> bool:
     """``dq_kernel`` resolved for a head dim: "auto" fuses at head dim 64, where it measured faster on the
     H200 for both methods (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel")."""
     return dq_kernel == "fused" or (dq_kernel == "auto" and head_dim <= 64)
+
+
 #: granularities of SageBwd's INT8 dS scales (SageFwdConfig.ds_scale)
 DS_SCALES = ("tile", "row")
 

@@ -46,8 +46,9 @@ from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._mosaic import (
     accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores, matmul,
-    matmul_pair, pl, plgpu, query_block_keys, reduce_add_out, register_operand, row_vector, rows_of, tile_transforms,
-    wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    matmul_pair, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_out, reduce_add_slot,
+    reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, tile_transforms, wg_tiles, tma_rows,
+    trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -119,7 +120,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         dv, dk = accumulate((dv, dk), ((p_smem.T, do_smem), (ds_smem.T, q_smem)), fused=not interpret)
         if fused_dq:
             g, t = head_and_tile(idx[0])
-            acc = dq_ref.at[lax.axis_index("kv"), wg] if interpret else dq_ref  # interpreter: a workspace
+            acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
             _dq_partial(ds_smem, k_smem, stage2.at[wg], interpret=interpret,
                         dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols])
         for barrier in consumed:
@@ -159,6 +160,7 @@ def _dq_partial(ds_smem, k_smem, stage, *, interpret: bool, dst) -> None:
         chunk = pl.ds(c * cols, cols)
         part = matmul(stage.shape, jnp.float32, ds_smem, k_smem.at[:, chunk])
         reduce_add_out(stage, part, dst(chunk), interpret=interpret)
+
 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
                q_smem2, do_smem2, m_smem2, il_smem2, delta_smem2, ds_smem2, barriers,
@@ -231,12 +233,9 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, p_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
     dkdv_args = [qf, do_h, m_rows, inv_l, delta, kf, vf]
     kv_blocks = kf.shape[2] // (WGS * TILE)
-    if fused_dq:
-        cols = 64  # 128 bytes of a bf16 K̃ row (a swizzle width): the column chunk of dS·K̃
-        dkdv_scratch.append(plgpu.SMEM((WGS, TILE, cols), f32, transforms=tile_transforms(f32, cols)))
-        # the float32 dQ accumulator (interpreting: a workspace per key block and warpgroup, no TMA reduction)
-        dkdv_args.append(jax.new_ref(jnp.zeros((b, sq_pad, hq, d) if not interpret else
-                                               (kv_blocks, WGS, b, sq_pad, hq, d), f32)))
+    if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
+        dkdv_scratch.append(reduce_add_stage(WGS, TILE))
+        dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret))
     dk, dv = launch(
         functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
                           **common),
@@ -244,8 +243,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         (hkv, kv_blocks, b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret,
     )(*dkdv_args)
     if fused_dq:
-        dq = dkdv_args[-1][...]
-        dq = jnp.sum(dq, axis=(0, 1)) if interpret else dq
+        dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret)
         return (dq[:, :sq_len] * scale).astype(do.dtype), trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     row_vecs = plgpu.SMEM((WGS, TILE), f32)
     dq_scratch = [kv_tiles, kv_tiles, row_vecs, row_vecs, row_vecs, p_tiles, plgpu.Barrier(num_barriers=(5, WGS))]

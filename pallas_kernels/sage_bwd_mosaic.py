@@ -52,7 +52,8 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
-    pad_rows, reduce_add_out, tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    pad_rows, reduce_add_accumulator, reduce_add_out, reduce_add_slot, reduce_add_stage, reduce_add_total,
+    tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -197,7 +198,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, dk_part.shape) if ds_per_row else factor)
         if fused_dq:
             g, t = head_and_tile(idx[0])
-            acc = dq_ref.at[lax.axis_index("kv"), wg] if interpret else dq_ref  # interpreter: a workspace
+            acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
             _dq_partial(dsq_smem2.at[wg], kt_smem2.at[wg], stage2.at[wg], ds_scale * jnp.max(ks) * scale,
                         interpret=interpret, dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols])
         for barrier in consumed:
@@ -348,17 +349,16 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     args = [q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd]
     kv_blocks = sk_pad // (WGS * TILE)
     if fused_dq:
-        scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), wg_tiles(WGS, TILE, f32, 64)]
-        # the float32 dQ accumulator (interpreting: a workspace per key block and warpgroup, no TMA reduction)
-        args += [k8_t, jax.new_ref(jnp.zeros((b, sq_pad, hq, d) if not interpret else
-                                             (kv_blocks, WGS, b, sq_pad, hq, d), f32))]
+        # K̂ᵀ, dŜ (queries × keys) and the float32 stage per warpgroup; the float32 dQ (one per key block
+        # and warpgroup interpreted)
+        scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), reduce_add_stage(WGS, TILE)]
+        args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret)]
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
                     (hkv, kv_blocks, b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret)(*args)
     dk, dv = trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     if not fused_dq:
         return dk, dv
-    dq = args[-1][...]
-    dq = jnp.sum(dq, axis=(0, 1)) if interpret else dq
+    dq = reduce_add_total(args[-1], 2, interpret=interpret)
     return dq[:, :sq_len].astype(f16), dk, dv
 
 
