@@ -53,6 +53,66 @@ def test_qat_model_gradient_and_naive_option():
     assert any(float(jnp.max(jnp.abs(a - b))) > 0 for a, b in zip(qat, naive))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_hot_embedding_equals_the_gather(dtype):
+    """embed_tokens: the forward equals nnx.Embed's gather bit for bit; the table's gradient is the exact
+    per-row sum of the cotangents, rounded once to the compute dtype (the gather's bf16 scatter-add rounds
+    at every add, so there the one-hot gradient must be at least as close to the exact sum)."""
+    from models.transformer import embed_tokens
+
+    embed = nnx.Embed(256, 96, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (3, 200), 0, 256)  # every row index repeats
+    cot = jax.random.normal(jax.random.PRNGKey(5), (3, 200, 96), jnp.float32).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(embed_tokens(embed, tokens), np.float32),
+                                  np.asarray(embed(tokens), np.float32))
+    graphdef, state = nnx.split(embed)
+
+    def grad(lookup):
+        def f(st):
+            return jnp.sum(lookup(nnx.merge(graphdef, st)).astype(jnp.float32) * cot.astype(jnp.float32))
+
+        return jax.tree.leaves(jax.grad(f)(state))[0]
+
+    g_onehot, g_gather = grad(lambda e: embed_tokens(e, tokens)), grad(lambda e: e(tokens))
+    exact = np.zeros((256, 96))
+    np.add.at(exact, np.asarray(tokens).ravel(), np.asarray(cot, np.float64).reshape(-1, 96))
+    assert np.abs(exact).max() > 1.0  # repeated indices really summed
+    err = {name: np.abs(np.asarray(g, np.float64) - exact).max() for name, g in
+           (("onehot", g_onehot), ("gather", g_gather))}
+    tol = 2.0**-8 * np.abs(exact).max() if dtype == "bfloat16" else 1e-5
+    assert err["onehot"] <= tol and err["onehot"] <= err["gather"] + 1e-6, err
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_gradient(dtype):
+    """models.transformer.swiglu: forward = silu(gate)·up; its custom gradient equals autodiff of that formula
+    in float32, and in bf16 it is the exact gradient rounded once (at least as close as autodiff's)."""
+    from models.transformer import swiglu
+
+    gu = (3 * jax.random.normal(jax.random.PRNGKey(8), (4, 33, 2 * 48), jnp.float32)).astype(dtype)
+    dy = jax.random.normal(jax.random.PRNGKey(9), (4, 33, 48), jnp.float32).astype(dtype)
+
+    def plain(x):
+        g, u = jnp.split(x, 2, axis=-1)
+        return jax.nn.silu(g) * u
+
+    np.testing.assert_array_equal(np.asarray(swiglu(gu), np.float32), np.asarray(plain(gu), np.float32))
+    ours = jax.vjp(swiglu, gu)[1](dy)[0]
+    auto = jax.vjp(plain, gu)[1](dy)[0]
+    assert ours.dtype == dtype and ours.shape == gu.shape
+    g, u = np.split(np.asarray(gu, np.float64), 2, axis=-1)
+    d = np.asarray(dy, np.float64)
+    sig = 1 / (1 + np.exp(-g))
+    exact = np.concatenate([d * u * sig * (1 + g * (1 - sig)), d * g * sig], axis=-1)
+    err = lambda x: np.abs(np.asarray(x, np.float64) - exact)  # noqa: E731
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(auto), rtol=1e-5, atol=1e-6)
+        assert err(ours).max() <= 1e-5 * np.abs(exact).max()
+    else:
+        assert np.all(err(ours) <= 2.0**-8 * np.abs(exact) + 1e-6)
+        assert err(ours).mean() <= err(auto).mean()
+
+
 def test_qk_norm_normalizes_heads():
     attn = Attention(128, 2, 1, method="dense", rngs=nnx.Rngs(0), dtype=jnp.float32)
     x = 5.0 * jax.random.normal(jax.random.PRNGKey(2), (1, 16, 64))
@@ -70,6 +130,25 @@ def test_rope_is_a_relative_rotation():
     dot = lambda i, j: float(jnp.sum(rope(q, jnp.array([i]), 1e4) * rope(k, jnp.array([j]), 1e4)))  # noqa: E731
     assert dot(5, 2) == pytest.approx(dot(13, 10), rel=1e-4)
     np.testing.assert_allclose(np.linalg.norm(rope(q, jnp.array([7]), 1e4)), np.linalg.norm(q), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_is_the_rotate_half_formula(dtype):
+    """Bit for bit the textbook [x1·cos − x2·sin, x2·cos + x1·sin], batch-wise and per-token positions."""
+    x = jax.random.normal(jax.random.PRNGKey(6), (2, 9, 3, 64), jnp.float32).astype(dtype)
+    positions = jax.random.randint(jax.random.PRNGKey(7), (2, 9), 0, 500)
+
+    @jax.jit
+    def rotate_half(x, positions):
+        angles = positions.astype(jnp.float32)[..., None] * 1e4 ** (-jnp.arange(0, 64, 2, dtype=jnp.float32) / 64)
+        cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype)
+
+    want = rotate_half(x, positions)
+    got = jax.jit(rope, static_argnums=2)(x, positions, 1e4)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("method", ["dense", "sage"])
