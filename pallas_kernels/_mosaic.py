@@ -81,19 +81,38 @@ def tile_max(x: jax.Array, scratch) -> jax.Array:
     return jnp.max(col_vector(scratch))
 
 
+#: skip the element-wise mask on tiles that no key of which is masked (:func:`mask_scores`)
+SKIP_VISIBLE_TILES = True
+
+
 def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offset: int = 0,
                 sk_len: int | None = None, transposed: bool = False) -> jax.Array:
     """−inf where the key is padding (≥ ``sk_len``, if given) or, if ``causal``, key > query +
     ``offset`` (bottom-right aligned); a (queries × keys) WGMMA tile, or (keys × queries) if
-    ``transposed``. ``key_start``/``query_start``: the tile's first key and query."""
+    ``transposed``. ``key_start``/``query_start``: the tile's first key and query.
+
+    A tile whose every key is visible to its first query (below the causal diagonal, before the
+    padded tail) is returned as is, through a branch: on a causal sequence most tiles are such,
+    and they skip the iota, compare and select per element."""
     key_dim, query_dim = (0, 1) if transposed else (1, 0)
-    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, scores.shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
-    keys = iota(key_dim) + key_start
-    visible = None if sk_len is None else keys < sk_len
+
+    def masked(s):
+        iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
+        keys = iota(key_dim) + key_start
+        visible = None if sk_len is None else keys < sk_len
+        if causal:
+            in_window = keys <= iota(query_dim) + query_start + offset
+            visible = in_window if visible is None else visible & in_window
+        return s if visible is None else jnp.where(visible, s, -jnp.inf)
+
+    if not SKIP_VISIBLE_TILES or (sk_len is None and not causal):
+        return masked(scores)
+    last_key = key_start + (scores.shape[key_dim] - 1)
+    all_visible = None if sk_len is None else last_key < sk_len
     if causal:
-        in_window = keys <= iota(query_dim) + query_start + offset
-        visible = in_window if visible is None else visible & in_window
-    return scores if visible is None else jnp.where(visible, scores, -jnp.inf)
+        below = last_key <= query_start + offset
+        all_visible = below if all_visible is None else all_visible & below
+    return lax.cond(all_visible, lambda s: s, masked, scores)
 
 
 def grid_position() -> tuple:

@@ -25,8 +25,8 @@ updated in place, the two independent products of a step issued together.
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
-tile its queries see (its heaviest query blocks launch first); masked tiles (causal, ragged key tail) are masked
-element-wise. Not covered (:func:`supports`): head dims other than 64/128,
+tile its queries see (its heaviest query blocks launch first); tiles that reach the diagonal or the ragged key
+tail are masked element-wise, the others skip the mask. Not covered (:func:`supports`): head dims other than 64/128,
 sequence paddings not a multiple of 128, 32-bit dO, Sq > Sk when causal.
 Selected by ``QatConfig.bwd_backend`` "mosaic", or "auto" (the default) on Hopper (fwd+bwd with
 both Mosaic kernels: 330 vs 281 TFLOP/s for Triton's at B4 H32 S4096 D128 on the H200). FlashAttention-3's

@@ -19,8 +19,8 @@ SMEM tile (Q is not read after the pipeline), so 128-key tiles fit in SMEM with 
 runs on the accumulator tile group by group
 (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`: Mosaic GPU cannot reshape a
 WGMMA-layout tile into groups). Causal (bottom-right aligned, Sq ≤ Sk): the pipeline
-stops after the last key tile the block sees, the heaviest blocks launch first; masked tiles (causal, ragged key tail)
-are masked element-wise.
+stops after the last key tile the block sees, the heaviest blocks launch first; tiles that reach the diagonal or the
+ragged key tail are masked element-wise, the others skip the mask.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): head dims other
 than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128, fp32

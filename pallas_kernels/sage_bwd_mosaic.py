@@ -30,7 +30,8 @@ runs them one at a time (``matmul_pair(fused=False)``, same values).
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV kernel starts at the first query
 tile that sees its keys and the dQ kernel stops after the last key tile its queries
 see (dynamic pipeline lengths; its heaviest query blocks launch first — no measurable
-change on the H200); every tile is masked element-wise (a per-tile branch is not written).
+change on the H200); tiles that reach the diagonal are masked element-wise, the others skip the mask
+(``_mosaic.mask_scores``).
 
 Supported here: no Q-smoothing, head dim 64 or 128, 64×64 backward tiles, no key
 padding (:func:`supports`). ``lowbit_jax.sage`` picks the backend of

@@ -13,7 +13,7 @@ products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ 
 V̂ᵀ); P̂ goes through SMEM (the INT8 register operand layout is not reachable from
 the accumulator's, see :mod:`pallas_kernels._mosaic`). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
-masked tiles (causal diagonal, ragged key tail) are masked element-wise.
+tiles that reach the diagonal or the ragged key tail are masked element-wise, the others skip the mask.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
