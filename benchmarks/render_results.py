@@ -320,6 +320,34 @@ def render_dq_kernel(data: dict) -> list[str]:
     return out
 
 
+def render_breakdown(data: dict) -> list[str]:
+    out = ["", "## Where the time goes, by device kernel (profiler trace)", "", *_command_block(data),
+           "Device time per kernel from a `jax.profiler` trace (`benchmarks/profiling.py`). busy = the union of "
+           "kernel intervals, wall = host time; groups sum kernels by name (attention: the library's Pallas kernels "
+           "and cuDNN's; matmul: cuBLAS/nvjet; other: XLA fusions)."]
+    tr = data.get("training")
+    if tr:
+        out += ["", f"Training step, preset {tr['preset']}, B{tr['batch']} S{tr['seq']}, {tr['steps']} steps per "
+                "round, last round per step:", "",
+                "| method | wall ms | busy ms | attention | matmul | other | kernels / step |", "|---|---|---|---|---|---|---|"]
+        for m, rounds in tr["rounds"].items():
+            r = rounds[-1]
+            g = r["groups"]
+            out.append(f"| {m} | {r['wall_ms']:.1f} | {r['busy_ms']:.1f} | {g.get('attention', 0):.1f} | "
+                       f"{g.get('matmul', 0):.1f} | {g.get('other', 0):.1f} | {r['launches']:.0f} |")
+        for m, rounds in tr["rounds"].items():
+            out += ["", f"Largest kernels per step, {m}: " + "; ".join(
+                f"`{n[:60]}` {ms:.2f} ms ×{c:.0f}" for n, ms, c in rounds[-1]["top"][:6])]
+    if data.get("attention"):
+        out += ["", "One attention fwd+bwd (`jax.vjp` + pullback), per kernel:", "",
+                "| B, Hq/Hkv, S, D, causal | method | busy ms | kernels (ms) |", "|---|---|---|---|"]
+        for r in data["attention"]:
+            b, hq, hkv, s, d, causal = r["shape"]
+            kernels = ", ".join(f"`{n[:48]}` {ms:.3f}" for n, ms, _ in r["top"][:5])
+            out.append(f"| {b}, {hq}/{hkv}, {s}, {d}, {causal} | {r['method']} | {r['busy_ms']:.3f} | {kernels} |")
+    return out
+
+
 def _load(name: str) -> dict | None:
     path = HERE / "results" / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -332,7 +360,7 @@ def main() -> None:
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),
                 ("attention_bwd_dq_sweep", lambda data: render_backward_sweep(data, "SageBwd dQ-kernel tile sweep")),
-                ("training", render_training),
+                ("training", render_training), ("breakdown", render_breakdown),
                 ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation)]
     for name, render in sections:
