@@ -170,11 +170,12 @@ def wg_tiles(wgs: int, rows: int, dtype, cols: int):
     return plgpu.SMEM((wgs, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
 
 
-def launch(kernel, out_type, scratch_types, grid, grid_names, *, compute_wgs: int, interpret: bool):
-    """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg")."""
+def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool):
+    """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
+    is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous")."""
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
                         compiler_params=compiler_params(), num_threads=compute_wgs + 1, thread_name="wg",
-                        interpret=interpret_params(interpret))
+                        interpret=interpret_params(interpret), kernel_name=name)
 
 
 def wgmma_zeros(shape: tuple[int, int], dtype=jnp.float32) -> jax.Array:

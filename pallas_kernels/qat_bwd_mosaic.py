@@ -240,7 +240,8 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
                           **common),
         [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), do.dtype)] * 2, dkdv_scratch,
-        (hkv, kv_blocks, b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret,
+        (hkv, kv_blocks, b), ("heads", "kv", "batch"), name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
+        compute_wgs=WGS, interpret=interpret,
     )(*dkdv_args)
     if fused_dq:
         dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret)
@@ -250,6 +251,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     dq = launch(
         functools.partial(_dq_kernel, group=group, **common),
         jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), do.dtype), dq_scratch,
-        (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS, interpret=interpret,
+        (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="qat_bwd_dq", compute_wgs=WGS,
+        interpret=interpret,
     )(qf, do_h, m_rows, inv_l, delta, kf, vf)
     return trim_rows(dq, sq_len), trim_rows(dk, sk_len), trim_rows(dv, sk_len)

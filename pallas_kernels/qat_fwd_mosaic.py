@@ -176,7 +176,7 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     # rows padded to Sq_pad: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes
     row_type = jax.ShapeDtypeStruct((b, hq, sq_pad), f32)
     *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
-                           (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS,
-                           interpret=interpret)(qf, kf, vf)
+                           (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="qat_attention_fwd",
+                           compute_wgs=WGS, interpret=interpret)(qf, kf, vf)
     outs = [trim_rows(o, sq_len) for o in outs]
     return outs[0], outs[1] if with_aux else None, trim_rows(lse, sq_len, axis=2), trim_rows(m, sq_len, axis=2)

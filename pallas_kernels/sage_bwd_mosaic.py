@@ -355,7 +355,9 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), reduce_add_stage(WGS, TILE)]
         args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret)]
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
-                    (hkv, kv_blocks, b), ("heads", "kv", "batch"), compute_wgs=WGS, interpret=interpret)(*args)
+                    (hkv, kv_blocks, b), ("heads", "kv", "batch"),
+                    name="sage_bwd_dkdv_dq" if fused_dq else "sage_bwd_dkdv", compute_wgs=WGS,
+                    interpret=interpret)(*args)
     dk, dv = trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     if not fused_dq:
         return dk, dv
@@ -376,6 +378,7 @@ def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
         wg_tiles(WGS, TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
     dq = launch(kernel, jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), f16), scratch,
-                (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), compute_wgs=WGS, interpret=interpret,
+                (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="sage_bwd_dq", compute_wgs=WGS,
+                interpret=interpret,
                 )(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd)
     return trim_rows(dq, sq_len)

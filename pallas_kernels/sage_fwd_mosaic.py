@@ -133,5 +133,6 @@ def sage_attention_fwd_mosaic(
     out_type = [jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_pad), f32)]
     o, lse = launch(kernel, out_type, scratch, (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"),
-                    compute_wgs=WGS, interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
+                    name="sage_attention_fwd", compute_wgs=WGS,
+                    interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
     return trim_rows(o, sq_len), trim_rows(lse, sq_len, axis=2)

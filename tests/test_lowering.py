@@ -33,6 +33,16 @@ def lower_for_h200(fn, *specs) -> str:
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def triton_named(text: str, name: str) -> bool:
+    """A Triton kernel call named ``name`` (its ``pallas_call`` name) is in the lowered text."""
+    return f'name = "{name}"' in text
+
+
+def mosaic_named(text: str, name: str) -> bool:
+    """A Mosaic GPU kernel launched as ``name`` (``_mosaic.launch``) is in the lowered text."""
+    return f"{name}_mosaic_gpu" in text
+
+
 def specs_and_options(sq, sk, hq, hkv, d, causal, granularity, smooth_q, config):
     q = jnp.zeros((2, sq, hq, d), jnp.bfloat16)
     kv = jnp.zeros((2, sk, hkv, d), jnp.bfloat16)
@@ -193,8 +203,10 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
 
     text = lower_for_h200(grads, *specs)
     assert text.count(TRITON_CALL) == len(FWD_KERNELS) + 1  # the forward and the bwd preprocess
-    assert "sage_bwd_dkdv" not in text and "sage_bwd_dq" not in text
+    assert not triton_named(text, "sage_bwd_dkdv") and not triton_named(text, "sage_bwd_dq")
     assert text.count("mosaic_gpu_v2(") == (1 if fused else 2)
+    assert mosaic_named(text, "sage_bwd_dkdv_dq" if fused else "sage_bwd_dkdv")
+    assert mosaic_named(text, "sage_bwd_dq") != fused
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -206,7 +218,7 @@ def test_sage_forward_lowers_to_mosaic_gpu(causal):
                                     "per_token" if causal else "per_block", False, cfg)
     text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
     assert text.count(TRITON_CALL) == 2  # sage_quantize_q, sage_quantize_kv; no Triton attention kernel
-    assert "sage_quantize_q" in text and "sage_quantize_kv" in text and "mosaic_gpu" in text
+    assert "sage_quantize_q" in text and "sage_quantize_kv" in text and mosaic_named(text, "sage_attention_fwd")
 
 
 @pytest.mark.parametrize("d, causal, naive", [(128, False, False), (64, True, False), (128, True, True)])
@@ -238,9 +250,13 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
 
     text = lower_for_h200(grads, q, kv, kv)
     assert "mosaic_gpu" in text and "fp4_fake_quant" in text
-    assert ('qat_attention_fwd"' in text) == (fwd == "triton")  # the Triton forward's name
+    assert triton_named(text, "qat_attention_fwd") == (fwd == "triton")
+    assert mosaic_named(text, "qat_attention_fwd") == (fwd == "mosaic")
     for name in ("qat_bwd_dkdv", "qat_bwd_dq"):
-        assert (name in text) == (bwd == "triton")
+        assert triton_named(text, name) == (bwd == "triton")
     if bwd == "mosaic":  # the fused dK/dV kernel reduce-adds dQ with TMA: no separate dQ kernel
         kernels = (fwd == "mosaic") + (1 if opts.config.fuses_dq(d) else 2)
         assert text.count("mosaic_gpu_v2(") == kernels, (text.count("mosaic_gpu_v2("), kernels)
+        fused = opts.config.fuses_dq(d)
+        assert mosaic_named(text, "qat_bwd_dkdv_dq" if fused else "qat_bwd_dkdv")
+        assert mosaic_named(text, "qat_bwd_dq") != fused
