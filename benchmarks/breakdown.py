@@ -37,7 +37,7 @@ from benchmarks.training import prepare
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 GROUPS = {  # lower-cased substrings of kernel names
-    "attention": ("sage", "qat", "fp4", "_kernel", "mosaic", "fmha", "cudnn", "flash", "sdpa"),
+    "attention": ("sage", "qat", "fp4", "mosaic", "fmha", "cudnn", "flash", "sdpa"),
     "matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90", "triton_dot", "dot"),
 }
 SHAPES = [(16, 10, 5, 2048, 64, True), (4, 32, 32, 4096, 128, False)]  # (B, Hq, Hkv, S, D, causal)
