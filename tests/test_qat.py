@@ -117,11 +117,12 @@ def test_mosaic_forward_pingpong_same_values():
     assert metrics(outs[1][0], x)[1] < 2e-3
 
 
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 128, False), (2, 130, 200, 4, 2, 64, True)])
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 128, False), (2, 130, 200, 4, 2, 64, True),
+                                  (2, 128, 256, 8, 2, 128, True)])
 def test_mosaic_fused_dq_same_gradients(case):
     """QatConfig.dq_kernel="fused" (dS·K̃ reduce-added into a float32 dQ by the dK/dV kernel; in the
     interpreter a per-block workspace, summed) gives the separate dQ kernel's gradients (ragged Sq,
-    GQA, D128 non-causal / D64 causal); dK and dV come from the same kernel body either way."""
+    GQA, D128 and D64, causal with Sq < Sk); dK and dV come from the same kernel body either way."""
     b, sq, sk, hq, hkv, d, causal = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d)
     do = cotangent(q)

@@ -190,7 +190,7 @@ def test_mosaic_kernel_gradients_match_xla_backward(case):
 
 
 @pytest.mark.parametrize("case", [(1, 128, 256, 4, 2, 64, False), (2, 200, 384, 4, 2, 64, True),
-                                  (1, 128, 256, 4, 2, 128, False)])
+                                  (1, 128, 256, 4, 2, 64, True), (1, 128, 256, 4, 2, 128, False)])
 def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
     """SageFwdConfig.dq_kernel: with per-block Q/K scales and per-tile dS, "fused" ("auto" at D64) computes
     dQ in the Mosaic dK/dV kernel (the dQ kernel is not called; in the interpreter the per-block partial
