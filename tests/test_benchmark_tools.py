@@ -1,4 +1,4 @@
-"""benchmarks/profiling.py: interval union, grouping, and a trace on the CPU (no GPU plane: no kernels)."""
+"""benchmarks/profiling.py: interval union, grouping, and a trace (on the CPU: no GPU plane, no kernels)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,13 @@ def test_grouped_first_matching_group_wins():
     assert grouped(kernels, groups) == {"attention": 2.0, "matmul": 1.5, "other": 0.5}
 
 
-def test_profile_calls_runs_on_the_cpu():
+def test_profile_calls_traces_a_jitted_function():
     f = jax.jit(lambda x: jnp.sin(x @ x).sum())
     x = jax.random.normal(jax.random.key(0), (64, 64))
     f(x).block_until_ready()
     prof = profile_calls(lambda: f(x).block_until_ready(), calls=2)
     assert prof["wall_ms"] > 0 and prof["calls"] == 2
-    assert prof["kernels"] == {} and prof["busy_ms"] == 0  # host-only trace: no GPU stream events
+    if jax.default_backend() == "cpu":  # host-only trace: no GPU stream events
+        assert prof["kernels"] == {} and prof["busy_ms"] == 0
+    else:
+        assert prof["busy_ms"] > 0 and prof["kernel_ms"] >= prof["busy_ms"] * 0.99
