@@ -9,7 +9,8 @@ first, then each round traces ``--steps`` steps of every method in turn. Per ste
 host wall time, the device's busy time (the union of kernel intervals) and the kernel time in
 groups (attention kernels, matrix products, the rest). Busy ≪ wall means launch gaps or the
 host bind the step. Part 2: per-kernel device time of one attention fwd+bwd for sage, qat and
-cuDNN at the training model's attention shape and at D128 (and sage with the Mosaic forward).
+cuDNN at the training model's attention shape and at D128 (and sage with the Mosaic forward; at D64 qat
+with 128-key forward tiles).
 Writes benchmarks/results/breakdown.json (and $OUT/breakdown.json).
 """
 
@@ -91,6 +92,9 @@ def attention_part(shapes, interpret, log) -> list[dict]:
         if not interpret:
             cfg = dataclasses.replace(lb.sage_fwd_config(d, causal), fwd_backend="mosaic")
             fns["sage_fwd_mosaic"] = functools.partial(lb.sage_attention, causal=causal, config=cfg)
+            if d == 64:  # 128-key QAT forward tiles (O and O' fit beside a 64x128 tile at D64; not yet timed)
+                fns["qat_block_k128"] = functools.partial(lb.qat_attention, causal=causal,
+                                                          config=lb.QatConfig(block_k=128))
             fns["cudnn_bf16"] = attention_fn("cudnn_bf16", d, causal)
         for name, fn in fns.items():
             step = fwd_bwd(fn)
