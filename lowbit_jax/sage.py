@@ -306,7 +306,7 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
                      ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
     fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3]) and sage_bwd_mosaic.supports_fused_dq(
-        head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=cfg.ds_scale == "row")
+        head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
