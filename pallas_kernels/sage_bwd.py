@@ -139,7 +139,10 @@ def _dkdv_kernel(
         rows = pl.ds(q_start, block_q)
         q = q_ref[g, rows, :]
         qs = qs_ref[g, rows]
-        st = _dot_i8(k, q) * ks[:, None] * qs[None, :]  # (bk, bq) base-2 scores
+        if per_block:  # one scale per key tile and per query tile: one multiply per score
+            st = _dot_i8(k, q) * (ks_ref[0] * qs_ref[g, q_start])  # (bk, bq) base-2 scores
+        else:
+            st = _dot_i8(k, q) * ks[:, None] * qs[None, :]
         if has_bias:
             st = st + bias_ref[g, fwd_block(i), pl.ds(k_start, block_k)][:, None]
         if masked or ragged_k:
@@ -206,7 +209,10 @@ def _dq_kernel(
         start = pl.multiple_of(j * block_k, block_k)
         keys = pl.ds(start, block_k)
         ks = ks_ref[keys]
-        s = _dot_i8(q, k_ref[keys, :]) * qs[:, None] * ks[None, :]
+        if per_block:  # one scale per query tile and per key tile: one multiply per score
+            s = _dot_i8(q, k_ref[keys, :]) * (qs_ref[0] * ks_ref[start])
+        else:
+            s = _dot_i8(q, k_ref[keys, :]) * qs[:, None] * ks[None, :]
         if has_bias:
             s = s + bias_ref[keys][None, :]
         if masked:

@@ -104,15 +104,23 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool) -> tuple[jax.Array, jax.A
     if per_row:
         scale = int8.scale_from_amax(jnp.max(jnp.abs(x), axis=1))
         rows = lambda v: rows_of(v, x.shape)  # noqa: E731
-        return int8.encode_with_scale(x, scale, native_round=True, broadcast=rows), scale
+        return int8.encode_with_scale(x, scale, broadcast=rows, clip=False), scale
     scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch))
-    return int8.encode_with_scale(x, scale, native_round=True), scale
+    return int8.encode_with_scale(x, scale, clip=False), scale  # self-scaled: no clip needed
+
+
+def _tile_scalar(ref) -> jax.Array:
+    """The one value of a (TILE,) SMEM vector of per-block scales (all entries equal), read along the
+    columns so that the reduction stays inside each warp: a reduction along the rows of a tile crosses
+    warps through SMEM that both compute warpgroups share (see ``_mosaic.tile_max``)."""
+    return jnp.max(col_vector(ref))
 
 
 def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8.quantize_unit(p, axis=1) in the kernels' (truncating) form; per-row scale vector."""
     pmax = jnp.max(p, axis=1)
-    codes = int8.encode_unit_interval(p * rows_of(int8.reciprocal_or_zero(pmax), p.shape), truncating_convert=True)
+    codes = int8.round_to_code(p * rows_of(int8.QMAX * int8.reciprocal_or_zero(pmax), p.shape),
+                               truncating_convert=True)
     return codes, int8.scale_from_amax(pmax)
 
 
@@ -166,10 +174,13 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         *consumed, (dk_acc, dv_acc) = consumed_and_carry
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
         p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
-        ks = row_vector(ks_smem2.at[wg])
         qs = col_vector(qs_smem)
         st = matmul(shape, jnp.int32, k_smem, q_smem.T).astype(jnp.float32)
-        st = st * rows_of(ks, shape) * cols_of(qs, shape)  # base-2 scores Sᵀ
+        if per_block:  # one K scale per key tile, one Q scale per query tile: a scalar each
+            q0, k0 = jnp.max(qs), _tile_scalar(ks_smem2.at[wg])
+            st = st * (k0 * q0)  # base-2 scores Sᵀ
+        else:
+            st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
         if causal:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
             st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True)
@@ -187,7 +198,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
         if per_block:
             ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row)
-            factor = ds_scale * jnp.max(qs) * (1.0 / LOG2E)
+            factor = ds_scale * q0 * (1.0 / LOG2E)
         else:
             ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * (1.0 / LOG2E)
@@ -200,7 +211,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         if fused_dq:
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            _dq_partial(dsq_smem2.at[wg], kt_smem2.at[wg], stage2.at[wg], ds_scale * jnp.max(ks) * scale,
+            _dq_partial(dsq_smem2.at[wg], kt_smem2.at[wg], stage2.at[wg], ds_scale * k0 * scale,
                         interpret=interpret, dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols])
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
@@ -285,18 +296,22 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
     def step(idx, k_smem, ks_smem, kt_smem, vd_smem, *consumed_and_carry):
         *consumed, dq_acc = consumed_and_carry
         q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
-        qs = row_vector(qs_smem2.at[wg])
         ks = col_vector(ks_smem)
         s, dp = matmul_pair((shape, shape), (jnp.int32, jnp.float32),
                             ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
-        s = s.astype(jnp.float32) * rows_of(qs, shape) * cols_of(ks, shape)
+        s = s.astype(jnp.float32)
+        if per_block:  # one Q scale per query tile, one K scale per key tile: a scalar each
+            k0 = jnp.max(ks)
+            s = s * (_tile_scalar(qs_smem2.at[wg]) * k0)
+        else:
+            s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(ks, shape)
         if causal:
             s = mask_scores(s, idx[0] * TILE, cta_queries + wg * TILE, causal=True, offset=offset)
         p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
         ds = p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))
         if per_block:
             ds8, ds_scale = _ds_quantize(ds, red_smem2.at[wg], ds_per_row)
-            factor = ds_scale * jnp.max(ks) * scale
+            factor = ds_scale * k0 * scale
         else:
             ds8, ds_scale = _ds_quantize(ds * cols_of(ks, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * scale

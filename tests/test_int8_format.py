@@ -42,6 +42,25 @@ def test_zero_group_and_ties():
     np.testing.assert_array_equal(np.asarray(codes)[1], [127, 1, -1, -2])
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_encode_is_spec_floor_form_for_every_float(jit):
+    """encode_with_scale's trunc(y + copysign(0.5, y)) equals SPEC's floor(|y| + 0.5)·sign(y) (float32 sum,
+    then clip) bit for bit: random values, every half-integer, both float neighbours of each, ±0, the
+    largest float below ½, huge, denormal and infinite values."""
+    rng = np.random.default_rng(5)
+    base = np.concatenate([rng.uniform(-130, 130, 20000), np.arange(-128, 128.5, 0.5)]).astype(np.float32)
+    near = [np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))]
+    special = np.array([0.0, -0.0, 0.49999997, -0.49999997, 127.49999, 1e30, -1e30, np.inf, -np.inf, 1e-40,
+                        -1e-40], np.float32)
+    x = np.concatenate([base, *near, special])
+    y = x * np.float32(1.0)
+    r = np.floor(np.abs(y) + np.float32(0.5))
+    want = np.clip(np.where(y < 0, -r, r), -127, 127).astype(np.int8)
+    encode = jax.jit(int8.encode_with_scale) if jit else int8.encode_with_scale
+    np.testing.assert_array_equal(np.asarray(encode(jnp.asarray(x), jnp.float32(1.0))), want)
+    assert want[np.flatnonzero(x == np.float32(0.49999997))[0]] == 1  # the float32 sum rounds up here
+
+
 def test_clip_at_127():
     codes = int8.encode_with_scale(jnp.array([300.0, -300.0, 126.6]), jnp.float32(1.0))
     np.testing.assert_array_equal(np.asarray(codes), [127, -127, 127])
