@@ -360,6 +360,20 @@ def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool) -> None:
     plgpu.copy_smem_to_gmem(stage, dst, reduction_op=None if interpret else "add")
 
 
+def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc_dtype=jnp.float32,
+                      factor=None) -> None:
+    """``dst(cols) += (a @ b_cols(cols)) · factor`` for each REDUCE_COLS-wide column chunk of a ``width``-column
+    product: FlashAttention-3's dQ accumulation, each step's dS·K added to a float32 dQ in GMEM by TMA
+    (:func:`reduce_add_out`, through the float32 ``stage``) instead of a second kernel recomputing S, P
+    and dP. ``b_cols(cols)`` is the B operand of those columns; an int32 (INT8) product is converted to
+    float32 before ``factor`` (a scalar, or None for none). Chunks keep the stage within SMEM at D128."""
+    cols = stage.shape[1]
+    for c in range(width // cols):
+        chunk = pl.ds(c * cols, cols)
+        part = matmul(stage.shape, acc_dtype, a, b_cols(chunk)).astype(jnp.float32)
+        reduce_add_out(stage, part if factor is None else part * factor, dst(chunk), interpret=interpret)
+
+
 def on_hopper() -> bool:
     """True when the default device is an sm_90 GPU (H100/H200), where these kernels run."""
     if jax.default_backend() not in ("gpu", "cuda"):
@@ -372,5 +386,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_pair", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
-           "reduce_add_slot", "reduce_add_total", "reduce_add_out", "on_hopper", "MEMORY_REGISTERS",
-           "PingPong", "schedule_barrier"]
+           "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_matmul", "on_hopper",
+           "MEMORY_REGISTERS", "PingPong", "schedule_barrier"]

@@ -21,7 +21,7 @@ updated in place, the two independent products of a step issued together.
   loops over key tiles; dS is the register A operand of dS·K̃.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
   dS·K̃ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
-  :func:`_dq_partial`); the default at head dim 64, where it is faster on the H200.
+  ``_mosaic.reduce_add_matmul``); the default at head dim 64, where it is faster on the H200.
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
@@ -45,8 +45,8 @@ from jax import lax
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._mosaic import (
-    accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores, matmul,
-    matmul_pair, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_out, reduce_add_slot,
+    accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
+    matmul_pair, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, tile_transforms, wg_tiles, tma_rows,
     trim_rows, wgmma_zeros,
 )
@@ -76,7 +76,8 @@ def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, group, n_qtiles, head_dim, sk_len,
                  causal, offset, score_scale, scale, naive, interpret, fused_dq):
-    """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref`` (:func:`_dq_partial`).
+    """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
+    (``_mosaic.reduce_add_matmul``).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch."""
     if fused_dq:
         dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers, stage2 = refs
@@ -121,8 +122,12 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         if fused_dq:
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            _dq_partial(ds_smem, k_smem, stage2.at[wg], interpret=interpret,
-                        dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols])
+            # (Also measured on the H200: both warpgroups' dS combined after a barrier, each adding half the
+            # columns over the CTA's 128 keys: half the reduce traffic, but the barrier locks the warpgroups
+            # in step; slower than the separate dQ kernel at D128 too, 7.71 vs 7.64 ms. Not kept.)
+            reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim,
+                              lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols],
+                              interpret=interpret)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk, dv
@@ -139,27 +144,6 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
     heads = pl.ds(hkv * group, group)
     pipeline(q_ref.at[b, heads], do_ref.at[b, heads], m_ref.at[b, heads], il_ref.at[b, heads],
              delta_ref.at[b, heads])
-
-
-def _dq_partial(ds_smem, k_smem, stage, *, interpret: bool, dst) -> None:
-    """This step's dS·K̃ (a warpgroup's 64 queries × 64 keys times its K̃ tile), reduce-added to a float32
-    dQ in global memory by TMA, as FlashAttention-3 accumulates dQ: no second kernel recomputing S, P
-    and dP.
-
-    Computed and copied in 64-column chunks through ``stage`` ((queries, 64) float32 SMEM, reused once
-    the previous copy has read it); ``dst(cols)`` is the GMEM target of the chunk's columns. The
-    Mosaic GPU interpreter has no TMA reduction: there each warpgroup of each CTA writes its own
-    slice of a workspace (``dst`` indexes it) that the caller sums.
-
-    (Also measured on the H200: both warpgroups' dS combined after a barrier, each adding half the
-    columns over the CTA's 128 keys — half the reduce traffic, but the barrier locks the warpgroups
-    in step; slower than the separate dQ kernel at D128 too, 7.71 vs 7.64 ms. Not kept.)
-    """
-    cols = stage.shape[1]
-    for c in range(k_smem.shape[1] // cols):
-        chunk = pl.ds(c * cols, cols)
-        part = matmul(stage.shape, jnp.float32, ds_smem, k_smem.at[:, chunk])
-        reduce_add_out(stage, part, dst(chunk), interpret=interpret)
 
 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
@@ -219,7 +203,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     (B, Sk, Hkv, D) in do's dtype.
 
     ``fused_dq``: one kernel for all three gradients — the dK/dV kernel also reduce-adds each
-    step's dS·K̃ into a float32 dQ (:func:`_dq_partial`; the order of those additions is not
+    step's dS·K̃ into a float32 dQ (``_mosaic.reduce_add_matmul``; the order of those additions is not
     fixed, so dQ is not bit-reproducible run to run) — instead of a separate dQ kernel.
     """
     b, hq, sq_pad, d = qf.shape

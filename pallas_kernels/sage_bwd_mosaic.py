@@ -17,7 +17,7 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
 * or dQ fused into ``sage_bwd_dkdv_mosaic`` (``k8_t=``; ``SageFwdConfig.dq_kernel``): the
   per-tile dŜ is also stored transposed (through the WGMMA_TRANSPOSED register layout)
   and each step's dŜK̂ is reduce-added by TMA into a float32 dQ (FlashAttention-3's
-  accumulation, :func:`_dq_partial`): the default at head dim 64 (fwd+bwd 21% less time on
+  accumulation, ``_mosaic.reduce_add_matmul``): the default at head dim 64 (fwd+bwd 21% less time on
   the H200); slower at 128.
 
 INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
@@ -53,7 +53,7 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
-    pad_rows, reduce_add_accumulator, reduce_add_out, reduce_add_slot, reduce_add_stage, reduce_add_total,
+    pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
     tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
@@ -130,7 +130,8 @@ def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
                  *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, scale,
                  interpret):
-    """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref`` (:func:`_dq_partial`).
+    """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
+    (``_mosaic.reduce_add_matmul``).
     ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, the scratch [, kt_smem2, dsq_smem2, stage2]."""
     if fused_dq:
         (kt_ref, dq_ref, dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, p_smem2, ds_smem2, red_smem2,
@@ -211,8 +212,11 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         if fused_dq:
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            _dq_partial(dsq_smem2.at[wg], kt_smem2.at[wg], stage2.at[wg], ds_scale * k0 * scale,
-                        interpret=interpret, dst=lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols])
+            # dQ += dŜK̂ × (dS scale · K scale · softmax scale), INT8
+            kt_smem = kt_smem2.at[wg]
+            reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim,
+                              lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols], interpret=interpret,
+                              acc_dtype=jnp.int32, factor=ds_scale * k0 * scale)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
@@ -251,20 +255,6 @@ def _store_transposed(ref, codes: jax.Array) -> None:
     """``ref[...] = codes.T`` for an INT8 WGMMA-layout tile: through the WGMMA_TRANSPOSED register layout
     (one lane shuffle per register pair; Mosaic GPU stores 8-bit tiles transposed only from it)."""
     ref.T[...] = plgpu.layout_cast(codes.astype(jnp.int32), plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.int8)
-
-
-def _dq_partial(dsq_smem, kt_smem, stage, factor, *, interpret: bool, dst) -> None:
-    """This step's dŜ·K̂ (a warpgroup's 64 queries × 64 keys, INT8, then × ``factor``: the dS and K scales
-    and the softmax scale) reduce-added to a float32 dQ in global memory by TMA, as FlashAttention-3
-    accumulates dQ: no second kernel recomputing S, P and dP. In 64-column chunks through ``stage``
-    ((queries, 64) float32 SMEM, reused once the previous copy has read it); ``dst(cols)`` is the GMEM
-    target of a chunk. The Mosaic GPU interpreter has no TMA reduction: there each warpgroup of each CTA
-    writes its own slice of a workspace (``dst`` indexes it), summed by the caller."""
-    cols = stage.shape[1]
-    for c in range(kt_smem.shape[0] // cols):
-        chunk = pl.ds(c * cols, cols)
-        part = matmul(stage.shape, jnp.int32, dsq_smem, kt_smem.at[chunk].T).astype(jnp.float32) * factor
-        reduce_add_out(stage, part, dst(chunk), interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- dQ
