@@ -45,7 +45,7 @@ SMOKE_SHAPES = [(1, 2, 2, 256, 64, False)]
 
 def method_fn(method: str, causal: bool, dq_kernel: str, **kw):
     """sage or qat attention with ``dq_kernel`` set (library defaults otherwise)."""
-    if method == "sage":  # fused needs the Mosaic dK/dV kernel ("auto" picks Triton's at D128 up to S4096)
+    if method == "sage":  # fused needs the Mosaic dK/dV kernel (what "auto" picks on the H200)
         mosaic = dq_kernel == "fused" and not kw.get("interpret")  # (the smoke run: no Mosaic interpreter)
         cfg = dataclasses.replace(lb.sage_fwd_config(kw.pop("d"), causal), dq_kernel=dq_kernel,
                                   **(dict(dkdv_backend="mosaic") if mosaic else {}))

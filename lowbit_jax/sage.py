@@ -274,13 +274,9 @@ def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> 
     backend = getattr(opts.config, f"{kernel}_backend")
     if backend == "triton" or (backend == "auto" and (opts.interpret or not on_hopper())):
         return False
-    d128 = ops.q.shape[3] == 128
-    if backend == "auto" and kernel == "dkdv" and d128 and (opts.causal or ops.q.shape[2] <= 4096):
-        # H200 fwd+bwd, B4 H32 D128 (benchmarks/NOTES.md, fifth session): Triton dK/dV + Mosaic dQ
-        # 14.30 ms vs all-Mosaic 14.82 at S4096; causal 8.08 vs 9.20 (S4096) and 30.6 vs 33.5 (S16k).
-        # All-Mosaic wins non-causal at S16k (56.4 vs 61.8) and at D64, causal or not
-        # (B8 S2048: 5.46 vs 5.80; the 50m model's B16 S2048 Hq10 Hkv5 causal: 2.19 vs 2.27).
-        return False
+    # "auto": Mosaic GPU wherever it applies (RESULTS.md, "SageBwd kernel backends"; NOTES.md, eleventh
+    # session): since the Mosaic dK/dV kernel stopped spilling registers at D128 it beats Triton's there
+    # too (H200, B4 H32 S4096 D128: 13.00 vs 13.39 ms, causal 7.16 vs 7.42); it already did at D64 and S16k.
     return sage_bwd_mosaic.supports(
         kernel, sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=ops.q.shape[2], sk_pad=ops.k.shape[2],
         head_dim=ops.q.shape[3], causal=opts.causal, has_bias=bias is not None, config=opts.config)
@@ -305,7 +301,7 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
     vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
                      ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
-    fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3]) and sage_bwd_mosaic.supports_fused_dq(
+    fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
         head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(

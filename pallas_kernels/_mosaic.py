@@ -208,10 +208,10 @@ def register_operand(x: jax.Array, scratch, interpret: bool):
     return scratch
 
 
-def matmul_pair(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -> tuple[jax.Array, jax.Array]:
-    """Two independent products ``a0 @ b0`` and ``a1 @ b1``.
+def matmuls(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -> tuple:
+    """Independent products ``a_i @ b_i`` (``operands``: one ``(a, b)`` per product).
 
-    ``fused`` issues both ``wgmma`` groups before one wait (the tensor cores run them
+    ``fused`` issues every ``wgmma`` group before one wait (the tensor cores run them
     back to back); otherwise one after the other, each waited. The Mosaic GPU
     interpreter only runs the second form (same values).
     """
@@ -384,7 +384,7 @@ def on_hopper() -> bool:
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
-           "matmul_pair", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
+           "matmuls", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
            "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_matmul", "on_hopper",
            "MEMORY_REGISTERS", "PingPong", "schedule_barrier"]

@@ -19,10 +19,9 @@ BACKENDS = ("auto", "triton", "mosaic")
 DQ_KERNELS = ("auto", "separate", "fused")
 
 
-def fuses_dq(dq_kernel: str, head_dim: int) -> bool:
-    """``dq_kernel`` resolved for a head dim: "auto" fuses at head dim 64, where it measured faster on the
-    H200 for both methods (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel")."""
-    return dq_kernel == "fused" or (dq_kernel == "auto" and head_dim <= 64)
+def fuses_dq(dq_kernel: str, by_default: bool) -> bool:
+    """``dq_kernel`` resolved: "fused", or "auto" where the measured default (``by_default``) fuses."""
+    return dq_kernel == "fused" or (dq_kernel == "auto" and by_default)
 
 
 #: granularities of SageBwd's INT8 dS scales (SageFwdConfig.ds_scale)
@@ -54,8 +53,8 @@ class SageFwdConfig:
         "triton", "mosaic" (Mosaic GPU, warp-specialised ``wgmma``; sm_90 only, and only
         for the calls :mod:`pallas_kernels.sage_bwd_mosaic` supports, else Triton) or
         "auto": the faster pair measured on the H200 where supported (RESULTS.md, "SageBwd
-        kernel backends") — dQ on mosaic; dK/dV on triton at D128 when causal or Sq ≤ 4096,
-        else on mosaic — and triton in interpret mode and off Hopper. The numerics are the same.
+        kernel backends") — mosaic for both wherever it applies — and triton in interpret mode
+        and off Hopper. The numerics are the same.
       fwd_backend: the forward kernel's backend: "triton" (default) or "mosaic"
         (:mod:`pallas_kernels.sage_fwd_mosaic`, where it applies; timed no faster than
         Triton's, so not the default).
@@ -71,9 +70,10 @@ class SageFwdConfig:
         step's dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation
         order then varies run to run) and ``dq_backend`` is unused; elsewhere, and with
         "separate", the dQ kernel recomputes S, P and dP per query tile. "auto" (default):
-        fused at head dim 64 (fwd+bwd 4.31 vs 5.45 ms at B8 H32 S2048 on the H200); separate at
-        128, where fused (with the Mosaic dK/dV kernel it needs) was slower: 17.62 vs 14.20 ms
-        at B4 H32 S4096 (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel").
+        fused at head dim 64 (fwd+bwd 3.97 vs 5.14 ms at B8 H32 S2048 on the H200) and at 128
+        non-causal (11.43 vs 13.06 ms at B4 H32 S4096, 41.1 vs 48.3 at B1 S16384); separate at
+        128 causal (7.14 vs 7.62 ms at B4 H32 S4096) (benchmarks/RESULTS.md, "dQ inside the
+        dK/dV kernel").
     """
 
     block_q: int = 64
@@ -132,10 +132,10 @@ class SageFwdConfig:
             raise ValueError("SageFwdConfig.bwd_block_q/bwd_block_k must divide block_q/block_k, got "
                              f"{self.bwd_block_q}/{self.block_q} and {self.bwd_block_k}/{self.block_k}")
 
-    def fuses_dq(self, head_dim: int) -> bool:
+    def fuses_dq(self, head_dim: int, causal: bool) -> bool:
         """Whether a Mosaic dK/dV kernel should also compute dQ (``dq_kernel``; where it can:
-        ``sage_bwd_mosaic.supports_fused_dq``)."""
-        return fuses_dq(self.dq_kernel, head_dim)
+        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at head dim 64 and, non-causal, at 128."""
+        return fuses_dq(self.dq_kernel, head_dim <= 64 or not causal)
 
     def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
@@ -265,8 +265,10 @@ class QatConfig:
         return dataclasses.replace(self, fwd_backend=pick(self.fwd_backend), bwd_backend=pick(self.bwd_backend))
 
     def fuses_dq(self, head_dim: int) -> bool:
-        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``)."""
-        return fuses_dq(self.dq_kernel, head_dim)
+        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``; "auto":
+        at head dim 64, where it measured faster on the H200, benchmarks/RESULTS.md, "dQ inside the
+        dK/dV kernel")."""
+        return fuses_dq(self.dq_kernel, head_dim <= 64)
 
     @property
     def pad(self) -> int:

@@ -46,7 +46,7 @@ from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._mosaic import (
     accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
-    matmul_pair, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
+    matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, tile_transforms, wg_tiles, tma_rows,
     trim_rows, wgmma_zeros,
 )
@@ -69,8 +69,8 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: in
 def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
     """S·scale·log2 e and dP = dO·Ṽᵀ for a (queries × keys) tile, issued together."""
     shape = (q_smem.shape[0], k_smem.shape[0])
-    s, dp = matmul_pair((shape, shape), (jnp.float32, jnp.float32), ((q_smem, k_smem.T), (do_smem, v_smem.T)),
-                        fused=fused)
+    s, dp = matmuls((shape, shape), (jnp.float32, jnp.float32), ((q_smem, k_smem.T), (do_smem, v_smem.T)),
+                    fused=fused)
     return s * score_scale, dp
 
 

@@ -17,15 +17,19 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
 * or dQ fused into ``sage_bwd_dkdv_mosaic`` (``k8_t=``; ``SageFwdConfig.dq_kernel``): the
   per-tile dŜ is also stored transposed (through the WGMMA_TRANSPOSED register layout)
   and each step's dŜK̂ is reduce-added by TMA into a float32 dQ (FlashAttention-3's
-  accumulation, ``_mosaic.reduce_add_matmul``): the default at head dim 64 (fwd+bwd 21% less time on
-  the H200); slower at 128.
+  accumulation, ``_mosaic.reduce_add_matmul``): the default at head dim 64 and at 128 non-causal
+  (fwd+bwd 23% and 12% less time on the H200); slower at 128 causal (``SageFwdConfig.fuses_dq``).
 
 INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
 accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
 FlashAttention-3's backward does for P and dS).
-The two independent products of a step (dV and dPᵀ; S and dP in dQ) are issued
-before one wait (dK/dV 7.77 vs 8.43 ms on the H200); the Mosaic GPU interpreter
-runs them one at a time (``matmul_pair(fused=False)``, same values).
+Independent products of a step are issued before one wait: Sᵀ with dPᵀ, and (at head dim
+64) dV with dK, after one barrier for both P̂ and dŜ; S with dP in the dQ kernel. At head dim
+128 dV and dK are waited for one at a time: two (64 × 128) INT32 products beside the dK and
+dV accumulators exceed the compute warpgroups' 232 registers (ptxas spilled 400–590 bytes
+with dV issued beside dPᵀ; this order cut the D128 kernel from 7.13 to 6.27 ms at B4 H32 S4096
+on the H200, benchmarks/NOTES.md, eleventh session). The Mosaic GPU interpreter runs the
+products one at a time (``matmuls(fused=False)``, same values).
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV kernel starts at the first query
 tile that sees its keys and the dQ kernel stops after the last key tile its queries
@@ -52,7 +56,7 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
-    launch, mask_scores, matmul, matmul_pair, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
+    launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
     pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
     tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
@@ -176,7 +180,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
         p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
         qs = col_vector(qs_smem)
-        st = matmul(shape, jnp.int32, k_smem, q_smem.T).astype(jnp.float32)
+        # Sᵀ = K̂Q̂ᵀ (INT8) and dPᵀ = ṼdOᵀ (16-bit), issued together
+        st, dpt = matmuls((shape, shape), (jnp.int32, jnp.float32), ((k_smem, q_smem.T), (vd_smem, do_smem.T)),
+                          fused=fused)
+        st = st.astype(jnp.float32)
         if per_block:  # one K scale per key tile, one Q scale per query tile: a scalar each
             q0, k0 = jnp.max(qs), _tile_scalar(ks_smem2.at[wg])
             st = st * (k0 * q0)  # base-2 scores Sᵀ
@@ -186,16 +193,11 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
             st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True)
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
-        # dV += P̂ᵀ dÔ (P per key row of the tile, dO one scale per query tile).
+        # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = _unit_rows_quantize(pt)
         p_smem[...] = p8
-        plgpu.commit_smem()
-        do_scale = jnp.max(col_vector(dosc_smem))  # stored repeated per row of the tile
-
-        dv_part, dpt = matmul_pair(((TILE, head_dim), shape), (jnp.int32, jnp.float32),
-                                   ((p_smem, dot_smem.T), (vd_smem, do_smem.T)), fused=fused)
-        dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(p_scale * do_scale, (TILE, head_dim))
-        # dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dŜᵀ Q̂ (one dS scale per tile).
+        dv_scale = p_scale * jnp.max(col_vector(dosc_smem))
+        # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
         if per_block:
             ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row)
@@ -206,9 +208,19 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         ds_smem[...] = ds8
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             _store_transposed(dsq_smem2.at[wg], ds8)
-        plgpu.commit_smem()
-        dk_part = matmul((TILE, head_dim), jnp.int32, ds_smem, qt_smem.T)
-        dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, dk_part.shape) if ds_per_row else factor)
+        plgpu.commit_smem()  # P̂ and dŜ
+        # dV and dK (INT8): issued together at head dim 64; at 128 one after the other, since two
+        # (64 × 128) int32 products beside the dK, dV accumulators spill registers
+        products = ((p_smem, dot_smem.T), (ds_smem, qt_smem.T))
+        out_shape = (TILE, head_dim)
+        if head_dim <= 64:
+            dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
+        else:
+            dv_part = matmul(out_shape, jnp.int32, *products[0])
+        dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(dv_scale, out_shape)
+        if head_dim > 64:
+            dk_part = matmul(out_shape, jnp.int32, *products[1])
+        dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
         if fused_dq:
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
@@ -287,7 +299,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         *consumed, dq_acc = consumed_and_carry
         q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
         ks = col_vector(ks_smem)
-        s, dp = matmul_pair((shape, shape), (jnp.int32, jnp.float32),
+        s, dp = matmuls((shape, shape), (jnp.int32, jnp.float32),
                             ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
         s = s.astype(jnp.float32)
         if per_block:  # one Q scale per query tile, one K scale per key tile: a scalar each

@@ -220,7 +220,7 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d, k_outlier=3.0)
     do = cotangent(q)
     got, n_calls = {}, {}
-    fused = "auto" if d == 64 else "fused"
+    fused = "auto" if d == 64 or not causal else "fused"  # "auto" fuses there (SageFwdConfig.fuses_dq)
     for mode in (fused, "separate"):
         got[mode] = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, causal=causal,
                           qk_granularity="per_block", config=dataclasses.replace(MOSAIC, dq_kernel=mode))
@@ -230,6 +230,10 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
         cos, rel = metrics(a, r)
         assert a.dtype == r.dtype and rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
     assert sage_bwd_mosaic.supports_fused_dq(head_dim=64, per_block=True, ds_per_row=False)
+    cfg = lb.SageFwdConfig()
+    assert cfg.fuses_dq(64, True) and cfg.fuses_dq(128, False) and not cfg.fuses_dq(128, True)
+    assert lb.SageFwdConfig(dq_kernel="fused").fuses_dq(128, True)
+    assert not lb.SageFwdConfig(dq_kernel="separate").fuses_dq(64, False)
     for change in (dict(head_dim=32), dict(per_block=False), dict(ds_per_row=True)):
         assert not sage_bwd_mosaic.supports_fused_dq(**{**dict(head_dim=64, per_block=True, ds_per_row=False),
                                                         **change}), change
@@ -266,9 +270,9 @@ def test_mosaic_backend_selection():
 
 
 @pytest.mark.parametrize("d, seq, causal, want", [
-    (128, 256, False, dict(dkdv=False, dq=True)),  # D128 up to S4096: Triton dK/dV, Mosaic dQ
-    (128, 256, True, dict(dkdv=False, dq=True)),  # causal: the same split
-    (64, 256, False, dict(dkdv=True, dq=True)),  # D64: all Mosaic, causal or not
+    (128, 256, False, dict(dkdv=True, dq=True)),  # all Mosaic at D128 and D64, causal or not
+    (128, 256, True, dict(dkdv=True, dq=True)),
+    (64, 256, False, dict(dkdv=True, dq=True)),
     (64, 256, True, dict(dkdv=True, dq=True)),
 ])
 def test_auto_backend_on_hopper(monkeypatch, d, seq, causal, want):
