@@ -291,9 +291,10 @@ def render_dq_kernel(data: dict) -> list[str]:
            *_command_block(data),
            "fwd+bwd ms (TFLOP/s at 3.5× the forward's FLOPs, ratio to cuDNN bf16), one jitted `jax.vjp` + pullback; "
            "bf16, layout (B, S, H, D). `separate`: the dQ kernel recomputes S, P and dP; `fused`: the dK/dV kernel "
-           "reduce-adds each step's dS·K into a float32 dQ with TMA. `sage separate` is the library's default "
-           "backends; `sage fused` runs the Mosaic dK/dV kernel (per-block Q/K scales, per-tile dS). The library "
-           "default (`dq_kernel=\"auto\"`) is fused at D64 and separate at D128, for both methods.", "",
+           "reduce-adds each step's dS·K into a float32 dQ with TMA. `sage separate` runs the library's default "
+           "backends with the dQ kernel; `sage fused` runs the Mosaic dK/dV kernel (per-block Q/K scales, per-tile "
+           "dS). The library default (`dq_kernel=\"auto\"`) follows the tables measured when it was chosen: "
+           "SageBwd fuses at D64 and at D128 non-causal (separate at D128 causal); Attn-QAT fuses at D64 only.", "",
            "| B | Hq/Hkv | S | D | causal | cuDNN bf16 | sage separate | sage fused | qat separate | qat fused |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
