@@ -300,7 +300,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
         ks = col_vector(ks_smem)
         s, dp = matmuls((shape, shape), (jnp.int32, jnp.float32),
-                            ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
+                        ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
         s = s.astype(jnp.float32)
         if per_block:  # one Q scale per query tile, one K scale per key tile: a scalar each
             k0 = jnp.max(ks)
