@@ -106,9 +106,7 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool) -> tuple[jax.Array, jax.A
     """ψ of a dS tile: one scale for the whole tile (int8.quantize over both axes; a scalar) or,
     ``per_row``, one per row (over axis 1; a row vector, no cross-warp reduction)."""
     if per_row:
-        scale = int8.scale_from_amax(jnp.max(jnp.abs(x), axis=1))
-        rows = lambda v: rows_of(v, x.shape)  # noqa: E731
-        return int8.encode_with_scale(x, scale, broadcast=rows, clip=False), scale
+        return int8.quantize(x, 1, broadcast=lambda v: rows_of(v, x.shape))
     scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch))
     return int8.encode_with_scale(x, scale, clip=False), scale  # self-scaled: no clip needed
 
@@ -118,14 +116,6 @@ def _tile_scalar(ref) -> jax.Array:
     columns so that the reduction stays inside each warp: a reduction along the rows of a tile crosses
     warps through SMEM that both compute warpgroups share (see ``_mosaic.tile_max``)."""
     return jnp.max(col_vector(ref))
-
-
-def _unit_rows_quantize(p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """int8.quantize_unit(p, axis=1) in the kernels' (truncating) form; per-row scale vector."""
-    pmax = jnp.max(p, axis=1)
-    codes = int8.round_to_code(p * rows_of(int8.QMAX * int8.reciprocal_or_zero(pmax), p.shape),
-                               truncating_convert=True)
-    return codes, int8.scale_from_amax(pmax)
 
 
 # ----------------------------------------------------------------------------- dK, dV
@@ -194,7 +184,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True)
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
-        p8, p_scale = _unit_rows_quantize(pt)
+        p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
         p_smem[...] = p8
         dv_scale = p_scale * jnp.max(col_vector(dosc_smem))
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂

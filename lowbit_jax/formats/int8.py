@@ -81,7 +81,8 @@ def encode_with_scale(x: jax.Array, scale: jax.Array, *,
     return (jnp.clip(z, -QMAX, QMAX) if clip else z).astype(jnp.int8)
 
 
-def quantize(x: jax.Array, axes: int | Sequence[int] = -1) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, axes: int | Sequence[int] = -1, *,
+             broadcast: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """Symmetric INT8 quantization ψ with one scale per group.
 
     A group is all elements that share the indices outside ``axes``: ``axes=-1``
@@ -91,14 +92,16 @@ def quantize(x: jax.Array, axes: int | Sequence[int] = -1) -> tuple[jax.Array, j
     Args:
       x: float array (bf16/fp16/fp32), any rank.
       axes: the reduction axes of one group.
+      broadcast: as in :func:`encode_with_scale`, for arrays that do not broadcast implicitly
+        (a Mosaic GPU tile); the scale then comes without the reduced ``axes``.
     Returns:
       ``(codes, scale)``: int8 codes of x's shape and the float32 dequantization
-      scale with ``axes`` kept as size-1 dims, so ``codes * scale ≈ x``.
+      scale with ``axes`` kept as size-1 dims (unless ``broadcast``), so ``codes * scale ≈ x``.
     """
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=broadcast is None)
     scale = scale_from_amax(amax)
-    return encode_with_scale(xf, scale, clip=False), scale
+    return encode_with_scale(xf, scale, broadcast=broadcast, clip=False), scale
 
 
 def reciprocal_or_zero(x: jax.Array) -> jax.Array:
@@ -147,7 +150,8 @@ def round_to_code(y: jax.Array, *, truncating_convert: bool = False) -> jax.Arra
     return jax.lax.bitcast_convert_type(y + MAGIC, jnp.int32).astype(jnp.int8)
 
 
-def quantize_unit(p: jax.Array, axis: int, *, truncating_convert: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize_unit(p: jax.Array, axis: int, *, truncating_convert: bool = False,
+                  broadcast: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """INT8 codes of non-negative ``p`` (probabilities), one scale per slice along ``axis``.
 
     The slice maximum maps to 127 (round half to even, one FFMA per element: 127 is folded
@@ -158,9 +162,12 @@ def quantize_unit(p: jax.Array, axis: int, *, truncating_convert: bool = False) 
       p: float32, non-negative.
       axis: the reduction axis of the product the codes feed.
       truncating_convert: see :func:`encode_unit_interval` (True only inside kernels).
+      broadcast: as in :func:`encode_with_scale` (a Mosaic GPU tile); the scale then comes
+        without ``axis``.
     Returns:
-      ``(codes int8 of p's shape, scale float32 with axis kept as size 1)``.
+      ``(codes int8 of p's shape, scale float32 with axis kept as size 1 (unless ``broadcast``))``.
     """
-    pmax = jnp.max(p, axis=axis, keepdims=True)
-    codes = round_to_code(p * (QMAX * reciprocal_or_zero(pmax)), truncating_convert=truncating_convert)
+    pmax = jnp.max(p, axis=axis, keepdims=broadcast is None)
+    inv = QMAX * reciprocal_or_zero(pmax)
+    codes = round_to_code(p * (inv if broadcast is None else broadcast(inv)), truncating_convert=truncating_convert)
     return codes, scale_from_amax(pmax)
