@@ -138,10 +138,11 @@ def _dkdv_kernel(
         q_start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(q_start, block_q)
         q = q_ref[g, rows, :]
-        qs = qs_ref[g, rows]
         if per_block:  # one scale per key tile and per query tile: one multiply per score
-            st = _dot_i8(k, q) * (ks_ref[0] * qs_ref[g, q_start])  # (bk, bq) base-2 scores
+            q0 = qs_ref[g, q_start]
+            st = _dot_i8(k, q) * (ks_ref[0] * q0)  # (bk, bq) base-2 scores
         else:
+            qs = qs_ref[g, rows]
             st = _dot_i8(k, q) * ks[:, None] * qs[None, :]
         if has_bias:
             st = st + bias_ref[g, fwd_block(i), pl.ds(k_start, block_k)][:, None]
@@ -158,7 +159,7 @@ def _dkdv_kernel(
         dst = pt * (dpt - delta_ref[g, rows][None, :])
         if per_block:
             ds8, ds_scale = int8.quantize(dst, ds_axes)
-            factor = ds_scale * qs_ref[g, q_start] * (1.0 / LOG2E)
+            factor = ds_scale * q0 * (1.0 / LOG2E)
         else:
             ds8, ds_scale = int8.quantize(dst * qs[None, :], ds_axes)
             factor = ds_scale * (1.0 / LOG2E)
@@ -208,10 +209,11 @@ def _dq_kernel(
     def step(j, acc, masked):
         start = pl.multiple_of(j * block_k, block_k)
         keys = pl.ds(start, block_k)
-        ks = ks_ref[keys]
         if per_block:  # one scale per query tile and per key tile: one multiply per score
-            s = _dot_i8(q, k_ref[keys, :]) * (qs_ref[0] * ks_ref[start])
+            k0 = ks_ref[start]
+            s = _dot_i8(q, k_ref[keys, :]) * (qs_ref[0] * k0)
         else:
+            ks = ks_ref[keys]
             s = _dot_i8(q, k_ref[keys, :]) * qs[:, None] * ks[None, :]
         if has_bias:
             s = s + bias_ref[keys][None, :]
@@ -223,7 +225,7 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         if per_block:
             ds8, ds_scale = int8.quantize(ds, ds_axes)
-            factor = ds_scale * ks_ref[start] * scale
+            factor = ds_scale * k0 * scale
         else:
             ds8, ds_scale = int8.quantize(ds * ks[None, :], ds_axes)
             factor = ds_scale * scale
