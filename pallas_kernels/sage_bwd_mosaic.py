@@ -24,9 +24,9 @@ INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
 accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
 FlashAttention-3's backward does for P and dS).
 Independent products of a step are issued before one wait: Sᵀ with dPᵀ, and (at head dim
-64) dV with dK, after one barrier for both P̂ and dŜ; S with dP in the dQ kernel. At head dim
-128 dV and dK are waited for one at a time: two (64 × 128) INT32 products beside the dK and
-dV accumulators exceed the compute warpgroups' 232 registers (ptxas spilled 400–590 bytes
+64) dV with dK — causal, with the fused dQ, dQ's dŜK̂ as well — after one barrier for both P̂
+and dŜ; S with dP in the dQ kernel. At head dim 128 dV and dK are waited for one at a time:
+two (64 × 128) INT32 products beside the dK and dV accumulators exceed the compute warpgroups' 232 registers (ptxas spilled 400–590 bytes
 with dV issued beside dPᵀ; this order cut the D128 kernel from 7.13 to 6.27 ms at B4 H32 S4096
 on the H200, benchmarks/NOTES.md, eleventh session). The Mosaic GPU interpreter runs the
 products one at a time (``matmuls(fused=False)``, same values).
@@ -58,7 +58,7 @@ from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
     pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
-    tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    tile_transforms, tma_rows, reduce_add_out, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -66,6 +66,10 @@ LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2  # compute warpgroups per CTA
 STAGES = 2
+#: causal, head dim 64, fused dQ: issue dQ's dŜK̂ together with dV and dK, one wait for the three (on the
+#: H200 fwd+bwd 3% faster at B16 H10/5 S2048 causal, 2% at B8 H32 S2048 causal, but 2.4% slower
+#: non-causal at B8 H32 S2048, where dQ keeps its own wait; benchmarks/NOTES.md, twelfth session)
+DQ_WITH_DKDV_CAUSAL = True
 
 
 def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
@@ -199,11 +203,21 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             _store_transposed(dsq_smem2.at[wg], ds8)
         plgpu.commit_smem()  # P̂ and dŜ
-        # dV and dK (INT8): issued together at head dim 64; at 128 one after the other, since two
-        # (64 × 128) int32 products beside the dK, dV accumulators spill registers
+        # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
+        # one after the other, since two (64 × 128) int32 products beside the dK, dV accumulators spill registers
         products = ((p_smem, dot_smem.T), (ds_smem, qt_smem.T))
         out_shape = (TILE, head_dim)
-        if head_dim <= 64:
+        dq_factor = ds_scale * k0 * scale if fused_dq else None  # dS scale · K scale · softmax scale
+        if fused_dq:
+            g, t = head_and_tile(idx[0])
+            acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
+            dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
+            kt_smem = kt_smem2.at[wg]
+        dq_joins = fused_dq and head_dim <= 64 and causal and DQ_WITH_DKDV_CAUSAL
+        if dq_joins:
+            dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
+                                                (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused)
+        elif head_dim <= 64:
             dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
         else:
             dv_part = matmul(out_shape, jnp.int32, *products[0])
@@ -211,14 +225,12 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         if head_dim > 64:
             dk_part = matmul(out_shape, jnp.int32, *products[1])
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
-        if fused_dq:
-            g, t = head_and_tile(idx[0])
-            acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            # dQ += dŜK̂ × (dS scale · K scale · softmax scale), INT8
-            kt_smem = kt_smem2.at[wg]
-            reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim,
-                              lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols], interpret=interpret,
-                              acc_dtype=jnp.int32, factor=ds_scale * k0 * scale)
+        if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
+            reduce_add_out(stage2.at[wg], dq_part.astype(jnp.float32) * dq_factor, dq_dst(pl.ds(0, head_dim)),
+                           interpret=interpret)
+        elif fused_dq:
+            reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
+                              interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
