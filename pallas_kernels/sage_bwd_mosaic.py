@@ -26,10 +26,11 @@ FlashAttention-3's backward does for P and dS).
 Independent products of a step are issued before one wait: Sᵀ with dPᵀ, and (at head dim
 64) dV with dK — causal, with the fused dQ, dQ's dŜK̂ as well — after one barrier for both P̂
 and dŜ; S with dP in the dQ kernel. At head dim 128 dV and dK are waited for one at a time:
-two (64 × 128) INT32 products beside the dK and dV accumulators exceed the compute warpgroups' 232 registers (ptxas spilled 400–590 bytes
-with dV issued beside dPᵀ; this order cut the D128 kernel from 7.13 to 6.27 ms at B4 H32 S4096
-on the H200, benchmarks/NOTES.md, eleventh session). The Mosaic GPU interpreter runs the
-products one at a time (``matmuls(fused=False)``, same values).
+two (64 × 128) INT32 products beside the dK and dV accumulators exceed the compute
+warpgroups' 232 registers (ptxas spilled 400–590 bytes with dV issued beside dPᵀ; this order
+cut the D128 kernel from 7.13 to 6.27 ms at B4 H32 S4096 on the H200, benchmarks/NOTES.md,
+eleventh session). The Mosaic GPU interpreter runs the products one at a time
+(``matmuls(fused=False)``, same values).
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV kernel starts at the first query
 tile that sees its keys and the dQ kernel stops after the last key tile its queries
