@@ -366,7 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory", nargs=7, metavar=("METHOD", "SETTING", "B", "H", "S", "D", "CAUSAL"),
                         help="internal: print the peak memory of one fwd+bwd")
     parser.add_argument("--sweep", action="store_true", help="only sweep the backward tiles")
-    parser.add_argument("--memory-only", action="store_true", help="only the peak-memory table")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the peak-memory table, written into the existing attention_bwd.json")
     parser.add_argument("--checks-only", action="store_true",
                         help="only the compiled-gradient checks, written into the existing attention_bwd.json")
     parser.add_argument("--sweep-dq", action="store_true", help="only sweep the dQ kernel's tiles")
@@ -414,17 +415,14 @@ def main(argv=None) -> int:
         for p in save_splits(payload["rows"]):
             log(f"wrote {p}")
         return 0
-    if args.memory_only:
-        for row in memory_table(log):
-            log(json.dumps(row))
-        return 0
     name = "attention_bwd_smoke" if args.smoke else "attention_bwd"
-    if args.checks_only:  # re-run the compiled-gradient checks into the existing results file
+    if args.checks_only or args.memory_only:  # re-run one part into the existing results file
         path = RESULTS_DIR / f"{name}.json"
         payload = json.loads(path.read_text()) if path.exists() else dict(env=environment())
-        payload["gradient_checks"] = check_gradients(log, smoke=args.smoke)
-        payload["gradient_checks_command"] = "PYTHONPATH=. python benchmarks/attention_bwd.py --checks-only"
-        payload["gradient_checks_date"] = environment()["date"]
+        part, flag = ("gradient_checks", "--checks-only") if args.checks_only else ("memory", "--memory-only")
+        payload[part] = check_gradients(log, smoke=args.smoke) if args.checks_only else memory_table(log)
+        payload[f"{part}_command"] = f"PYTHONPATH=. python benchmarks/attention_bwd.py {flag}"
+        payload[f"{part}_date"] = environment()["date"]
         for p in write_json(name, payload):
             log(f"wrote {p}")
         return 0

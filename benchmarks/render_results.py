@@ -91,10 +91,11 @@ def render_backward(data: dict) -> list[str]:
     out = ["", "## SageBwd: fwd+bwd (INT8 backward)", "", *_command_block(data),
            "One jitted `jax.vjp` + pullback per method; TFLOP/s count 3.5× the forward's 4·B·H·S²·D (halved if "
            "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
-           "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the default backend "
-           "choice (`dkdv_backend`/`dq_backend` = auto: dQ on Mosaic GPU; dK/dV on Triton at D128 when causal or "
-           "S ≤ 4096, else on Mosaic GPU — the table below); `sage (Triton)` and `sage (Mosaic)` put both backward "
-           "kernels on one backend, `sage (all Mosaic)` the forward too; `dS per row` is the default backends with "
+           "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the library's defaults "
+           "(`dkdv_backend`/`dq_backend` = auto: both backward kernels on Mosaic GPU where they apply, the table "
+           "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel at D64 and at D128 "
+           "non-causal, the table \"dQ inside the dK/dV kernel\"); `sage (Triton)` and `sage (Mosaic)` put both "
+           "backward kernels on one backend, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
            "`ds_scale=\"row\"` (a dash: not run in that measurement).", "",
            "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | dS per row "
            "| cuDNN bf16 | Pallas mha bf16 | Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
@@ -104,8 +105,13 @@ def render_backward(data: dict) -> list[str]:
         out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(r['ms'].get('sage'), '{:.2f}')} | "
                    + " | ".join(_f(tf.get(m)) for m in BWD_COLUMNS)
                    + f" | **{_f(r['vs_cudnn_bf16'].get('sage'), '{:.2f}')}×** |")
+    if data.get("note"):
+        out += ["", data["note"]]
     if data.get("memory"):
-        out += ["", "Peak GPU memory of one fwd+bwd, fresh process each (`memory_stats()['peak_bytes_in_use']`):", "",
+        heading = "Peak GPU memory of one fwd+bwd, fresh process each (`memory_stats()['peak_bytes_in_use']`"
+        heading += f"; `{data['memory_command']}`, {data['memory_date']}" if data.get("memory_command") else ""
+        heading += f"; from the run of {data['memory_from']}, not this one" if data.get("memory_from") else ""
+        out += ["", heading + "):", "",
                 "| shape | setting | sage | cuDNN bf16 |", "|---|---|---|---|"]
         for r in data["memory"]:
             pb = r["peak_bytes"]
@@ -115,8 +121,9 @@ def render_backward(data: dict) -> list[str]:
                        f"{_f(pb.get('cudnn_bf16') and pb['cudnn_bf16'] / 2**30, '{:.2f} GiB')} |")
     if data.get("error_reports"):
         r0 = data["error_reports"][0]
+        since = f"; from the run of {data['error_reports_from']}" if data.get("error_reports_from") else ""
         out += ["", f"### Error of each intermediate vs exact fp32 (B{r0['b']} H{r0['h']} S{r0['s']} D{r0['d']}, "
-                "non-causal; cos-sim / rel-L2; `lowbit_jax.diagnostics.attention_error_report`)", "",
+                f"non-causal; cos-sim / rel-L2; `lowbit_jax.diagnostics.attention_error_report`{since})", "",
                 "| inputs | variant | " + " | ".join(r0["report"]) + " |",
                 "|---|---|" + "---|" * len(r0["report"])]
         for r in data["error_reports"]:
@@ -308,8 +315,13 @@ def render_dq_kernel(data: dict) -> list[str]:
             ratio = f", {ref / t:.2f}×" if ref else ""
             return f"{t:.2f} ({r['tflops'][name]:.0f}{ratio})"
 
-        out.append(f"| {b} | {h}/{hkv} | {s} | {d} | {causal} | {cell('cudnn')} | {cell('sage_separate')} | "
+        mark = " †" if r.get("carried_from") else ""
+        out.append(f"| {b} | {h}/{hkv} | {s} | {d} | {causal}{mark} | {cell('cudnn')} | {cell('sage_separate')} | "
                    f"{cell('sage_fused')} | {cell('qat_separate')} | {cell('qat_fused')} |")
+    carried = sorted({r["carried_from"] for r in data["rows"] if r.get("carried_from")})
+    if carried:
+        out += ["", f"† from the run of {', '.join(carried)}, not this one: "
+                + data.get("carried_note", "the kernels of those shapes did not change in between.")]
     out += ["", "Compiled gradients (dQ / dK / dV rel-L1): fused vs separate, and each vs the xla reference "
             "(same quantization).", "",
             "| case (B, Sq, Sk, Hq, Hkv, D, causal) | method | fused vs separate | fused vs xla | separate vs xla |",
