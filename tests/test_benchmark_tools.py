@@ -1,7 +1,9 @@
-"""benchmarks/profiling.py: interval union, grouping, and a trace (on the CPU: no GPU plane, no kernels)."""
+"""benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
+benchmarks/variants.py (switch parsing, the spill report)."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from benchmarks.profiling import _union_ns, grouped, profile_calls
 
@@ -28,3 +30,34 @@ def test_profile_calls_traces_a_jitted_function():
         assert prof["kernels"] == {} and prof["busy_ms"] == 0
     else:
         assert prof["busy_ms"] > 0 and prof["kernel_ms"] >= prof["busy_ms"] * 0.99
+
+
+def test_variant_switches_parse_and_misspellings_fail():
+    """benchmarks/variants.py: `module.ATTR=literal` lists, shapes, and a switch the module lacks."""
+    from benchmarks import variants
+
+    assert variants.parse_assignments("a.b.C=True, a.D='x',") == [("a.b", "C", True), ("a", "D", "x")]
+    assert variants.parse_variant("base=") == ("base", [])
+    assert variants.parse_shape("16,10,5,2048,64,1") == (16, 10, 5, 2048, 64, True)
+    for bad in ("C=1", "a.C", "a.C=not a literal"):
+        with pytest.raises(ValueError):
+            variants.parse_assignments(bad)
+    with pytest.raises(ValueError):
+        variants.parse_shape("1,2,3")
+    variants.apply([("pallas_kernels._mosaic", "SKIP_VISIBLE_TILES", False)], only_check=True)
+    from pallas_kernels import _mosaic
+    assert _mosaic.SKIP_VISIBLE_TILES is True  # only looked up
+    with pytest.raises(AttributeError, match="SKIP_VISIBLE_TILE"):
+        variants.apply([("pallas_kernels._mosaic", "SKIP_VISIBLE_TILE", False)], only_check=True)
+
+
+def test_variant_spill_report_takes_each_kernels_largest():
+    from benchmarks import variants
+
+    log = ("ptxas info    : Compiling entry function 'k_one' for 'sm_90a'\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Compiling entry function 'k_two' for 'sm_90a'\n"
+           "    96 bytes stack frame, 208 bytes spill stores, 208 bytes spill loads\n"
+           "ptxas info    : Compiling entry function 'k_one' for 'sm_90a'\n"
+           "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n")
+    assert variants.spills(log) == {"k_one": 8, "k_two": 208}

@@ -1,0 +1,176 @@
+"""A/B timing of kernel variants that module-level switches select, each variant in a fresh process.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=. python benchmarks/variants.py \\
+        --variant committed= \\
+        --variant no_join=pallas_kernels.sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL=False \\
+        --shape 16,10,5,2048,64,1 --shape 8,32,32,2048,64,0 --repeats 2 [--check] [--ptxas] [--method qat]
+    PYTHONPATH=. python benchmarks/variants.py --smoke   # tiny shape, interpret mode off the GPU
+
+The probes behind benchmarks/NOTES.md: each variant sets switches such as
+``pallas_kernels._mosaic.SKIP_VISIBLE_TILES`` or ``pallas_kernels.sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL``
+(``module.ATTR=<Python literal>``, comma-separated; an empty list is the committed code), runs in its own
+process (nothing cached from another variant), and times one jitted fwd+bwd of ``lb.sage_attention`` or
+``lb.qat_attention`` with the library's defaults per shape (B, Hq, Hkv, S, D, causal). Variants run
+interleaved ``--repeats`` times, so drift of the machine shows as spread between repeats.
+``--check``: each variant's gradients against the xla reference (rel-L1, same quantization) on the
+first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``).
+Writes benchmarks/results/variants.json (and $OUT/variants.json); not rendered into RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+SMOKE_SHAPE = (1, 2, 2, 128, 64, True)
+SPILL = re.compile(r"Compiling entry function '(\w+)'|(\d+) bytes spill stores")
+
+
+def parse_assignments(text: str) -> list[tuple[str, str, object]]:
+    """``"pkg.mod.ATTR=1,pkg.mod.OTHER='x'"`` → [("pkg.mod", "ATTR", 1), ("pkg.mod", "OTHER", "x")]."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        target, sep, value = item.partition("=")
+        module, _, attr = target.rpartition(".")
+        if not sep or not module or not attr:
+            raise ValueError(f"expected module.ATTR=value, got {item!r}")
+        try:
+            literal = ast.literal_eval(value)
+        except (ValueError, SyntaxError) as err:
+            raise ValueError(f"{item!r}: the value must be a Python literal") from err
+        out.append((module, attr, literal))
+    return out
+
+
+def parse_variant(text: str) -> tuple[str, list]:
+    """``"name=assignments"`` (assignments as :func:`parse_assignments`; empty: the committed code)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--variant must be name=assignments, got {text!r}")
+    return name, parse_assignments(rest)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int, bool]:
+    """``"B,Hq,Hkv,S,D,causal"`` (causal 0/1) → a tuple."""
+    parts = [int(p) for p in text.split(",")]
+    if len(parts) != 6:
+        raise ValueError(f"--shape needs B,Hq,Hkv,S,D,causal, got {text!r}")
+    return (*parts[:5], bool(parts[5]))
+
+
+def apply(assignments: list, *, only_check: bool = False) -> None:
+    """Set each module attribute (``only_check``: just look them up); an attribute the module lacks is
+    an error, since a misspelled switch would time the committed code under another name."""
+    for module, attr, value in assignments:
+        mod = importlib.import_module(module)
+        if not hasattr(mod, attr):
+            raise AttributeError(f"{module} has no attribute {attr!r}")
+        if not only_check:
+            setattr(mod, attr, value)
+
+
+def child(args) -> dict:
+    """One variant in this process: set its switches, then time (and check) every shape."""
+    import jax
+    import jax.numpy as jnp
+
+    import lowbit_jax as lb
+    from benchmarks.attention_bwd import fwd_bwd
+    from benchmarks.common import time_fn
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    apply(parse_assignments(args.assign))
+    interpret = jax.default_backend() != "gpu"
+    attend = {"sage": lb.sage_attention, "qat": lb.qat_attention}[args.method]
+    result = {"ms": {}, "check": None}
+    for i, shape in enumerate(json.loads(args.shapes)):
+        b, hq, hkv, s, d, causal = shape
+        ks = jax.random.split(jax.random.key(s + d), 4)
+        q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
+        do = jax.random.normal(ks[3], q.shape, q.dtype)
+        run = fwd_bwd(functools.partial(attend, causal=bool(causal), interpret=interpret))
+        if args.check and i == 0:
+            ref = fwd_bwd(functools.partial(attend, causal=bool(causal), implementation="xla"))(q, k, v, do)
+            got = run(q, k, v, do)
+            result["check"] = {name: float(lb.rel_l1(a, r)) for name, a, r in zip(("o", "dq", "dk", "dv"), got, ref)}
+        timing = dict(warmup=1, iters=1, batches=1) if interpret else {}
+        result["ms"][",".join(map(str, shape))] = time_fn(run, q, k, v, do, **timing)
+    return result
+
+
+def spills(log: str) -> dict[str, int]:
+    """ptxas's spill-store bytes per compiled kernel (the largest seen for each name) from its -v output."""
+    out, current = {}, None
+    for match in SPILL.finditer(log):
+        if match.group(1):
+            current = match.group(1)
+        elif current is not None:
+            out[current] = max(out.get(current, 0), int(match.group(2)))
+    return out
+
+
+def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--assign", assign, "--shapes", json.dumps(shapes),
+           "--method", method] + (["--check"] if check else [])
+    env = dict(os.environ, **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"variant {name} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    if ptxas:
+        result["spill_bytes"] = spills(proc.stdout + proc.stderr)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ASSIGNMENTS")
+    parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,S,D,CAUSAL")
+    parser.add_argument("--method", choices=("sage", "qat"), default="sage")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--check", action="store_true", help="gradients vs the xla reference on the first shape")
+    parser.add_argument("--ptxas", action="store_true", help="ptxas's spill report per kernel (GPU)")
+    parser.add_argument("--smoke", action="store_true", help="one tiny shape, the committed code, one repeat")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--assign", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--shapes", default="[]", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    from benchmarks.common import environment, write_json
+
+    variants = [parse_variant(v) for v in args.variant] or [("committed", [])]
+    shapes = [parse_shape(s) for s in args.shape] or ([SMOKE_SHAPE] if args.smoke else [])
+    if not shapes:
+        parser.error("give at least one --shape (or --smoke)")
+    for _, assignments in variants:  # fail here, not after minutes of timing, on a misspelled switch
+        apply(assignments, only_check=True)
+    payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/variants.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), method=args.method, shapes=shapes, runs=[])
+    for repeat in range(1 if args.smoke else args.repeats):
+        for name, assignments in variants:
+            assign = ",".join(f"{m}.{a}={v!r}" for m, a, v in assignments)
+            result = run_variant(name, assign, shapes, args.method, args.check and repeat == 0, args.ptxas)
+            payload["runs"].append(dict(variant=name, assign=assign, repeat=repeat, **result))
+            print(f"{name:>16} #{repeat}: " + "  ".join(f"[{k}] {ms:.3f} ms" for k, ms in result["ms"].items())
+                  + (f"  check {result['check']}" if result.get("check") else "")
+                  + (f"  spills {result['spill_bytes']}" if result.get("spill_bytes") else ""), flush=True)
+            write_json("variants_smoke" if args.smoke else "variants", payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
