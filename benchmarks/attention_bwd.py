@@ -423,6 +423,8 @@ def main(argv=None) -> int:
         payload[part] = check_gradients(log, smoke=args.smoke) if args.checks_only else memory_table(log)
         payload[f"{part}_command"] = f"PYTHONPATH=. python benchmarks/attention_bwd.py {flag}"
         payload[f"{part}_date"] = environment()["date"]
+        for stale in (f"{part}_from", f"{part}_note"):  # said of an older run's table
+            payload.pop(stale, None)
         for p in write_json(name, payload):
             log(f"wrote {p}")
         return 0

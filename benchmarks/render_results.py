@@ -119,6 +119,8 @@ def render_backward(data: dict) -> list[str]:
             out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | {setting} | "
                        f"{_f(pb.get('sage') and pb['sage'] / 2**30, '{:.2f} GiB')} | "
                        f"{_f(pb.get('cudnn_bf16') and pb['cudnn_bf16'] / 2**30, '{:.2f} GiB')} |")
+        if data.get("memory_note"):
+            out += ["", data["memory_note"]]
     if data.get("error_reports"):
         r0 = data["error_reports"][0]
         since = f"; from the run of {data['error_reports_from']}" if data.get("error_reports_from") else ""
