@@ -370,8 +370,15 @@ def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc
     cols = stage.shape[1]
     for c in range(width // cols):
         chunk = pl.ds(c * cols, cols)
-        part = matmul(stage.shape, acc_dtype, a, b_cols(chunk)).astype(jnp.float32)
-        reduce_add_out(stage, part if factor is None else part * factor, dst(chunk), interpret=interpret)
+        reduce_add_product(stage, matmul(stage.shape, acc_dtype, a, b_cols(chunk)), dst(chunk), interpret=interpret,
+                           factor=factor)
+
+
+def reduce_add_product(stage, part: jax.Array, dst, *, interpret: bool, factor=None) -> None:
+    """``dst += part · factor`` (:func:`reduce_add_out`) for one product chunk already in registers: an int32
+    (INT8) product is converted to float32 first; ``factor`` a scalar, or None for none."""
+    part = part.astype(jnp.float32)
+    reduce_add_out(stage, part if factor is None else part * factor, dst, interpret=interpret)
 
 
 def on_hopper() -> bool:
@@ -386,5 +393,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmuls", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
-           "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_matmul", "on_hopper",
-           "MEMORY_REGISTERS", "PingPong", "schedule_barrier"]
+           "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product", "reduce_add_matmul",
+           "on_hopper", "MEMORY_REGISTERS", "PingPong", "schedule_barrier"]

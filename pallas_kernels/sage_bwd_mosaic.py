@@ -59,7 +59,7 @@ from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
     pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
-    tile_transforms, tma_rows, reduce_add_out, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    tile_transforms, tma_rows, reduce_add_product, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -227,8 +227,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             dk_part = matmul(out_shape, jnp.int32, *products[1])
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
         if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
-            reduce_add_out(stage2.at[wg], dq_part.astype(jnp.float32) * dq_factor, dq_dst(pl.ds(0, head_dim)),
-                           interpret=interpret)
+            reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
+                               factor=dq_factor)
         elif fused_dq:
             reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor)
