@@ -81,9 +81,9 @@ def apply(assignments: list, *, only_check: bool = False) -> None:
 def child(args) -> dict:
     """One variant in this process: set its switches, then time (and check) every shape."""
     import jax
-    import jax.numpy as jnp
 
     import lowbit_jax as lb
+    from benchmarks.attention import make_inputs
     from benchmarks.attention_bwd import fwd_bwd
     from benchmarks.common import time_fn
 
@@ -94,11 +94,9 @@ def child(args) -> dict:
     result = {"ms": {}, "check": None}
     for i, shape in enumerate(json.loads(args.shapes)):
         b, hq, hkv, s, d, causal = shape
-        ks = jax.random.split(jax.random.key(s + d), 4)
-        q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
-        do = jax.random.normal(ks[3], q.shape, q.dtype)
+        q, k, v = make_inputs(jax.random.key(0), b, hq, s, d)  # the inputs of dq_kernel.py's timings
+        k, v = k[:, :, :hkv], v[:, :, :hkv]
+        do = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
         run = fwd_bwd(functools.partial(attend, causal=bool(causal), interpret=interpret))
         if args.check and i == 0:
             ref = fwd_bwd(functools.partial(attend, causal=bool(causal), implementation="xla"))(q, k, v, do)
