@@ -1,6 +1,11 @@
 """Training: data, loss decrease, exact resume, NaN guard, data parallelism, CLIs, bad configuration."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +85,44 @@ def test_data_parallel_step_equals_single_device(method):
     assert l1 == pytest.approx(l4, rel=1e-5) and g1 == pytest.approx(g4, rel=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _two_processes(args: list[str]) -> list[str]:
+    """``python -m train.pretrain ARGS`` as 2 processes (jax.distributed, 2 CPU devices each); their outputs."""
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-m", "train.pretrain", *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return outs
+
+
+def test_two_processes_train_and_resume_as_one(tmp_path):
+    """Two jax.distributed processes (2 devices each), preempted and resumed, give the losses of one
+    uninterrupted 4-device process; only process 0 writes metrics, the plot and the report."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+    cfg = dict(FAST, steps=4, eval_every=2, ckpt_every=2, method="sage")
+    train(TrainConfig(out=str(tmp_path / "one"), **cfg), log=lambda *_: None)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()] + ["--out", str(tmp_path / "two")]
+    first = _two_processes(flags + ["--stop-after", "2"])
+    second = _two_processes(flags)
+    assert "on 4 device(s)" in first[0] and "done: step 2" in first[0] and "done:" not in first[1]
+    assert "resumed from" in second[0] and "done: step 4" in second[0] and "done:" not in second[1]
+    recs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("one", "two")}
+    assert [r["step"] for r in recs["two"]] == [1, 2, 3, 4]  # one writer, no duplicated lines
+    np.testing.assert_allclose([r["loss"] for r in recs["two"]], [r["loss"] for r in recs["one"]], rtol=1e-6)
+    assert recs["two"][-1]["val_loss"] == pytest.approx(recs["one"][-1]["val_loss"], rel=1e-6)
 
 
 def test_ds_scale_row_reaches_sage_backward():

@@ -149,6 +149,9 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     """
     cfg = cfg.resolved()
     init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    lead = jax.process_index() == 0  # several processes: all train and checkpoint, process 0 alone reports
+    if not lead:
+        log = lambda *_, **__: None  # noqa: E731
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     b = build(cfg)
@@ -156,7 +159,10 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     train_tokens, val_tokens = train_val_split(corpus)
     data = PackedBatches(train_tokens, cfg.seq, cfg.batch, cfg.accum, cfg.seed)
     val = PackedBatches(val_tokens, cfg.seq, cfg.batch, 1, cfg.seed + 1)
-    params, opt_state = b["params"], b["tx"].init(b["params"])
+    # Placed on the mesh first, so that a restore comes back with the same (global) sharding: with several
+    # processes a restored single-device array could not be moved onto the other processes' devices.
+    replicated = NamedSharding(b["mesh"], P())
+    params, opt_state = jax.device_put((b["params"], b["tx"].init(b["params"])), replicated)
     ckpts = Checkpoints(out / SUBDIR)
     saved_config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(b["model_config"])}
     start = 0
@@ -167,9 +173,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     elif cfg.init_from:
         params = load_params(cfg.init_from, params, opt_state)
         log(f"initialised parameters from {cfg.init_from}")
-    replicated = NamedSharding(b["mesh"], P())
-    params, opt_state = jax.device_put((params, opt_state), replicated)
-    metrics = MetricsLog(out / "metrics.jsonl", append=start > 0)
+    metrics = MetricsLog(out / "metrics.jsonl", append=start > 0, writer=lead)
     shard = batch_sharding(b["mesh"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     log(f"model {cfg.preset} ({n_params / 1e6:.2f}M params, attention {cfg.method}), "
@@ -187,7 +191,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
             last_loss = previous[-1].get("loss", last_loss)
             val_loss = next((r["val_loss"] for r in reversed(previous) if "val_loss" in r), None)
         log(f"run already at step {start} of {cfg.steps}: nothing to train (use a new --out or more --steps)")
-    bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train", disable=None)
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train", disable=None if lead else True)
     t_last = time.perf_counter()
     for step in bar:
         batch = jax.device_put(data.batch(step), shard)
@@ -217,10 +221,12 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
             ckpts.save(step + 1, {"params": params, "opt_state": opt_state}, saved_config)
     bar.close()
     ckpts.close()
-    plot = plot_losses(metrics.read(), out / "loss.png", f"{cfg.preset}, attention={cfg.method}")
+    plot = out / "loss.png"
     summary = {"step": end, "loss": last_loss, "val_loss": val_loss, "tokens_per_s": tok_s,
                "checkpoint": str(ckpts.directory), "plot": str(plot), "params": n_params}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if lead:
+        plot_losses(metrics.read(), plot, f"{cfg.preset}, attention={cfg.method}")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 

@@ -7,13 +7,20 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path, append: bool = False):
+    """Metrics as JSON lines. In a multi-process run every process reads the file but only the one built
+    with ``writer=True`` (process 0) creates, truncates or appends to it."""
+
+    def __init__(self, path: Path, append: bool = False, writer: bool = True):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not append and self.path.exists():
-            self.path.unlink()
+        self.writer = writer
+        if writer:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not append and self.path.exists():
+                self.path.unlink()
 
     def write(self, record: dict) -> None:
+        if not self.writer:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 

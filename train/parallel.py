@@ -27,6 +27,9 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     n = len(devices) if num_devices is None else num_devices
     if n < 1 or n > len(devices):
         raise ValueError(f"num_devices must be in 1..{len(devices)}, got {num_devices}")
+    if jax.process_count() > 1 and n != len(devices):
+        raise ValueError(f"num_devices must be all {len(devices)} devices of the {jax.process_count()} processes "
+                         f"(every process feeds its own devices), got {num_devices}")
     return Mesh(np.array(devices[:n]), (DATA_AXIS,))
 
 

@@ -14,6 +14,8 @@ import sys
 import types
 import typing
 
+import jax
+
 from train.loop import TrainConfig, TrainingDiverged, train
 
 
@@ -51,6 +53,8 @@ def run_cli(argv, description: str, defaults: dict | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if jax.process_index():  # several processes: process 0 reports
+        return 0
     val = summary["val_loss"]
     print(f"done: step {summary['step']}, train loss {summary['loss']:.4f}"
           + (f", val loss {val:.4f}" if val is not None else "")
