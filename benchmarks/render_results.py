@@ -285,6 +285,32 @@ def render_training(data: dict) -> list[str]:
     return out
 
 
+def render_data_parallel(data: dict) -> list[str]:
+    n = data["devices"]
+    out = ["", f"## Data-parallel training on {n} GPUs (`jax.shard_map` around the step)", "",
+           *_command_block(data),
+           f"Preset {data['preset']}, S{data['seq']}, bf16 compute, the library's kernels inside the shard_map'd step "
+           f"(`train.parallel`), {n} × {', '.join(data['device_kinds'])}.", "",
+           f"Agreement: the same start and the same global batches for {data['agreement'][0]['steps']} steps on one "
+           f"device and on {n}; relative differences, largest over the steps (the parameter updates p − p₀ after the "
+           "last step). \"1 vs 1\" is a second one-device run: atomics in the backward kernels make one device "
+           "alone not bit-reproducible, so that is the floor.", "",
+           f"| method | global batch | loss, 1 vs {n} | loss, 1 vs 1 | grad norm, 1 vs {n} | grad norm, 1 vs 1 | "
+           f"updates, 1 vs {n} | updates, 1 vs 1 |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["agreement"]:
+        out.append(f"| {r['method']} | {r['global_batch']} | {r['loss_rel_diff']:.1e} | {r['loss_rel_diff_noise']:.1e} | "
+                   f"{r['grad_norm_rel_diff']:.1e} | {r['grad_norm_rel_diff_noise']:.1e} | "
+                   f"{r['update_rel_diff']:.1e} | {r['update_rel_diff_noise']:.1e} |")
+    out += ["", f"Throughput, weak scaling (the same sequences per device; median of {data['rounds']} interleaved windows "
+            f"of {data['steps_per_round']} steps; efficiency = tokens/s on {n} ÷ ({n} × tokens/s on 1)):", "",
+            f"| method | sequences per device | ms / step, 1 GPU | ms / step, {n} GPUs | tokens/s, 1 GPU | "
+            f"tokens/s, {n} GPUs | efficiency |", "|---|---|---|---|---|---|---|"]
+    for r in data["throughput"]:
+        out.append(f"| {r['method']} | {r['per_device_batch']} | {r['step_ms_one']:.1f} | {r['step_ms_many']:.1f} | "
+                   f"{r['tokens_per_s_one']:,.0f} | {r['tokens_per_s_many']:,.0f} | **{r['efficiency']:.2f}** |")
+    return out
+
+
 def render_ablation(data: dict) -> list[str]:
     sh = data["shape"]
     out = ["", "## Where the time goes (kernels with one piece patched out)", "",
@@ -375,7 +401,8 @@ def main() -> None:
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),
                 ("attention_bwd_dq_sweep", lambda data: render_backward_sweep(data, "SageBwd dQ-kernel tile sweep")),
-                ("training", render_training), ("breakdown", render_breakdown),
+                ("training", render_training), ("data_parallel", render_data_parallel),
+                ("breakdown", render_breakdown),
                 ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation)]
     for name, render in sections:

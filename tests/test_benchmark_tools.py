@@ -1,5 +1,7 @@
 """benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
-benchmarks/variants.py (switch parsing, the spill report)."""
+benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run)."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +63,21 @@ def test_variant_spill_report_takes_each_kernels_largest():
            "ptxas info    : Compiling entry function 'k_one' for 'sm_90a'\n"
            "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n")
     assert variants.spills(log) == {"k_one": 8, "k_two": 208}
+
+
+def test_data_parallel_smoke_agrees_with_one_device():
+    """benchmarks/data_parallel.py --smoke on the CPU's forced devices: bf16 steps on 1 and on 4 devices
+    from the same start give the same losses up to rounding, and every part of the JSON is filled."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+    from benchmarks import data_parallel
+    from benchmarks.common import RESULTS_DIR
+
+    assert data_parallel.main(["--smoke", "--methods", "sage", "--check-steps", "2"]) == 0
+    out = json.loads((RESULTS_DIR / "data_parallel_smoke.json").read_text())
+    (row,) = out["agreement"]
+    assert out["devices"] == 4 and row["method"] == "sage" and len(row["loss_many"]) == 2
+    assert row["loss_rel_diff"] < 2e-3 and row["grad_norm_rel_diff"] < 1e-2  # bf16 rounding, not a wrong mean
+    assert row["loss_rel_diff_noise"] == 0.0  # the CPU is deterministic
+    (tp,) = out["throughput"]
+    assert tp["tokens_per_s_many"] > 0 and tp["efficiency"] > 0 and len(tp["step_ms_rounds_many"]) == 2
