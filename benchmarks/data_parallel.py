@@ -103,7 +103,7 @@ def agreement(method: str, preset: str, seq: int, batch: int, n: int, steps: int
     return row
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, short runs; any backend")
     parser.add_argument("--methods", nargs="+", default=["dense", "sage"])
