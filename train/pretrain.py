@@ -53,6 +53,8 @@ def run_cli(argv, description: str, defaults: dict | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:  # several processes: leave the coordination service together (a no-op otherwise)
+        jax.distributed.shutdown()
     if jax.process_index():  # several processes: process 0 reports
         return 0
     val = summary["val_loss"]
