@@ -93,31 +93,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _two_processes(args: list[str]) -> list[str]:
-    """``python -m train.pretrain ARGS`` as 2 processes (jax.distributed, 2 CPU devices each); their outputs."""
-    port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    procs = [subprocess.Popen([sys.executable, "-m", "train.pretrain", *args, "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    return outs
+_TWO_RUNS = """
+import sys
+from train.loop import TrainConfig, train
+cfg = TrainConfig(**eval(sys.argv[1]))
+train(TrainConfig(**{**cfg.__dict__, "stop_after": 2}))  # "preempted" after 2 steps
+print("summary", train(cfg))  # resumed in the same processes
+"""
 
 
 def test_two_processes_train_and_resume_as_one(tmp_path):
-    """Two jax.distributed processes (2 devices each), preempted and resumed, give the losses of one
+    """Two jax.distributed processes (2 CPU devices each), preempted and resumed, give the losses of one
     uninterrupted 4-device process; only process 0 writes metrics, the plot and the report."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
     cfg = dict(FAST, steps=4, eval_every=2, ckpt_every=2, method="sage")
     train(TrainConfig(out=str(tmp_path / "one"), **cfg), log=lambda *_: None)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()] + ["--out", str(tmp_path / "two")]
-    first = _two_processes(flags + ["--stop-after", "2"])
-    second = _two_processes(flags)
-    assert "on 4 device(s)" in first[0] and "done: step 2" in first[0] and "done:" not in first[1]
-    assert "resumed from" in second[0] and "done: step 4" in second[0] and "done:" not in second[1]
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RUNS, repr(dict(
+        cfg, out=str(tmp_path / "two"), coordinator=f"localhost:{port}", num_processes=2, process_id=i))],
+        env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "on 4 device(s)" in outs[0] and "resumed from" in outs[0] and "on 4 device(s)" not in outs[1]
+    assert all("summary {'step': 4" in out for out in outs)
     recs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("one", "two")}
     assert [r["step"] for r in recs["two"]] == [1, 2, 3, 4]  # one writer, no duplicated lines

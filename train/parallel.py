@@ -15,8 +15,9 @@ DATA_AXIS = "data"
 
 
 def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
-    """``jax.distributed.initialize`` when a coordinator address is given (multi-host runs)."""
-    if coordinator:
+    """``jax.distributed.initialize`` when a coordinator address is given (multi-host runs) and this process
+    has not joined yet (so that one process may call :func:`train.loop.train` more than once)."""
+    if coordinator and not jax.distributed.is_initialized():
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id)
 
