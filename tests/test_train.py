@@ -94,9 +94,9 @@ def _free_port() -> int:
 
 
 _TWO_RUNS = """
-import sys
+import json, sys
 from train.loop import TrainConfig, train
-cfg = TrainConfig(**eval(sys.argv[1]))
+cfg = TrainConfig(**json.loads(sys.argv[1]))
 train(TrainConfig(**{**cfg.__dict__, "stop_after": 2}))  # "preempted" after 2 steps
 print("summary", train(cfg))  # resumed in the same processes
 """
@@ -112,7 +112,7 @@ def test_two_processes_train_and_resume_as_one(tmp_path):
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RUNS, repr(dict(
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RUNS, json.dumps(dict(
         cfg, out=str(tmp_path / "two"), coordinator=f"localhost:{port}", num_processes=2, process_id=i))],
         env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
