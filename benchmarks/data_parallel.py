@@ -83,18 +83,17 @@ def agreement(method: str, preset: str, seq: int, batch: int, n: int, steps: int
     runs = {name: _setup(method, preset, seq, batch, devices, schedule_steps)
             for name, devices in (("one", 1), ("one_again", 1), ("many", n))}
     logs = {name: _run_steps(s, batches) for name, s in runs.items()}
-    rel = lambda x, y: abs(x - y) / max(abs(x), 1e-30)  # noqa: E731
-    row = dict(method=method, devices=n, global_batch=batch, steps=steps,
-               loss_one=[m["loss"] for m in logs["one"]], loss_many=[m["loss"] for m in logs["many"]],
-               grad_norm_one=[m["grad_norm"] for m in logs["one"]],
-               grad_norm_many=[m["grad_norm"] for m in logs["many"]],
-               loss_rel_diff=max(rel(a["loss"], b["loss"]) for a, b in zip(logs["one"], logs["many"])),
-               loss_rel_diff_noise=max(rel(a["loss"], b["loss"]) for a, b in zip(logs["one"], logs["one_again"])),
-               grad_norm_rel_diff=max(rel(a["grad_norm"], b["grad_norm"])
-                                      for a, b in zip(logs["one"], logs["many"])),
-               grad_norm_rel_diff_noise=max(rel(a["grad_norm"], b["grad_norm"])
-                                            for a, b in zip(logs["one"], logs["one_again"])),
-               update_rel_diff=_update_difference(runs["one"], runs["many"]),
+
+    def worst(metric: str, other: str) -> float:  # largest relative difference from the first 1-device run
+        return max(abs(a[metric] - b[metric]) / max(abs(a[metric]), 1e-30) for a, b in zip(logs["one"], logs[other]))
+
+    row = dict(method=method, devices=n, global_batch=batch, steps=steps)
+    for metric in ("loss", "grad_norm"):
+        row.update({f"{metric}_one": [m[metric] for m in logs["one"]],
+                    f"{metric}_many": [m[metric] for m in logs["many"]],
+                    f"{metric}_rel_diff": worst(metric, "many"),
+                    f"{metric}_rel_diff_noise": worst(metric, "one_again")})
+    row.update(update_rel_diff=_update_difference(runs["one"], runs["many"]),
                update_rel_diff_noise=_update_difference(runs["one"], runs["one_again"]))
     print(f"  agreement {method} 1 vs {n} devices, global batch {batch}, {steps} steps: loss "
           f"{row['loss_rel_diff']:.1e} (1 vs 1: {row['loss_rel_diff_noise']:.1e}), grad norm "
@@ -122,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     preset, seq, per_device = ("tiny", 64, 2) if args.smoke else ("50m", 2048, args.batch)
     steps, rounds = (2, 2) if args.smoke else (args.steps, args.rounds)
-    data = PackedBatches(load_corpus(None, 8 * 2**20), seq, per_device * n, 1, 0)
+    corpus = load_corpus(None, 8 * 2**20)  # read once: both parts pack their batches from it
+    data = PackedBatches(corpus, seq, per_device * n, 1, 0)
     schedule = steps * (rounds + 1)  # TrainConfig.steps of every build, so that builds are shared
     payload = dict(env=environment(), devices=n, device_kinds=sorted({d.device_kind for d in jax.devices()[:n]}),
                    command="PYTHONPATH=. python benchmarks/data_parallel.py " + " ".join(
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = per_device * devices
             s = _setup(method, preset, seq, batch, devices, schedule)
             shard = batch_sharding(s["b"]["mesh"])
-            feed = PackedBatches(load_corpus(None, 8 * 2**20), seq, batch, 1, 0)
+            feed = PackedBatches(corpus, seq, batch, 1, 0)
             s["batches"] = [jax.device_put(feed.batch(i), shard) for i in range(steps)]
             timed[(method, devices)] = s
     times = {key: [] for key in timed}
