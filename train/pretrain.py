@@ -47,6 +47,7 @@ def run_cli(argv, description: str, defaults: dict | None = None) -> int:
     cfg = TrainConfig(**vars(args))
     try:
         summary = train(cfg)
+        lead = jax.process_index() == 0  # several processes: process 0 reports (asked before the shutdown)
     except TrainingDiverged as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
@@ -55,7 +56,7 @@ def run_cli(argv, description: str, defaults: dict | None = None) -> int:
         return 2
     finally:  # several processes: leave the coordination service together (a no-op otherwise)
         jax.distributed.shutdown()
-    if jax.process_index():  # several processes: process 0 reports
+    if not lead:
         return 0
     val = summary["val_loss"]
     print(f"done: step {summary['step']}, train loss {summary['loss']:.4f}"
