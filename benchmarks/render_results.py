@@ -179,6 +179,7 @@ def render_backend_splits(data: dict) -> list[str]:
            "bf16, layout (B, S, H, D); the fastest sage column in bold.", "",
            "| B | S | Hq/Hkv | D | causal | cuDNN bf16 | all Triton | all Mosaic | dK/dV Triton + dQ Mosaic "
            "| dK/dV Mosaic + dQ Triton | auto |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out[3:3] = _superseded(data)
     for r in data["rows"]:
         ms = r["ms"]
         best = min((ms[n] for n in names[:-1] if n in ms), default=None)
@@ -386,7 +387,12 @@ def render_breakdown(data: dict) -> list[str]:
             b, hq, hkv, s, d, causal = r["shape"]
             kernels = ", ".join(f"`{n[:48]}` {ms:.3f}" for n, ms, _ in r["top"][:5])
             out.append(f"| {b}, {hq}/{hkv}, {s}, {d}, {causal} | {r['method']} | {r['busy_ms']:.3f} | {kernels} |")
-    return out
+    return out + _superseded(data)
+
+
+def _superseded(data: dict) -> list[str]:
+    """A JSON's ``superseded`` note (kernels changed since it was measured, not re-run) as a paragraph."""
+    return ["", f"**Superseded in part:** {data['superseded']}"] if data.get("superseded") else []
 
 
 def _load(name: str) -> dict | None:

@@ -9,9 +9,10 @@ Usage (GPU machine, repo root):
 
 The probes behind benchmarks/NOTES.md: each variant sets switches such as
 ``pallas_kernels._mosaic.SKIP_VISIBLE_TILES`` or ``pallas_kernels.sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL``
-(``module.ATTR=<Python literal>``, comma-separated; an empty list is the committed code), runs in its own
+(``module.ATTR=<Python literal>``, comma-separated; an empty list is the committed code) or fields of the
+method's config on top of the library's per-shape default (``config.fwd_backend='mosaic'``), runs in its own
 process (nothing cached from another variant), and times one jitted fwd+bwd of ``lb.sage_attention`` or
-``lb.qat_attention`` with the library's defaults per shape (B, Hq, Hkv, S, D, causal). Variants run
+``lb.qat_attention`` (``--part fwd``: the forward alone) per shape (B, Hq, Hkv, S, D, causal). Variants run
 interleaved ``--repeats`` times, so drift of the machine shows as spread between repeats.
 ``--check``: each variant's gradients against the xla reference (rel-L1, same quantization) on the
 first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``).
@@ -67,19 +68,42 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int, bool]:
     return (*parts[:5], bool(parts[5]))
 
 
-def apply(assignments: list, *, only_check: bool = False) -> None:
+#: the pseudo-module of assignments to the method's config (``config.fwd_backend='mosaic'``)
+CONFIG = "config"
+
+
+def config_fields(method: str) -> tuple[str, ...]:
+    """The fields that ``config.FIELD=value`` may set: those of SageFwdConfig or QatConfig."""
+    import dataclasses
+
+    from pallas_kernels import configs
+    return tuple(f.name for f in dataclasses.fields(configs.SageFwdConfig if method == "sage" else configs.QatConfig))
+
+
+def apply(assignments: list, *, only_check: bool = False, method: str = "sage") -> dict:
     """Set each module attribute (``only_check``: just look them up); an attribute the module lacks is
-    an error, since a misspelled switch would time the committed code under another name."""
+    an error, since a misspelled switch would time the committed code under another name. Assignments
+    to ``config.FIELD`` are checked against the method's config and returned (field → value), to be
+    applied to the library's per-shape default config."""
+    overrides = {}
     for module, attr, value in assignments:
+        if module == CONFIG:
+            if attr not in config_fields(method):
+                raise AttributeError(f"the {method} config has no field {attr!r}")
+            overrides[attr] = value
+            continue
         mod = importlib.import_module(module)
         if not hasattr(mod, attr):
             raise AttributeError(f"{module} has no attribute {attr!r}")
         if not only_check:
             setattr(mod, attr, value)
+    return overrides
 
 
 def child(args) -> dict:
     """One variant in this process: set its switches, then time (and check) every shape."""
+    import dataclasses
+
     import jax
 
     import lowbit_jax as lb
@@ -88,18 +112,22 @@ def child(args) -> dict:
     from benchmarks.common import time_fn
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    apply(parse_assignments(args.assign))
+    overrides = apply(parse_assignments(args.assign), method=args.method)
     interpret = jax.default_backend() != "gpu"
     attend = {"sage": lb.sage_attention, "qat": lb.qat_attention}[args.method]
+    default_config = {"sage": lb.sage_fwd_config, "qat": lb.qat_config}[args.method]
     result = {"ms": {}, "check": None}
     for i, shape in enumerate(json.loads(args.shapes)):
         b, hq, hkv, s, d, causal = shape
         q, k, v = make_inputs(jax.random.key(0), b, hq, s, d)  # the inputs of dq_kernel.py's timings
         k, v = k[:, :, :hkv], v[:, :, :hkv]
         do = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
-        run = fwd_bwd(functools.partial(attend, causal=bool(causal), interpret=interpret))
+        config = dataclasses.replace(default_config(d, bool(causal)), **overrides)
+        fn = functools.partial(attend, causal=bool(causal), interpret=interpret, config=config)
+        run = jax.jit(lambda q, k, v, do, fn=fn: (fn(q, k, v),)) if args.part == "fwd" else fwd_bwd(fn)
         if args.check and i == 0:
-            ref = fwd_bwd(functools.partial(attend, causal=bool(causal), implementation="xla"))(q, k, v, do)
+            ref_fn = functools.partial(attend, causal=bool(causal), implementation="xla", config=config)
+            ref = (ref_fn(q, k, v),) if args.part == "fwd" else fwd_bwd(ref_fn)(q, k, v, do)
             got = run(q, k, v, do)
             result["check"] = {name: float(lb.rel_l1(a, r)) for name, a, r in zip(("o", "dq", "dk", "dv"), got, ref)}
         timing = dict(warmup=1, iters=1, batches=1) if interpret else {}
@@ -118,9 +146,10 @@ def spills(log: str) -> dict[str, int]:
     return out
 
 
-def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool) -> dict:
+def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool, part: str = "fwd_bwd"
+                ) -> dict:
     cmd = [sys.executable, __file__, "--child", "--assign", assign, "--shapes", json.dumps(shapes),
-           "--method", method] + (["--check"] if check else [])
+           "--method", method, "--part", part] + (["--check"] if check else [])
     env = dict(os.environ, **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -137,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ASSIGNMENTS")
     parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,S,D,CAUSAL")
     parser.add_argument("--method", choices=("sage", "qat"), default="sage")
+    parser.add_argument("--part", choices=("fwd_bwd", "fwd"), default="fwd_bwd",
+                        help="time the forward and backward (default) or the forward alone")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="gradients vs the xla reference on the first shape")
     parser.add_argument("--ptxas", action="store_true", help="ptxas's spill report per kernel (GPU)")
@@ -155,13 +186,14 @@ def main(argv=None) -> int:
     if not shapes:
         parser.error("give at least one --shape (or --smoke)")
     for _, assignments in variants:  # fail here, not after minutes of timing, on a misspelled switch
-        apply(assignments, only_check=True)
+        apply(assignments, only_check=True, method=args.method)
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/variants.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]), method=args.method, shapes=shapes, runs=[])
+        argv if argv is not None else sys.argv[1:]), method=args.method, part=args.part, shapes=shapes, runs=[])
     for repeat in range(1 if args.smoke else args.repeats):
         for name, assignments in variants:
             assign = ",".join(f"{m}.{a}={v!r}" for m, a, v in assignments)
-            result = run_variant(name, assign, shapes, args.method, args.check and repeat == 0, args.ptxas)
+            result = run_variant(name, assign, shapes, args.method, args.check and repeat == 0, args.ptxas,
+                                 args.part)
             payload["runs"].append(dict(variant=name, assign=assign, repeat=repeat, **result))
             print(f"{name:>16} #{repeat}: " + "  ".join(f"[{k}] {ms:.3f} ms" for k, ms in result["ms"].items())
                   + (f"  check {result['check']}" if result.get("check") else "")

@@ -9,13 +9,16 @@ Mosaic GPU exposes what the Triton lowering hides on Hopper: explicit ``wgmma``
 (INT8 × INT8 → INT32 included), TMA copies and warp specialisation (one memory
 warpgroup feeding two compute warpgroups). INT8 ``wgmma`` needs both operands
 K-major (the contraction dim contiguous): the ``B`` operand is always a
-transposed view of a tile stored with the contraction dim last.
+transposed view of a tile stored with the contraction dim last. An INT8 ``A``
+operand may come from registers: importing this module adds the one relayout
+jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`int8_operand`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -208,6 +211,105 @@ def register_operand(x: jax.Array, scratch, interpret: bool):
     return scratch
 
 
+def _wgmma_to_8bit(x):
+    """The relayout WGMMA → WGMMA_8BIT of an 8-bit ``mosaic.gpu`` FragmentedArray (shape (64·r, 16·c)).
+
+    In the accumulator's WGMMA layout lane ``4·row + c`` holds columns 2c, 2c+1 of every 8-column
+    group; the 8-bit ``wgmma`` A operand wants columns 4c…4c+3 of every 16-column group. Each lane
+    packs its two pairs of a 16-column group into one 32-bit word; two ``shfl.idx`` from lanes
+    4·row + 2(c mod 2) and that + 1 fetch the four bytes it needs, one ``prmt`` keeps the low
+    (c < 2) or high (c ≥ 2) halves: 2 shuffles and 1 permute per 4 values, no SMEM, no barrier.
+    """
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, nvvm
+
+    i32 = ir.IntegerType.get_signless(32)
+    const = lambda v: arith.constant(i32, v)  # noqa: E731
+    lane = arith.remui(mgpu_utils.thread_idx(), const(32))
+    quad = arith.remui(lane, const(4))
+    src0 = arith.addi(arith.subi(lane, quad), arith.muli(arith.remui(quad, const(2)), const(2)))
+    src1 = arith.addi(src0, const(1))
+    low_half = arith.cmpi(arith.CmpIPredicate.ult, quad, const(2))
+    perm = arith.select(low_half, const(0x5410), const(0x7632))
+
+    def shfl(word, src):
+        return nvvm.shfl_sync(mgpu_utils.c(0xFFFFFFFF, i32), word, src, const(0x1F), nvvm.ShflKind.idx)
+
+    regs = x.registers
+    new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
+    new = np.empty(new_shape, dtype=object)
+    vec4 = ir.VectorType.get((4,), ir.VectorType(regs.flat[0].type).element_type)
+    for idx in np.ndindex(*new_shape):
+        pair = [regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)]
+        word = mgpu_utils.bitcast(mgpu_utils.vector_concat(pair), i32)
+        blend = mgpu_utils.prmt(shfl(word, src0), shfl(word, src1), perm)
+        new[idx] = mgpu_utils.bitcast(blend, vec4)
+    return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=x.is_signed)
+
+
+def _install_8bit_relayout() -> None:
+    """Let ``plgpu.layout_cast(x, Layout.WGMMA_8BIT)`` take an 8-bit tile out of the WGMMA layout.
+
+    Mosaic GPU (jax 0.11.2) accepts an INT8 ``wgmma`` A operand in registers only in
+    WGMMA_8BIT and implements no relayout into it from the layout every computed tile has
+    (``to_layout`` raises NotImplementedError), which forced P̂ and dŜ through SMEM and a
+    warpgroup barrier. This adds that one conversion (:func:`_wgmma_to_8bit`) in front of
+    Mosaic's own ``FragmentedArray.to_layout``; every other conversion is Mosaic's. Idempotent.
+    """
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    original = fa.FragmentedArray.to_layout
+    if getattr(original, "_lowbit_8bit", False):
+        return
+
+    def to_layout(self, new_layout):
+        if (self.layout == fa.WGMMA_LAYOUT and new_layout == fa.WGMMA_LAYOUT_8BIT
+                and mgpu_utils.bitwidth(self.mlir_dtype) == 8 and self.shape[1] % 16 == 0):
+            return _wgmma_to_8bit(self)
+        return original(self, new_layout)
+
+    to_layout._lowbit_8bit = True
+    fa.FragmentedArray.to_layout = to_layout
+
+    # The layout inference of the warpgroup lowering accepts a relayout only from its own list.
+    from jax.experimental.mosaic.gpu import constraints
+    supported = constraints._is_supported_tiled_relayout
+
+    def is_supported(src, dst, bitwidth):
+        return (src == fa.WGMMA_LAYOUT and dst == fa.WGMMA_LAYOUT_8BIT and bitwidth == 8) or supported(
+            src, dst, bitwidth)
+
+    constraints._is_supported_tiled_relayout = is_supported
+
+
+_install_8bit_relayout()
+
+#: INT8 ``wgmma`` A operands (P̂, dŜ) straight from registers (:func:`int8_operand`) instead of through SMEM
+INT8_REGISTER_OPERANDS = True
+
+
+def int8_in_registers(interpret: bool) -> bool:
+    """Whether :func:`int8_operand` keeps tiles in registers (never in the interpreter, which takes SMEM operands)."""
+    return INT8_REGISTER_OPERANDS and not interpret
+
+
+def int8_operand(codes: jax.Array, scratch, *, interpret: bool, commit: bool = True, registers: bool = True):
+    """An INT8 WGMMA-layout tile (64, K) as the A operand of ``wgmma``: in registers, relaid out to
+    WGMMA_8BIT (:func:`_install_8bit_relayout`), or — with ``registers=False``, with
+    :data:`INT8_REGISTER_OPERANDS` off and always when interpreting — stored to ``scratch`` (an SMEM
+    tile, which is then returned), followed by ``commit_smem`` unless ``commit=False`` (the caller then
+    commits once for several stores). Same values either way."""
+    if registers and int8_in_registers(interpret):
+        return plgpu.layout_cast(codes, plgpu.Layout.WGMMA_8BIT)
+    scratch[...] = codes
+    if commit:
+        plgpu.commit_smem()
+    return scratch
+
+
 def matmuls(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -> tuple:
     """Independent products ``a_i @ b_i`` (``operands``: one ``(a, b)`` per product).
 
@@ -394,4 +496,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "matmuls", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
            "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product", "reduce_add_matmul",
-           "on_hopper", "MEMORY_REGISTERS", "PingPong", "schedule_barrier"]
+           "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_operand", "int8_in_registers", "PingPong",
+           "schedule_barrier"]

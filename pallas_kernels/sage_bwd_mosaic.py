@@ -20,9 +20,13 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   accumulation, ``_mosaic.reduce_add_matmul``): the default at head dim 64 and at 128 non-causal
   (fwd+bwd 23% and 12% less time on the H200); slower at 128 causal (``SageFwdConfig.fuses_dq``).
 
-INT8 ``wgmma`` takes its A operand from registers only in a layout the fp32
-accumulator is not in, so the INT8 P̂ᵀ and dŜ tiles go through SMEM (as
-FlashAttention-3's backward does for P and dS).
+At head dim 128 the INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken
+straight from registers (``_mosaic.int8_operand``: two lane shuffles per 4 values into the 8-bit
+operand layout) instead of through SMEM and a warpgroup barrier: fwd+bwd 7% less time at B4 H32
+S4096 D128 on the H200, causal too. At head dim 64 they go through SMEM, which measured 1–3%
+faster there (``REGISTER_P_MIN_HEAD_DIM``, ``REGISTER_DS_MIN_HEAD_DIM``; benchmarks/NOTES.md,
+fourteenth session). The fused dQ's dŜ (queries × keys) is a transposed copy and always goes
+through SMEM.
 Independent products of a step are issued before one wait: Sᵀ with dPᵀ, and (at head dim
 64) dV with dK — causal, with the fused dQ, dQ's dŜK̂ as well — after one barrier for both P̂
 and dŜ; S with dP in the dQ kernel. At head dim 128 dV and dK are waited for one at a time:
@@ -56,8 +60,8 @@ from jax import lax
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
-    launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
+    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, int8_operand,
+    key_step_specs, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
     pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
     tile_transforms, tma_rows, reduce_add_product, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
@@ -71,6 +75,10 @@ STAGES = 2
 #: H200 fwd+bwd 3% faster at B16 H10/5 S2048 causal, 2% at B8 H32 S2048 causal, but 2.4% slower
 #: non-causal at B8 H32 S2048, where dQ keeps its own wait; benchmarks/NOTES.md, twelfth session)
 DQ_WITH_DKDV_CAUSAL = True
+#: the smallest head dim at which P̂ᵀ (dV's A operand) and dŜ (dK's and the dQ kernel's) are taken straight
+#: from registers (``_mosaic.int8_operand``) instead of through SMEM (see the module docstring)
+REGISTER_P_MIN_HEAD_DIM = 128
+REGISTER_DS_MIN_HEAD_DIM = 128
 
 
 def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
@@ -141,6 +149,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     b, hkv, wg = grid_position()
     h0 = hkv * group
     shape = (TILE, TILE)  # (keys, queries)
+    p_in_registers, ds_in_registers = head_dim >= REGISTER_P_MIN_HEAD_DIM, head_dim >= REGISTER_DS_MIN_HEAD_DIM
     # Causal: the query tiles before the first one that sees any key of this CTA are skipped
     # (not even loaded); the rest are masked element-wise (bottom-right aligned, tile_ranges).
     cta_keys = lax.axis_index("kv") * (WGS * TILE)
@@ -190,7 +199,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
-        p_smem[...] = p8
+        p_op = int8_operand(p8, p_smem, interpret=interpret, commit=False, registers=p_in_registers)
         dv_scale = p_scale * jnp.max(col_vector(dosc_smem))
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
@@ -200,13 +209,14 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         else:
             ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * (1.0 / LOG2E)
-        ds_smem[...] = ds8
+        ds_op = int8_operand(ds8, ds_smem, interpret=interpret, commit=False, registers=ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             _store_transposed(dsq_smem2.at[wg], ds8)
-        plgpu.commit_smem()  # P̂ and dŜ
+        if fused_dq or p_op is p_smem or ds_op is ds_smem:
+            plgpu.commit_smem()  # P̂ or dŜ went to SMEM, or dŜ transposed
         # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
         # one after the other, since two (64 × 128) int32 products beside the dK, dV accumulators spill registers
-        products = ((p_smem, dot_smem.T), (ds_smem, qt_smem.T))
+        products = ((p_op, dot_smem.T), (ds_op, qt_smem.T))
         out_shape = (TILE, head_dim)
         dq_factor = ds_scale * k0 * scale if fused_dq else None  # dS scale · K scale · softmax scale
         if fused_dq:
@@ -277,7 +287,7 @@ def _store_transposed(ref, codes: jax.Array) -> None:
 
 def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vd_ref, dq_ref,
                q_smem2, do_smem2, qs_smem2, lse_smem2, delta_smem2, ds_smem2, red_smem2, barriers,
-               *, group, scale, per_block, head_dim, fused, causal, offset, ds_per_row):
+               *, group, scale, per_block, head_dim, fused, causal, offset, ds_per_row, interpret):
     b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, TILE)  # (queries, keys)
@@ -320,9 +330,8 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         else:
             ds8, ds_scale = _ds_quantize(ds * cols_of(ks, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * scale
-        ds_smem[...] = ds8
-        plgpu.commit_smem()
-        dq_part = matmul((TILE, head_dim), jnp.int32, ds_smem, kt_smem.T)
+        ds_op = int8_operand(ds8, ds_smem, interpret=interpret, registers=head_dim >= REGISTER_DS_MIN_HEAD_DIM)
+        dq_part = matmul((TILE, head_dim), jnp.int32, ds_op, kt_smem.T)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dq_acc + dq_part.astype(jnp.float32) * (rows_of(factor, dq_part.shape) if ds_per_row else factor)
@@ -394,7 +403,8 @@ def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     do = pad_rows(do, tma_rows(sq_len))  # read by tiled TMA loads
     kernel = functools.partial(_dq_kernel, group=hq // k8.shape[1], scale=scale, per_block=per_block, head_dim=d,
-                               fused=not interpret, causal=causal, offset=sk_len - sq_len, ds_per_row=ds_per_row)
+                               fused=not interpret, causal=causal, offset=sk_len - sq_len, ds_per_row=ds_per_row,
+                               interpret=interpret)
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
         wg_tiles(WGS, TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
     dq = launch(kernel, jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), f16), scratch,

@@ -10,15 +10,18 @@ FlashAttention-3's shape: grid (query head, 128-query block, batch); a memory
 warpgroup streams K̂ (block_k, D), its scales and V̂ᵀ (D, block_k) through a
 two-stage TMA pipeline; two compute warpgroups each own 64 query rows. Both
 products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ or
-V̂ᵀ); P̂ goes through SMEM (the INT8 register operand layout is not reachable from
-the accumulator's, see :mod:`pallas_kernels._mosaic`). Causal (bottom-right aligned,
+V̂ᵀ); P̂ is the A operand straight from registers (``_mosaic.int8_operand``: relaid out
+by two lane shuffles per 4 values, no SMEM round trip and no warpgroup barrier). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
 tiles that reach the diagonal or the ragged key tail are masked element-wise, the others skip the mask.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
-Selected with ``SageFwdConfig.fwd_backend="mosaic"``; on the H200 it is no faster than the
-Triton kernel (benchmarks/NOTES.md, fifth session), so it is not the default.
+The two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong,
+:data:`PINGPONG`). Selected with ``SageFwdConfig.fwd_backend="mosaic"``; on the H200 (forward
+with quantization) it is 6% faster than the Triton kernel at B4 H32 S4096 D128, level at
+B16 H10/5 S2048 D64 causal and 2.5% slower at B8 H32 S2048 D64 (benchmarks/NOTES.md, fourteenth
+session; causal D128 and S16384 not yet timed), so it is not the default yet.
 """
 
 from __future__ import annotations
@@ -31,15 +34,21 @@ from jax import lax
 
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, key_step_specs, launch, mask_scores,
-    matmul, pl, plgpu, query_block_keys, row_vector, rows_of, tma_rows, transposed_step_spec, trim_rows, wg_tiles,
-    wgmma_zeros,
+    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_in_registers,
+    int8_operand, key_step_specs, launch, mask_scores, matmul, pl, plgpu, query_block_keys, row_vector, rows_of,
+    schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
 TILE = 64  # query rows per compute warpgroup
 WGS = 2
 STAGES = 2
+#: FlashAttention-3's ping-pong between the two compute warpgroups (``_mosaic.PingPong``): one's softmax
+#: runs while the other's products occupy the tensor cores (never interpreted: it orders execution only).
+#: With P̂ in registers it pays (H200, forward incl. quantization, ping-pong vs not: B4 H32 S4096 D128
+#: 2.30 vs 2.40 ms, B8 H32 S2048 D64 1.005 vs 1.03, B16 H10/5 S2048 D64 causal 0.442 vs 0.451;
+#: benchmarks/NOTES.md, fourteenth session)
+PINGPONG = True
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, has_bias: bool,
@@ -50,8 +59,8 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
-                q_smem2, qs_smem2, vs_smem2, p_smem2, o_smem2, lse_smem2, barriers,
-                *, group, block_k, head_dim, sk_len, causal, offset):
+                q_smem2, qs_smem2, vs_smem2, p_smem2, o_smem2, lse_smem2, barriers, sched,
+                *, group, block_k, head_dim, sk_len, causal, offset, interpret):
     b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, block_k)
@@ -59,6 +68,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
                                                     causal=causal, offset=offset)
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
+    pp = PingPong(sched, wg, PINGPONG and not interpret)
 
     def compute(pipeline):
         copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
@@ -67,7 +77,9 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         acc = wgmma_zeros((TILE, head_dim))
         m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        pp.start()
         acc, m, l = pipeline((acc, m, l))
+        pp.finish()
         o = acc * rows_of(int8.reciprocal_or_zero(l), acc.shape) * cols_of(col_vector(vs_smem2.at[wg]), acc.shape)
         o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
         o_smem[...] = o.astype(o_smem.dtype)
@@ -76,7 +88,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
 
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
         *consumed, (acc, m_prev, l_prev) = consumed_and_carry
-        s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T).astype(jnp.float32)
+        s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T, issued=pp.sync).astype(jnp.float32)
         s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
         if masked:
             s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
@@ -88,12 +100,16 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         alpha = jnp.exp2(m_prev - m_new_ref)
         beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃
         l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
-        p_smem = p_smem2.at[wg]
-        p_smem[...] = int8.encode_unit_interval(e, truncating_convert=True)
-        plgpu.commit_smem()
-        pv = matmul((TILE, head_dim), jnp.int32, p_smem, vt_smem.T).astype(jnp.float32)
         out_shape = (TILE, head_dim)
-        acc = acc * rows_of(alpha, out_shape) + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)
+        p8 = int8_operand(int8.encode_unit_interval(e, truncating_convert=True), p_smem2.at[wg], interpret=interpret)
+        acc = acc * rows_of(alpha, out_shape)
+        if int8_in_registers(interpret):
+            p8, acc, l_new = pp.values(p8, acc, l_new)
+        else:
+            acc, l_new = pp.values(acc, l_new)
+        pp.sync()  # the other warpgroup's products ran while this one did the element-wise work
+        pv = matmul(out_shape, jnp.int32, p8, vt_smem.T).astype(jnp.float32)
+        acc = acc + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return acc, m_new, l_new
@@ -124,10 +140,10 @@ def sage_attention_fwd_mosaic(
     hkv = k8.shape[1]
     f32 = jnp.float32
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
-                               causal=causal, offset=sk_len - sq_len)
+                               causal=causal, offset=sk_len - sq_len, interpret=interpret)
     scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
                wg_tiles(WGS, TILE, jnp.int8, config.block_k), plgpu.SMEM((WGS, TILE, d), out_dtype),
-               plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS))]
+               plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS)), schedule_barrier()]
     # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE rows padded to Sq_pad
     # (a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
     out_type = [jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype),

@@ -51,6 +51,13 @@ def test_variant_switches_parse_and_misspellings_fail():
     assert _mosaic.SKIP_VISIBLE_TILES is True  # only looked up
     with pytest.raises(AttributeError, match="SKIP_VISIBLE_TILE"):
         variants.apply([("pallas_kernels._mosaic", "SKIP_VISIBLE_TILE", False)], only_check=True)
+    # config.FIELD: checked against the method's config and returned, not set anywhere
+    assert variants.apply(variants.parse_assignments("config.fwd_backend='mosaic'")) == {"fwd_backend": "mosaic"}
+    assert variants.apply([("config", "pingpong", False)], method="qat") == {"pingpong": False}
+    with pytest.raises(AttributeError, match="fwd_backnd"):
+        variants.apply([("config", "fwd_backnd", "mosaic")], only_check=True)
+    with pytest.raises(AttributeError, match="pingpong"):  # a QatConfig field is not a SageFwdConfig one
+        variants.apply([("config", "pingpong", False)], method="sage")
 
 
 def test_variant_spill_report_takes_each_kernels_largest():

@@ -261,3 +261,63 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
         fused = opts.config.fuses_dq(d)
         assert mosaic_named(text, "qat_bwd_dkdv_dq" if fused else "qat_bwd_dkdv")
         assert mosaic_named(text, "qat_bwd_dq") != fused
+
+
+def _int8_register_operand_kernel(k: int, n: int):
+    """(a (64, k), e (k, k), b (n, k)) int8 → int32 (a·eᵀ)·bᵀ, where a·eᵀ is an INT32 ``wgmma`` result (the
+    accumulator's layout) cast to int8 and fed to the second ``wgmma`` from registers (``_mosaic.int8_operand``)."""
+    from pallas_kernels import _mosaic as mos
+
+    def body(a_ref, e_ref, b_ref, o_ref, a_s, e_s, b_s, o_s, bar):
+        for i, (src, dst) in enumerate(((a_ref, a_s), (e_ref, e_s), (b_ref, b_s))):
+            mos.plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+            mos.plgpu.barrier_wait(bar.at[i])
+        t8 = mos.matmul((64, k), jnp.int32, a_s, e_s.T).astype(jnp.int8)
+        o_s[...] = mos.matmul((64, n), jnp.int32, mos.int8_operand(t8, None, interpret=False), b_s.T)
+        mos.copy_out(((o_s, o_ref),))
+
+    i8 = jnp.int8
+    tiles = lambda rows, cols: mos.plgpu.SMEM((rows, cols), i8, transforms=mos.tile_transforms(i8, cols))  # noqa: E731
+    return mos.plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, n), jnp.int32),
+                            scratch_types=[tiles(64, k), tiles(k, k), tiles(n, k), mos.plgpu.SMEM((64, n), jnp.int32),
+                                           mos.plgpu.Barrier(num_barriers=3)],
+                            compiler_params=mos.compiler_params())
+
+
+@pytest.mark.parametrize("k,n", [(64, 64), (128, 64), (64, 128)])
+def test_int8_register_operand_relayout(monkeypatch, k, n):
+    """An INT8 tile in the accumulator's layout reaches ``wgmma`` as a register operand through
+    ``_mosaic._wgmma_to_8bit`` (the relayout jax 0.11.2 lacks): it lowers for an H200 and takes that path;
+    on a Hopper GPU the product is also compared exactly with numpy (a column permutation, then a matmul)."""
+    import numpy as np
+
+    from pallas_kernels import _mosaic as mos
+
+    calls = []
+    relayout = mos._wgmma_to_8bit
+    monkeypatch.setattr(mos, "_wgmma_to_8bit", lambda x: calls.append(x.shape) or relayout(x))
+    rng = np.random.default_rng(k + n)
+    a = rng.integers(-127, 128, (64, k)).astype(np.int8)
+    perm = rng.permutation(k)
+    e = np.eye(k, dtype=np.int8)[perm]  # a·eᵀ = a[:, perm]
+    b = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    kernel = _int8_register_operand_kernel(k, n)
+    lower_for_h200(kernel, a, e, b)
+    assert calls == [(64, k)]
+    if mos.on_hopper():
+        want = a[:, perm].astype(np.int32) @ b.astype(np.int32).T
+        np.testing.assert_array_equal(np.asarray(kernel(a, e, b)), want)
+
+
+def test_8bit_layouts_are_the_ones_the_relayout_assumes():
+    """``_mosaic._wgmma_to_8bit`` hard-codes where each lane's bytes sit in the two layouts (jax 0.11.2): lane
+    4·r + c holds columns 2c, 2c+1 of each 8-column group (WGMMA) and 4c…4c+3 of each 16-column group
+    (WGMMA_8BIT), rows alike. A jax that changes either layout fails here instead of on the GPU."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    assert fa.WGMMA_LAYOUT == fa.TiledLayout(fa.Tiling(((64, 8), (16, 8), (8, 8), (2,))), warp_dims=(-7,),
+                                             lane_dims=(-3, -2), vector_dim=-1)
+    assert fa.WGMMA_LAYOUT_8BIT == fa.TiledLayout(fa.Tiling(((64, 16), (16, 16), (8, 16), (4,))), warp_dims=(-7,),
+                                                  lane_dims=(-3, -2), vector_dim=-1)
+    assert fa.WGMMA_LAYOUT.registers_shape((64, 64))[:2] == (1, 8)
+    assert fa.WGMMA_LAYOUT_8BIT.registers_shape((64, 64))[:2] == (1, 4)
