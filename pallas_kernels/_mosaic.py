@@ -249,21 +249,43 @@ def _wgmma_to_8bit(x):
     return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=x.is_signed)
 
 
-def _install_8bit_relayout() -> None:
+def _expected_8bit_layouts(fa) -> tuple:
+    """(WGMMA, WGMMA_8BIT) as :func:`_wgmma_to_8bit` assumes them (jax 0.11.2): lane 4·r + c holds columns
+    2c, 2c+1 of each 8-column group, resp. 4c…4c+3 of each 16-column group, of rows r and r + 8 of its warp's 16."""
+    return (fa.TiledLayout(fa.Tiling(((64, 8), (16, 8), (8, 8), (2,))), warp_dims=(-7,), lane_dims=(-3, -2),
+                           vector_dim=-1),
+            fa.TiledLayout(fa.Tiling(((64, 16), (16, 16), (8, 16), (4,))), warp_dims=(-7,), lane_dims=(-3, -2),
+                           vector_dim=-1))
+
+
+def _install_8bit_relayout() -> bool:
     """Let ``plgpu.layout_cast(x, Layout.WGMMA_8BIT)`` take an 8-bit tile out of the WGMMA layout.
 
     Mosaic GPU (jax 0.11.2) accepts an INT8 ``wgmma`` A operand in registers only in
     WGMMA_8BIT and implements no relayout into it from the layout every computed tile has
-    (``to_layout`` raises NotImplementedError), which forced P̂ and dŜ through SMEM and a
-    warpgroup barrier. This adds that one conversion (:func:`_wgmma_to_8bit`) in front of
-    Mosaic's own ``FragmentedArray.to_layout``; every other conversion is Mosaic's. Idempotent.
-    """
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    (``to_layout`` raises NotImplementedError, and the warpgroup lowering's layout inference
+    accepts only relayouts on its own list), which forced P̂ and dŜ through SMEM and a warpgroup
+    barrier. This adds that one conversion (:func:`_wgmma_to_8bit`) in front of Mosaic's own
+    ``FragmentedArray.to_layout`` and to that list; every other conversion is Mosaic's.
 
-    original = fa.FragmentedArray.to_layout
+    Returns whether the relayout is available. Nothing is patched (False; :func:`int8_operand`
+    then uses SMEM) when this jax lacks the internals it extends or lays the two layouts out
+    otherwise than :func:`_expected_8bit_layouts`. Idempotent.
+    """
+    try:
+        from jax.experimental.mosaic.gpu import constraints
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        original, supported = fa.FragmentedArray.to_layout, constraints._is_supported_tiled_relayout
+        layouts_match = (fa.WGMMA_LAYOUT, fa.WGMMA_LAYOUT_8BIT) == _expected_8bit_layouts(fa)
+        helpers = all(hasattr(mgpu_utils, name) for name in ("prmt", "bitcast", "vector_concat", "thread_idx", "c"))
+    except (ImportError, AttributeError):
+        return False
     if getattr(original, "_lowbit_8bit", False):
-        return
+        return True
+    if not (layouts_match and helpers):
+        return False
 
     def to_layout(self, new_layout):
         if (self.layout == fa.WGMMA_LAYOUT and new_layout == fa.WGMMA_LAYOUT_8BIT
@@ -271,29 +293,27 @@ def _install_8bit_relayout() -> None:
             return _wgmma_to_8bit(self)
         return original(self, new_layout)
 
-    to_layout._lowbit_8bit = True
-    fa.FragmentedArray.to_layout = to_layout
-
-    # The layout inference of the warpgroup lowering accepts a relayout only from its own list.
-    from jax.experimental.mosaic.gpu import constraints
-    supported = constraints._is_supported_tiled_relayout
-
     def is_supported(src, dst, bitwidth):
         return (src == fa.WGMMA_LAYOUT and dst == fa.WGMMA_LAYOUT_8BIT and bitwidth == 8) or supported(
             src, dst, bitwidth)
 
+    to_layout._lowbit_8bit, to_layout._lowbit_original = True, original
+    fa.FragmentedArray.to_layout = to_layout
     constraints._is_supported_tiled_relayout = is_supported
+    return True
 
 
-_install_8bit_relayout()
+#: whether this jax has the WGMMA → WGMMA_8BIT relayout (:func:`_install_8bit_relayout`)
+RELAYOUT_8BIT = _install_8bit_relayout()
 
 #: INT8 ``wgmma`` A operands (P̂, dŜ) straight from registers (:func:`int8_operand`) instead of through SMEM
 INT8_REGISTER_OPERANDS = True
 
 
 def int8_in_registers(interpret: bool) -> bool:
-    """Whether :func:`int8_operand` keeps tiles in registers (never in the interpreter, which takes SMEM operands)."""
-    return INT8_REGISTER_OPERANDS and not interpret
+    """Whether :func:`int8_operand` keeps tiles in registers: with the relayout available and switched on,
+    never in the interpreter (which takes SMEM operands)."""
+    return RELAYOUT_8BIT and INT8_REGISTER_OPERANDS and not interpret
 
 
 def int8_operand(codes: jax.Array, scratch, *, interpret: bool, commit: bool = True, registers: bool = True):

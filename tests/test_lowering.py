@@ -312,12 +312,29 @@ def test_int8_register_operand_relayout(monkeypatch, k, n):
 def test_8bit_layouts_are_the_ones_the_relayout_assumes():
     """``_mosaic._wgmma_to_8bit`` hard-codes where each lane's bytes sit in the two layouts (jax 0.11.2): lane
     4·r + c holds columns 2c, 2c+1 of each 8-column group (WGMMA) and 4c…4c+3 of each 16-column group
-    (WGMMA_8BIT), rows alike. A jax that changes either layout fails here instead of on the GPU."""
+    (WGMMA_8BIT), rows alike. On the pinned jax they match and the relayout is installed; a jax that lays them
+    out otherwise must leave it uninstalled (the kernels then keep those operands in SMEM)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    assert fa.WGMMA_LAYOUT == fa.TiledLayout(fa.Tiling(((64, 8), (16, 8), (8, 8), (2,))), warp_dims=(-7,),
-                                             lane_dims=(-3, -2), vector_dim=-1)
-    assert fa.WGMMA_LAYOUT_8BIT == fa.TiledLayout(fa.Tiling(((64, 16), (16, 16), (8, 16), (4,))), warp_dims=(-7,),
-                                                  lane_dims=(-3, -2), vector_dim=-1)
-    assert fa.WGMMA_LAYOUT.registers_shape((64, 64))[:2] == (1, 8)
+    from pallas_kernels import _mosaic as mos
+
+    assert (fa.WGMMA_LAYOUT, fa.WGMMA_LAYOUT_8BIT) == mos._expected_8bit_layouts(fa)
+    assert fa.WGMMA_LAYOUT.registers_shape((64, 64))[:2] == (1, 8)  # the register index the relayout walks
     assert fa.WGMMA_LAYOUT_8BIT.registers_shape((64, 64))[:2] == (1, 4)
+    assert mos.RELAYOUT_8BIT and mos.int8_in_registers(False) and not mos.int8_in_registers(True)
+    assert mos._install_8bit_relayout()  # idempotent: installed once, reported again
+
+
+def test_relayout_is_not_installed_over_other_layouts(monkeypatch):
+    """If jax's WGMMA_8BIT were laid out otherwise, nothing is patched (the caller keeps the SMEM path)."""
+    from jax.experimental.mosaic.gpu import constraints
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    from pallas_kernels import _mosaic as mos
+
+    unpatched = fa.FragmentedArray.to_layout._lowbit_original
+    monkeypatch.setattr(fa.FragmentedArray, "to_layout", unpatched)
+    monkeypatch.setattr(fa, "WGMMA_LAYOUT_8BIT", fa.WGMMA_LAYOUT_UPCAST_2X)
+    supported = constraints._is_supported_tiled_relayout
+    assert not mos._install_8bit_relayout()
+    assert fa.FragmentedArray.to_layout is unpatched and constraints._is_supported_tiled_relayout is supported
