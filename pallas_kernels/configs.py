@@ -62,9 +62,12 @@ class SageFwdConfig:
         backward tile. "row" (an option): each kernel uses its own dS in one product only,
         so the scale may follow that product's output rows (SPEC's rule on where a scale
         may live) — one per key for dK = dSᵀQ̂, one per query row for dQ = dŜK̂: finer,
-        and a reduction inside each warp instead of across the warpgroup. Measured on the
-        H200: 3–10% faster fwd+bwd (e.g. 279 vs 270 TFLOP/s at B4 H32 S4096 D128, 280 vs
-        255 causal at S16384) and dQ/dK rel-L2 0.022 instead of 0.050 vs exact.
+        and a reduction inside each warp instead of across the warpgroup, but no fused dQ
+        (one dŜ cannot serve both products). Measured on the H200 against the defaults
+        (benchmarks/RESULTS.md, 2026-11-30 14:51): fwd+bwd 4–8% faster causal at D128 (303 vs
+        290 TFLOP/s at B4 H32 S4096, 349 vs 324 at B1 S16384), 12–16% slower non-causal (314
+        vs 357 at B4 S4096, where the default fuses dQ), and dQ/dK rel-L2 0.022 instead of
+        0.050 vs exact.
       dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales and
         per-tile dS scales (``sage_bwd_mosaic.supports_fused_dq``), it also reduce-adds each
         step's dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation
