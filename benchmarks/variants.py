@@ -117,6 +117,10 @@ def child(args) -> dict:
     attend = {"sage": lb.sage_attention, "qat": lb.qat_attention}[args.method]
     default_config = {"sage": lb.sage_fwd_config, "qat": lb.qat_config}[args.method]
     result = {"ms": {}, "check": None}
+
+    def jitted(fn):  # (q, k, v, do) → (o,) or (o, dq, dk, dv)
+        return jax.jit(lambda q, k, v, do: (fn(q, k, v),)) if args.part == "fwd" else fwd_bwd(fn)
+
     for i, shape in enumerate(json.loads(args.shapes)):
         b, hq, hkv, s, d, causal = shape
         q, k, v = make_inputs(jax.random.key(0), b, hq, s, d)  # the inputs of dq_kernel.py's timings
@@ -124,10 +128,10 @@ def child(args) -> dict:
         do = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
         config = dataclasses.replace(default_config(d, bool(causal)), **overrides)
         fn = functools.partial(attend, causal=bool(causal), interpret=interpret, config=config)
-        run = jax.jit(lambda q, k, v, do, fn=fn: (fn(q, k, v),)) if args.part == "fwd" else fwd_bwd(fn)
+        run = jitted(fn)
         if args.check and i == 0:
             ref_fn = functools.partial(attend, causal=bool(causal), implementation="xla", config=config)
-            ref = (ref_fn(q, k, v),) if args.part == "fwd" else fwd_bwd(ref_fn)(q, k, v, do)
+            ref = jitted(ref_fn)(q, k, v, do)
             got = run(q, k, v, do)
             result["check"] = {name: float(lb.rel_l1(a, r)) for name, a, r in zip(("o", "dq", "dk", "dv"), got, ref)}
         timing = dict(warmup=1, iters=1, batches=1) if interpret else {}

@@ -11,7 +11,7 @@ warpgroup feeding two compute warpgroups). INT8 ``wgmma`` needs both operands
 K-major (the contraction dim contiguous): the ``B`` operand is always a
 transposed view of a tile stored with the contraction dim last. An INT8 ``A``
 operand may come from registers: importing this module adds the one relayout
-jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`int8_operand`).
+jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`register_operand`).
 """
 
 from __future__ import annotations
@@ -200,17 +200,6 @@ def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued=None) -> jax.A
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
 
 
-def register_operand(x: jax.Array, scratch, interpret: bool):
-    """``x`` (a 16-bit WGMMA-layout tile) as the register A operand of ``wgmma``; the
-    Mosaic GPU interpreter takes SMEM operands only, so there it goes through
-    ``scratch`` (same values)."""
-    if not interpret:
-        return x
-    scratch[...] = x
-    plgpu.commit_smem()
-    return scratch
-
-
 def _wgmma_to_8bit(x):
     """The relayout WGMMA → WGMMA_8BIT of an 8-bit ``mosaic.gpu`` FragmentedArray (shape (64·r, 16·c)).
 
@@ -268,7 +257,7 @@ def _install_8bit_relayout() -> bool:
     barrier. This adds that one conversion (:func:`_wgmma_to_8bit`) in front of Mosaic's own
     ``FragmentedArray.to_layout`` and to that list; every other conversion is Mosaic's.
 
-    Returns whether the relayout is available. Nothing is patched (False; :func:`int8_operand`
+    Returns whether the relayout is available. Nothing is patched (False; :func:`register_operand`
     then uses SMEM) when this jax lacks the internals it extends or lays the two layouts out
     otherwise than :func:`_expected_8bit_layouts`. Idempotent.
     """
@@ -306,25 +295,30 @@ def _install_8bit_relayout() -> bool:
 #: whether this jax has the WGMMA → WGMMA_8BIT relayout (:func:`_install_8bit_relayout`)
 RELAYOUT_8BIT = _install_8bit_relayout()
 
-#: INT8 ``wgmma`` A operands (P̂, dŜ) straight from registers (:func:`int8_operand`) instead of through SMEM
+#: INT8 ``wgmma`` A operands (P̂, dŜ) straight from registers (:func:`register_operand`) instead of through SMEM
 INT8_REGISTER_OPERANDS = True
 
 
 def int8_in_registers(interpret: bool) -> bool:
-    """Whether :func:`int8_operand` keeps tiles in registers: with the relayout available and switched on,
+    """Whether :func:`register_operand` keeps INT8 tiles in registers: with the relayout available and switched on,
     never in the interpreter (which takes SMEM operands)."""
     return RELAYOUT_8BIT and INT8_REGISTER_OPERANDS and not interpret
 
 
-def int8_operand(codes: jax.Array, scratch, *, interpret: bool, commit: bool = True, registers: bool = True):
-    """An INT8 WGMMA-layout tile (64, K) as the A operand of ``wgmma``: in registers, relaid out to
-    WGMMA_8BIT (:func:`_install_8bit_relayout`), or — with ``registers=False``, with
-    :data:`INT8_REGISTER_OPERANDS` off and always when interpreting — stored to ``scratch`` (an SMEM
-    tile, which is then returned), followed by ``commit_smem`` unless ``commit=False`` (the caller then
+def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = True, registers: bool = True):
+    """``x`` (a WGMMA-layout tile: 16-bit, or INT8 (64, K)) as the register A operand of ``wgmma``.
+
+    A 16-bit tile is used as is; an INT8 one is relaid out to WGMMA_8BIT (:func:`_install_8bit_relayout`).
+    The Mosaic GPU interpreter takes SMEM operands only, and an INT8 tile stays out of registers with
+    ``registers=False`` or :func:`int8_in_registers` false: then ``x`` is stored to ``scratch`` (an SMEM
+    tile, which is returned), followed by ``commit_smem`` unless ``commit=False`` (the caller then
     commits once for several stores). Same values either way."""
-    if registers and int8_in_registers(interpret):
-        return plgpu.layout_cast(codes, plgpu.Layout.WGMMA_8BIT)
-    scratch[...] = codes
+    if registers and not interpret:
+        if jnp.dtype(x.dtype).itemsize > 1:
+            return x
+        if int8_in_registers(interpret):
+            return plgpu.layout_cast(x, plgpu.Layout.WGMMA_8BIT)
+    scratch[...] = x
     if commit:
         plgpu.commit_smem()
     return scratch
@@ -516,5 +510,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "matmuls", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
            "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product", "reduce_add_matmul",
-           "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_operand", "int8_in_registers", "PingPong",
+           "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers", "PingPong",
            "schedule_barrier"]

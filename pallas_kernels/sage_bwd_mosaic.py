@@ -21,7 +21,7 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   (fwd+bwd 23% and 12% less time on the H200); slower at 128 causal (``SageFwdConfig.fuses_dq``).
 
 At head dim 128 the INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken
-straight from registers (``_mosaic.int8_operand``: two lane shuffles per 4 values into the 8-bit
+straight from registers (``_mosaic.register_operand``: two lane shuffles per 4 values into the 8-bit
 operand layout) instead of through SMEM and a warpgroup barrier: fwd+bwd 7% less time at B4 H32
 S4096 D128 on the H200, causal too. At head dim 64 they go through SMEM, which measured 1–3%
 faster there (``REGISTER_P_MIN_HEAD_DIM``, ``REGISTER_DS_MIN_HEAD_DIM``; benchmarks/NOTES.md,
@@ -60,8 +60,8 @@ from jax import lax
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, int8_operand,
-    key_step_specs, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, row_vector, rows_of, tile_max,
+    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
+    launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, tile_max,
     pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
     tile_transforms, tma_rows, reduce_add_product, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
@@ -76,7 +76,7 @@ STAGES = 2
 #: non-causal at B8 H32 S2048, where dQ keeps its own wait; benchmarks/NOTES.md, twelfth session)
 DQ_WITH_DKDV_CAUSAL = True
 #: the smallest head dim at which P̂ᵀ (dV's A operand) and dŜ (dK's and the dQ kernel's) are taken straight
-#: from registers (``_mosaic.int8_operand``) instead of through SMEM (see the module docstring)
+#: from registers (``_mosaic.register_operand``) instead of through SMEM (see the module docstring)
 REGISTER_P_MIN_HEAD_DIM = 128
 REGISTER_DS_MIN_HEAD_DIM = 128
 
@@ -199,7 +199,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
-        p_op = int8_operand(p8, p_smem, interpret=interpret, commit=False, registers=p_in_registers)
+        p_op = register_operand(p8, p_smem, interpret, commit=False, registers=p_in_registers)
         dv_scale = p_scale * jnp.max(col_vector(dosc_smem))
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
@@ -209,7 +209,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         else:
             ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * (1.0 / LOG2E)
-        ds_op = int8_operand(ds8, ds_smem, interpret=interpret, commit=False, registers=ds_in_registers)
+        ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             _store_transposed(dsq_smem2.at[wg], ds8)
         if fused_dq or p_op is p_smem or ds_op is ds_smem:
@@ -330,7 +330,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         else:
             ds8, ds_scale = _ds_quantize(ds * cols_of(ks, shape), red_smem2.at[wg], ds_per_row)
             factor = ds_scale * scale
-        ds_op = int8_operand(ds8, ds_smem, interpret=interpret, registers=head_dim >= REGISTER_DS_MIN_HEAD_DIM)
+        ds_op = register_operand(ds8, ds_smem, interpret, registers=head_dim >= REGISTER_DS_MIN_HEAD_DIM)
         dq_part = matmul((TILE, head_dim), jnp.int32, ds_op, kt_smem.T)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)

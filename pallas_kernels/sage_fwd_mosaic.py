@@ -10,7 +10,7 @@ FlashAttention-3's shape: grid (query head, 128-query block, batch); a memory
 warpgroup streams K̂ (block_k, D), its scales and V̂ᵀ (D, block_k) through a
 two-stage TMA pipeline; two compute warpgroups each own 64 query rows. Both
 products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ or
-V̂ᵀ); P̂ is the A operand straight from registers (``_mosaic.int8_operand``: relaid out
+V̂ᵀ); P̂ is the A operand straight from registers (``_mosaic.register_operand``: relaid out
 by two lane shuffles per 4 values, no SMEM round trip and no warpgroup barrier). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
 tiles that reach the diagonal or the ragged key tail are masked element-wise, the others skip the mask.
@@ -34,9 +34,9 @@ from jax import lax
 
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._mosaic import (
-    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_in_registers,
-    int8_operand, key_step_specs, launch, mask_scores, matmul, pl, plgpu, query_block_keys, row_vector, rows_of,
-    schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, key_step_specs, launch,
+    mask_scores, matmul, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, schedule_barrier,
+    tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -101,12 +101,13 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃
         l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
         out_shape = (TILE, head_dim)
-        p8 = int8_operand(int8.encode_unit_interval(e, truncating_convert=True), p_smem2.at[wg], interpret=interpret)
+        p_smem = p_smem2.at[wg]
+        p8 = register_operand(int8.encode_unit_interval(e, truncating_convert=True), p_smem, interpret)
         acc = acc * rows_of(alpha, out_shape)
-        if int8_in_registers(interpret):
-            p8, acc, l_new = pp.values(p8, acc, l_new)
-        else:
+        if p8 is p_smem:  # stored to SMEM: nothing in registers to hold back
             acc, l_new = pp.values(acc, l_new)
+        else:
+            p8, acc, l_new = pp.values(p8, acc, l_new)
         pp.sync()  # the other warpgroup's products ran while this one did the element-wise work
         pv = matmul(out_shape, jnp.int32, p8, vt_smem.T).astype(jnp.float32)
         acc = acc + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)

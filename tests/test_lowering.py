@@ -265,7 +265,7 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
 
 def _int8_register_operand_kernel(k: int, n: int):
     """(a (64, k), e (k, k), b (n, k)) int8 → int32 (a·eᵀ)·bᵀ, where a·eᵀ is an INT32 ``wgmma`` result (the
-    accumulator's layout) cast to int8 and fed to the second ``wgmma`` from registers (``_mosaic.int8_operand``)."""
+    accumulator's layout) cast to int8 and fed to the second ``wgmma`` from registers (``_mosaic.register_operand``)."""
     from pallas_kernels import _mosaic as mos
 
     def body(a_ref, e_ref, b_ref, o_ref, a_s, e_s, b_s, o_s, bar):
@@ -273,7 +273,7 @@ def _int8_register_operand_kernel(k: int, n: int):
             mos.plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
             mos.plgpu.barrier_wait(bar.at[i])
         t8 = mos.matmul((64, k), jnp.int32, a_s, e_s.T).astype(jnp.int8)
-        o_s[...] = mos.matmul((64, n), jnp.int32, mos.int8_operand(t8, None, interpret=False), b_s.T)
+        o_s[...] = mos.matmul((64, n), jnp.int32, mos.register_operand(t8, None, False), b_s.T)
         mos.copy_out(((o_s, o_ref),))
 
     i8 = jnp.int8
