@@ -46,8 +46,8 @@ SAGE_OVERRIDES: dict = {}  # --dq-tiles: SageFwdConfig fields replaced in the sa
 #: sage variants (SageFwdConfig fields replaced): every backward kernel (and, for "all", the forward) on
 #: one Pallas backend, or the default backends with per-row dS scales
 SAGE_BACKENDS = {
-    "sage_triton": dict(dkdv_backend="triton", dq_backend="triton"),
-    "sage_mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic"),
+    "sage_triton": dict(dkdv_backend="triton", dq_backend="triton", fwd_backend="triton"),
+    "sage_mosaic": dict(dkdv_backend="mosaic", dq_backend="mosaic", fwd_backend="triton"),
     "sage_mosaic_all": dict(dkdv_backend="mosaic", dq_backend="mosaic", fwd_backend="mosaic"),
     "sage_ds_row": dict(ds_scale="row"),  # the library's backends, dS scaled per row (SageFwdConfig.ds_scale)
 }
@@ -108,13 +108,13 @@ def methods_for(b, h, s, d, causal):
     return names
 
 
-#: per-kernel backend splits timed by --backends ("auto" is the library's choice)
+#: per-kernel backend splits timed by --backends ("auto" is the library's choice of backward backends)
 BACKEND_SPLITS = {
     "triton": SAGE_BACKENDS["sage_triton"],
     "mosaic": SAGE_BACKENDS["sage_mosaic"],
-    "dkdv_triton_dq_mosaic": dict(dkdv_backend="triton", dq_backend="mosaic"),
-    "dkdv_mosaic_dq_triton": dict(dkdv_backend="mosaic", dq_backend="triton"),
-    "auto": {},
+    "dkdv_triton_dq_mosaic": dict(dkdv_backend="triton", dq_backend="mosaic", fwd_backend="triton"),
+    "dkdv_mosaic_dq_triton": dict(dkdv_backend="mosaic", dq_backend="triton", fwd_backend="triton"),
+    "auto": dict(fwd_backend="triton"),  # the backward backends "auto" picks; the forward is Triton in every column
 }
 #: (B, Sq=Sk, Hq, Hkv, D, causal): SHAPES plus the 50m training model's attention (GQA 10/5)
 BACKEND_SHAPES = [(b, s, h, h, d, c) for b, h, s, d, c in SHAPES] + [(16, 2048, 10, 5, 64, True)]

@@ -3,6 +3,7 @@
 Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/dq_kernel.py            # checks + fwd+bwd times
     PYTHONPATH=. python benchmarks/dq_kernel.py --smoke    # tiny shapes (checks the script; any backend)
+    PYTHONPATH=. python benchmarks/dq_kernel.py --head-dim 128  # only D128; the D64 rows carried from the file
 
 The fused backward reduce-adds each step's dS·K into a float32 dQ with TMA (FlashAttention-3's
 accumulation) instead of running a second kernel that recomputes S, P and dP. In one run:
@@ -19,8 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.attention_bwd import attention_fn, fwd_bwd
-from benchmarks.common import attention_flops, environment, time_fn, write_json
+from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -101,9 +104,30 @@ def timings(shapes, interpret: bool) -> list[dict]:
     return rows
 
 
+def carry_rows(path: Path, keep) -> dict:
+    """The checks and timing rows of an earlier results file whose head dim satisfies ``keep``, each
+    marked ``carried_from`` (the date of the run that measured it; kept if already carried)."""
+    if not path.exists():
+        return dict(checks=[], rows=[])
+    old = json.loads(path.read_text())
+    date = old["env"]["date"]
+    mark = lambda r: r | dict(carried_from=r.get("carried_from", date))  # noqa: E731
+    return dict(checks=[mark(c) for c in old["checks"] if keep(c["case"][5])],
+                rows=[mark(r) for r in old["rows"] if keep(r["shape"][4])])
+
+
+def sort_rows(rows: list[dict]) -> list[dict]:
+    """Timing rows in the order of :data:`SHAPES` (others last)."""
+    order = {tuple(s): i for i, s in enumerate(SHAPES)}
+    return sorted(rows, key=lambda r: order.get(tuple(r["shape"]), len(order)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere (interpret off the GPU)")
+    parser.add_argument("--head-dim", type=int, choices=(64, 128),
+                        help="re-run only the checks and shapes of this head dim; the other rows are carried "
+                             "from the results file, marked with the date of their run")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.smoke:
@@ -113,11 +137,17 @@ def main(argv=None) -> int:
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/dq_kernel.py " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     name = "dq_kernel_smoke" if args.smoke else "dq_kernel"
-    payload["checks"] = checks(SMOKE_CHECKS if args.smoke else CHECKS, interpret)
+    cases, shapes = (SMOKE_CHECKS, SMOKE_SHAPES) if args.smoke else (CHECKS, SHAPES)
+    carried = dict(checks=[], rows=[])
+    if args.head_dim:
+        cases = [c for c in cases if c[5] == args.head_dim]
+        shapes = [s for s in shapes if s[4] == args.head_dim]
+        carried = carry_rows(RESULTS_DIR / f"{name}.json", lambda d: d != args.head_dim)
+    payload["checks"] = checks(cases, interpret) + carried["checks"]
     payload["rows"] = []
-    for shape in SMOKE_SHAPES if args.smoke else SHAPES:  # written after each row: a cut-off run keeps its rows
+    for shape in shapes:  # written after each row: a cut-off run keeps its rows
         payload["rows"] += timings([shape], interpret)
-        write_json(name, payload)
+        write_json(name, payload | dict(rows=sort_rows(payload["rows"] + carried["rows"])))
     bad = [c for c in payload["checks"] if not c["finite"] or max(c["fused_vs_separate"]) > 1e-3]
     if bad:
         print("fused and separate gradients differ:", bad)

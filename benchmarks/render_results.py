@@ -347,7 +347,7 @@ def render_dq_kernel(data: dict) -> list[str]:
         mark = " †" if r.get("carried_from") else ""
         out.append(f"| {b} | {h}/{hkv} | {s} | {d} | {causal}{mark} | {cell('cudnn')} | {cell('sage_separate')} | "
                    f"{cell('sage_fused')} | {cell('qat_separate')} | {cell('qat_fused')} |")
-    carried = sorted({r["carried_from"] for r in data["rows"] if r.get("carried_from")})
+    carried = sorted({r["carried_from"] for r in data["rows"] + data["checks"] if r.get("carried_from")})
     if carried:
         out += ["", f"† from the run of {', '.join(carried)}, not this one: "
                 + data.get("carried_note", "the kernels of those shapes did not change in between.")]
@@ -357,8 +357,9 @@ def render_dq_kernel(data: dict) -> list[str]:
             "|---|---|---|---|---|"]
     fmt = lambda xs: " / ".join(f"{x:.1e}" for x in xs)  # noqa: E731
     for c in data["checks"]:
-        out.append(f"| {tuple(c['case'])} | {c['method']} | {fmt(c['fused_vs_separate'])} | {fmt(c['fused_vs_xla'])} "
-                   f"| {fmt(c['separate_vs_xla'])} |")
+        mark = " †" if c.get("carried_from") else ""
+        out.append(f"| {tuple(c['case'])}{mark} | {c['method']} | {fmt(c['fused_vs_separate'])} | "
+                   f"{fmt(c['fused_vs_xla'])} | {fmt(c['separate_vs_xla'])} |")
     return out
 
 

@@ -23,8 +23,8 @@ workspace, and its gradients are deterministic (no atomics).
 
 Backends: the kernels are Pallas-Triton; on Hopper the SageBwd dK/dV and dQ kernels run
 on Pallas Mosaic GPU where that was measured faster (``SageFwdConfig.dkdv_backend`` /
-``dq_backend``, :mod:`pallas_kernels.sage_bwd_mosaic`), and ``fwd_backend="mosaic"``
-selects the Mosaic forward (:mod:`pallas_kernels.sage_fwd_mosaic`). Same numerics.
+``dq_backend``, :mod:`pallas_kernels.sage_bwd_mosaic`), and so does the forward at head dim
+128 (``fwd_backend``, :mod:`pallas_kernels.sage_fwd_mosaic`). Same numerics.
 ``backward="bf16"`` is the ablation: exact attention gradients in 16-bit operands
 (fp32 math) from the same dequantized INT8 residuals.
 
@@ -216,9 +216,7 @@ def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
     ops = quantize(q, k, v, scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q,
                    per_block=opts.per_block, config=opts.config, transposed=transposed, interpret=opts.interpret)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
-    if use_pallas and opts.config.fwd_backend == "mosaic" and sage_fwd_mosaic.supports(
-            sq_len=q.shape[1], sk_len=k.shape[1], sq_pad=ops.q.shape[2], head_dim=q.shape[3], causal=opts.causal,
-            has_bias=bias is not None, config=opts.config):
+    if use_pallas and _mosaic_forward(ops, bias, opts):
         o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(
             ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=q.shape[1], sk_len=k.shape[1],
             causal=opts.causal, out_dtype=q.dtype, config=opts.config, interpret=opts.interpret)
@@ -267,6 +265,23 @@ def _backward(ops: SageOperands, o, lse, do, *, opts: SageOptions):
         return _backward_pallas(ops, bias, o, lse, do, opts=opts)
     return sage_backward_reference(ops, bias, o, lse, do, sq_len=sq_len, sk_len=sk_len, causal=opts.causal,
                                    per_block=opts.per_block, scale=opts.scale, config=opts.config)
+
+
+def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
+    """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)?
+
+    "auto": on Hopper (not interpreted) from head dim ``sage_fwd_mosaic.AUTO_MIN_HEAD_DIM`` (128) up, where
+    it was measured faster than Triton's (H200, forward incl. quantization: B4 H32 S4096 D128 2.30 vs 2.46 ms,
+    causal 1.49 vs 1.54, B1 S16384 7.74 vs 8.54, causal 4.43 vs 4.57; benchmarks/NOTES.md, fifteenth session);
+    at head dim 64 the two were level, and Triton stays.
+    """
+    backend = opts.config.fwd_backend
+    if backend == "triton" or (backend == "auto" and (opts.interpret or not on_hopper()
+                                                      or ops.q.shape[3] < sage_fwd_mosaic.AUTO_MIN_HEAD_DIM)):
+        return False
+    return sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=ops.q.shape[2],
+                                    head_dim=ops.q.shape[3], causal=opts.causal, has_bias=bias is not None,
+                                    config=opts.config)
 
 
 def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> bool:

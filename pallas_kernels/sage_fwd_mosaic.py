@@ -18,10 +18,10 @@ tiles that reach the diagonal or the ragged key tail are masked element-wise, th
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
 The two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong,
-:data:`PINGPONG`). Selected with ``SageFwdConfig.fwd_backend="mosaic"``; on the H200 (forward
-with quantization) it is 6% faster than the Triton kernel at B4 H32 S4096 D128, level at
-B16 H10/5 S2048 D64 causal and 2.5% slower at B8 H32 S2048 D64 (benchmarks/NOTES.md, fourteenth
-session; causal D128 and S16384 not yet timed), so it is not the default yet.
+:data:`PINGPONG`). ``SageFwdConfig.fwd_backend="auto"`` (the default) takes it on Hopper from head dim
+128 up (:data:`AUTO_MIN_HEAD_DIM`): on the H200 (forward with quantization) it is 3–10% faster than the
+Triton kernel at D128 (B4 H32 S4096, causal too, and B1 S16384), level at B16 H10/5 S2048 D64 causal
+and 2.5% slower at B8 H32 S2048 D64 (benchmarks/NOTES.md, fourteenth and fifteenth sessions).
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ STAGES = 2
 #: 2.30 vs 2.40 ms, B8 H32 S2048 D64 1.005 vs 1.03, B16 H10/5 S2048 D64 causal 0.442 vs 0.451;
 #: benchmarks/NOTES.md, fourteenth session)
 PINGPONG = True
+#: ``SageFwdConfig.fwd_backend="auto"`` takes this kernel on Hopper from this head dim up: with ping-pong it beats
+#: the Triton forward at head dim 128 (H200, incl. quantization: B4 H32 S4096 2.30 vs 2.46 ms, causal 1.49 vs
+#: 1.54, B1 S16384 7.74 vs 8.54, causal 4.43 vs 4.57) and is level at 64 (benchmarks/NOTES.md, fifteenth session)
+AUTO_MIN_HEAD_DIM = 128
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, has_bias: bool,

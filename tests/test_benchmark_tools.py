@@ -88,3 +88,22 @@ def test_data_parallel_smoke_agrees_with_one_device():
     assert row["loss_rel_diff_noise"] == 0.0  # the CPU is deterministic
     (tp,) = out["throughput"]
     assert tp["tokens_per_s_many"] > 0 and tp["efficiency"] > 0 and len(tp["step_ms_rounds_many"]) == 2
+
+
+def test_dq_kernel_carries_the_other_head_dims_rows(tmp_path):
+    """benchmarks/dq_kernel.py --head-dim: rows and checks of the other head dim are kept from the file,
+    marked with the date of their run (an already carried row keeps its first date), in SHAPES order."""
+    from benchmarks import dq_kernel
+
+    d64, d128 = ([8, 32, 32, 2048, 64, False], [4, 32, 32, 4096, 128, False])
+    old = dict(env=dict(date="2026-11-30 11:38:05"),
+               checks=[dict(case=[2, 380, 512, 4, 2, 64, False]), dict(case=[2, 380, 512, 4, 2, 128, False])],
+               rows=[dict(shape=d128), dict(shape=d64, carried_from="2026-11-29 10:00:00")])
+    path = tmp_path / "dq_kernel.json"
+    path.write_text(json.dumps(old))
+    kept = dq_kernel.carry_rows(path, lambda d: d != 128)
+    assert [c["case"][5] for c in kept["checks"]] == [64]
+    assert kept["checks"][0]["carried_from"] == "2026-11-30 11:38:05"
+    assert kept["rows"] == [dict(shape=d64, carried_from="2026-11-29 10:00:00")]
+    assert dq_kernel.carry_rows(tmp_path / "missing.json", lambda d: True) == dict(checks=[], rows=[])
+    assert [r["shape"] for r in dq_kernel.sort_rows([dict(shape=d128), dict(shape=d64)])] == [d64, d128]

@@ -195,7 +195,8 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
     D64, and at D128 non-causal) with per-block scales, one Mosaic kernel (dQ reduce-added by TMA); else
     "separate" (two)."""
     cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), dkdv_backend="mosaic",
-                              dq_backend="mosaic", ds_scale=ds_scale, dq_kernel="auto" if fused else "separate")
+                              dq_backend="mosaic", fwd_backend="triton", ds_scale=ds_scale,
+                              dq_kernel="auto" if fused else "separate")
     specs, opts = specs_and_options(sq, 512, 8, 2, d, causal, granularity, False, cfg)
 
     def grads(q, k, v):

@@ -270,20 +270,31 @@ def test_mosaic_backend_selection():
 
 
 @pytest.mark.parametrize("d, seq, causal, want", [
-    (128, 256, False, dict(dkdv=True, dq=True)),  # all Mosaic at D128 and D64, causal or not
-    (128, 256, True, dict(dkdv=True, dq=True)),
-    (64, 256, False, dict(dkdv=True, dq=True)),
-    (64, 256, True, dict(dkdv=True, dq=True)),
+    # the backward all Mosaic at D128 and D64, causal or not; the forward Mosaic at D128 only
+    (128, 256, False, dict(fwd=True, dkdv=True, dq=True)),
+    (128, 256, True, dict(fwd=True, dkdv=True, dq=True)),
+    (64, 256, False, dict(fwd=False, dkdv=True, dq=True)),
+    (64, 256, True, dict(fwd=False, dkdv=True, dq=True)),
+    (128, 192, False, dict(fwd=False, dkdv=False, dq=False)),  # Sq_pad not a multiple of two warpgroups' rows
 ])
 def test_auto_backend_on_hopper(monkeypatch, d, seq, causal, want):
-    """'auto' on an H200 follows the measured table in sage._mosaic_backend."""
-    monkeypatch.setattr(sage_mod, "on_hopper", lambda: True)
+    """'auto' on an H200 follows the measured tables in sage._mosaic_forward and sage._mosaic_backend;
+    interpreted, or off Hopper, it is Triton."""
     q, k, v = make_qkv(1, seq, seq, 2, 2, d)
     opts = sage_mod.resolve_options(q, k, v, causal=causal, implementation="pallas", interpret=True,
                                     config=lb.SageFwdConfig())
     ops = sage_mod._forward(q, k, v, opts=opts, transposed=True)[2]
-    opts = dataclasses.replace(opts, interpret=False)
-    assert {name: sage_mod._mosaic_backend(name, ops, None, opts) for name in ("dkdv", "dq")} == want
+
+    def picks(opts):
+        return dict(fwd=sage_mod._mosaic_forward(ops, None, opts),
+                    **{name: sage_mod._mosaic_backend(name, ops, None, opts) for name in ("dkdv", "dq")})
+
+    assert not any(picks(opts).values())  # interpreted
+    compiled = dataclasses.replace(opts, interpret=False)
+    assert not any(picks(compiled).values())  # not on Hopper (this test runs off the GPU)
+    monkeypatch.setattr(sage_mod, "on_hopper", lambda: True)
+    assert picks(compiled) == want
+    assert not sage_mod._mosaic_forward(ops, jnp.zeros(()), compiled)  # Q-smoothing bias → Triton
 
 
 # ----------------------------------------------------------------------------- dS scale granularity
