@@ -182,3 +182,29 @@ def test_fake_quant_columns_keeps_non_finite_rules_and_checks_shape():
     assert np.isnan(got[0, :16]).all() and got[1, 20] == 6 * 448
     with pytest.raises(ValueError, match="multiple of 16 columns"):
         nvfp4.fake_quant_columns(jnp.ones((4, 24)))
+
+
+def test_group_scale_rounds_the_exact_quotient():
+    """sf = e4m3(amax / 6) of the correctly rounded quotient (numpy's division, ml_dtypes' rounding), with
+    or without ``assume_finite``, eagerly and under jit. XLA turns ``amax / 6`` into a multiply by fl(1/6),
+    which rounds 15 float32 patterns to the other e4m3 neighbour (0.11132812·2**k among them), so the
+    quotient is nvfp4._sixth. A check of every finite non-negative float32 passed
+    (benchmarks/nvfp4_scale_check.py, on the CPU and on the H200); here: random bit patterns, every e4m3 value and rounding point times 6 with the
+    float32 neighbours of each, P-like values in (0, 1], and zero."""
+    rng = np.random.default_rng(7)
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
+    points = np.concatenate([grid, (grid[:-1] + grid[1:]) / 2]) * 6  # amax whose sixth is a value or a tie
+    amax = np.concatenate([
+        rng.integers(0, 0x45280000, 1 << 20, dtype=np.uint32).view(np.float32),  # up to 2688 = 6·448
+        _with_neighbours(points), np.exp2(-rng.uniform(0, 40, 1 << 16)).astype(np.float32),
+        np.float32(0.11132812) * np.exp2(np.arange(-8, 12)).astype(np.float32), [0.0, 1.0]]).astype(np.float32)
+    amax = amax[amax <= 2688.0]
+    want = (amax / np.float32(6)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want = np.where(want == 0, np.float32(1), want)
+    for wrap in (lambda f: f, jax.jit):
+        for assume_finite in (False, True):
+            got = wrap(functools.partial(nvfp4.group_scale, assume_finite=assume_finite))(jnp.asarray(amax))
+            np.testing.assert_array_equal(np.asarray(got), want)
+    rel = jnp.abs(nvfp4._sixth(jnp.asarray(amax)) - amax / np.float32(6)) / np.maximum(amax / 6, 1e-30)
+    assert float(jnp.max(rel)) < 2.0**-23

@@ -41,16 +41,20 @@ def _exponent_floor(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits & 0x7F800000, jnp.float32)
 
 
-def _round_to_step(x: jax.Array, step: jax.Array) -> jax.Array:
-    """x rounded half to even to a multiple of ``step`` (a power of two, 0 ≤ x < 2**22·step).
+_MAGIC = 12582912.0  # 1.5 · 2**23: x + MAGIC·step rounds x half to even to a multiple of step
 
-    The magic-number rounding with a magic of 1.5·2**23·step: one float add and one
-    float subtract, no int→float conversion (a quarter-rate instruction on the GPU).
-    The magic depends on the data, so XLA does not fold ``(x + m) − m`` back to x,
-    as it does for a constant magic (seen with jax 0.11.2 on the CPU); the bit-exact
-    tests against ml_dtypes would catch it if it ever did.
+
+def _round_with_magic(x: jax.Array, magic: jax.Array) -> jax.Array:
+    """x rounded half to even to a multiple of ``step``, given ``magic = 1.5·2**23·step`` (``step`` a power
+    of two, 0 ≤ x < 2**22·step).
+
+    One float add and one float subtract, no int→float conversion (a quarter-rate
+    instruction on the GPU). Callers fold 1.5·2**23 into the constant that already
+    scales their step (one multiply per element fewer). The magic depends on the data,
+    so XLA does not fold ``(x + m) − m`` back to x, as it does for a constant magic
+    (seen with jax 0.11.2 on the CPU); the bit-exact tests against ml_dtypes would
+    catch it if it ever did.
     """
-    magic = step * 12582912.0  # 1.5 · 2**23
     return (x + magic) - magic
 
 
@@ -65,8 +69,8 @@ def e4m3_round(x: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     """
     x = x.astype(jnp.float32)
     clamped = jnp.minimum(x, 512.0)
-    step = jnp.maximum(_exponent_floor(clamped), _E4M3_MIN_NORMAL) * 0.125
-    out = jnp.minimum(_round_to_step(clamped, step), E4M3_MAX)
+    magic = jnp.maximum(_exponent_floor(clamped), _E4M3_MIN_NORMAL) * (0.125 * _MAGIC)  # step 2**(e−3)
+    out = jnp.minimum(_round_with_magic(clamped, magic), E4M3_MAX)
     if assume_finite:
         return out
     return jnp.where(jnp.isnan(x), jnp.nan, out)  # +inf: clamped to 512, so 448 already
@@ -76,12 +80,11 @@ def e2m1_round(y: jax.Array) -> jax.Array:
     """Round |values| (non-negative float32) to the e2m1 grid, ties to even, saturating at 6.
 
     The grid step is 0.5 below 2, 1 below 4 and 2 up to 6, i.e. max(2**floor(log2 y), 1)/2:
-    a bit mask, a max and the magic-number rounding (:func:`_round_to_step`), all
-    full-rate float/int instructions on the GPU. NaN stays NaN.
+    a bit mask, a max, one multiply and the magic-number rounding (:func:`_round_with_magic`),
+    all full-rate float/int instructions on the GPU. NaN stays NaN.
     """
     y = jnp.minimum(y, E2M1_MAX)
-    step = jnp.maximum(_exponent_floor(y), 1.0) * 0.5
-    return _round_to_step(y, step)
+    return _round_with_magic(y, jnp.maximum(_exponent_floor(y), 1.0) * (0.5 * _MAGIC))
 
 
 def e2m1_code(signed_value: jax.Array) -> jax.Array:
@@ -172,9 +175,46 @@ def quantize_groups(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Arr
     return (mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)), sf
 
 
+_INV6 = float(np.float32(1.0 / 6.0))
+
+
+def _sixth(amax: jax.Array) -> jax.Array:
+    """amax / 6 for finite non-negative float32, close enough that its e4m3 rounding is that of the exact
+    quotient (the SPEC's ``e4m3(amax / 6)``), computed alike by every backend.
+
+    Why not ``amax / 6``: XLA rewrites a division by a constant into a multiply by fl(1/6) (jax 0.11.2,
+    CPU and GPU), and a Pallas Mosaic GPU kernel's ``amax / 6`` gave the same values on the H200: 15
+    float32 patterns of amax (0.11132812·2**k among them) round to the other e4m3 neighbour.
+    Here: q0 = amax·fl(1/6) is within 1.5 ulp of x = amax/6; r = amax − 6·q0 is exact (4·q0 and 2·q0
+    by exponent bumps of q0's bits, then two Sterbenz subtractions: no product a compiler could fuse);
+    q0 + r·fl(1/6) is within ½ ulp + 2**-23 ulp of x, fused multiply-add or not (q0 enters the sum
+    through an integer OR with the sign of amax, so no compiler can fuse q0's own product into it). An
+    e4m3 rounding point (≤ 5 significant bits) is either x itself — then x is a float32 and the sum
+    rounds to it — or at least ⅔ ulp(x) away, since amax − 6·point is a multiple of ulp(amax) ≥ 4 ulp(x);
+    so the sum rounds as x does. For amax below 2**-123 (q0 subnormal) the bumps are wrong but the
+    result stays below 2**-100 (e4m3 0, possibly −0). Checked on every finite non-negative float32
+    against numpy's division: as XLA compiles it on the CPU and on the H200, and inside a Pallas-Triton
+    and a Pallas Mosaic GPU kernel there (``benchmarks/nvfp4_scale_check.py``); tests/
+    test_nvfp4_format.py samples it. Cost in the Mosaic Attn-QAT kernels against the division: fwd+bwd
+    +1% at B4 H32 S4096 D128, level at D64.
+    """
+    q0 = amax * _INV6
+    bits = jax.lax.bitcast_convert_type(q0, jnp.int32)
+    q4 = jax.lax.bitcast_convert_type(bits + (2 << 23), jnp.float32)
+    q2 = jax.lax.bitcast_convert_type(bits + (1 << 23), jnp.float32)
+    r = (amax - q4) - q2
+    sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(amax, jnp.int32), 31)  # 0 for amax ≥ 0
+    return jax.lax.bitcast_convert_type(bits | sign, jnp.float32) + r * _INV6
+
+
 def group_scale(amax: jax.Array, *, assume_finite: bool = False) -> jax.Array:
-    """The e4m3 group scale ``sf = e4m3(amax / 6)``, 1 for all-zero groups (float32, amax's shape)."""
-    sf = e4m3_round(amax / E2M1_MAX, assume_finite=assume_finite)
+    """The e4m3 group scale ``sf = e4m3(amax / 6)``, 1 for all-zero groups (float32, amax's shape).
+
+    The quotient is :func:`_sixth` (no division, exact wherever it is compiled); ``assume_finite=False``
+    keeps inf and NaN as they are for :func:`e4m3_round`'s non-finite rules (``assume_finite=True``: no
+    ``is_finite``, which Pallas Mosaic GPU cannot lower)."""
+    sixth = _sixth(amax) if assume_finite else jnp.where(jnp.isfinite(amax), _sixth(amax), amax)
+    sf = e4m3_round(sixth, assume_finite=assume_finite)
     return jnp.where(sf == 0.0, 1.0, sf)
 
 
