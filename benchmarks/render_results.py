@@ -37,6 +37,7 @@ def render_attention(data: dict) -> list[str]:
         "`sage` is the whole op (K-mean/V-amax reductions + fused quantize kernels + attention kernel); "
         "`kernel` is the attention kernel alone on pre-quantized operands; "
         "`quant ms` the quantization alone. bf16 inputs, layout (B, S, H, D).",
+        *_superseded(data),
         "",
         "| B | H | S | D | causal | sage | kernel | cuDNN bf16 | cuDNN FP8 | Pallas mha bf16 | XLA bf16 "
         "| sage / cuDNN | kernel / cuDNN | quant ms | tiles |",
