@@ -267,6 +267,12 @@ def _backward(ops: SageOperands, o, lse, do, *, opts: SageOptions):
                                    per_block=opts.per_block, scale=opts.scale, config=opts.config)
 
 
+def _mosaic_allowed(backend: str, opts: SageOptions) -> bool:
+    """The common part of a ``*_backend`` setting: "mosaic" may run Mosaic GPU, "auto" only compiled on
+    Hopper, "triton" never (each kernel then checks that it covers the call)."""
+    return backend == "mosaic" or (backend == "auto" and not opts.interpret and on_hopper())
+
+
 def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
     """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)?
 
@@ -276,8 +282,8 @@ def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
     at head dim 64 the two were level, and Triton stays.
     """
     backend = opts.config.fwd_backend
-    if backend == "triton" or (backend == "auto" and (opts.interpret or not on_hopper()
-                                                      or ops.q.shape[3] < sage_fwd_mosaic.AUTO_MIN_HEAD_DIM)):
+    if not _mosaic_allowed(backend, opts) or (backend == "auto"
+                                              and ops.q.shape[3] < sage_fwd_mosaic.AUTO_MIN_HEAD_DIM):
         return False
     return sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=ops.q.shape[2],
                                     head_dim=ops.q.shape[3], causal=opts.causal, has_bias=bias is not None,
@@ -286,8 +292,7 @@ def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
 
 def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> bool:
     """Run SageBwd's ``kernel`` ("dkdv" or "dq") on the Mosaic GPU backend for this call?"""
-    backend = getattr(opts.config, f"{kernel}_backend")
-    if backend == "triton" or (backend == "auto" and (opts.interpret or not on_hopper())):
+    if not _mosaic_allowed(getattr(opts.config, f"{kernel}_backend"), opts):
         return False
     # "auto": Mosaic GPU wherever it applies (RESULTS.md, "SageBwd kernel backends"; NOTES.md, eleventh
     # session): since the Mosaic dK/dV kernel stopped spilling registers at D128 it beats Triton's there
