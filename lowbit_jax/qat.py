@@ -179,8 +179,8 @@ def _qat_bwd(opts: QatOptions, residuals, do):
                 causal=opts.causal, dtype=qf.dtype, do_dtype=do.dtype):
             return qat_bwd_mosaic.qat_attention_bwd_mosaic(
                 qf, kf, vf, o_aux, lse, m, do, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal,
-                scale=opts.scale, naive=opts.naive_backward, fused_dq=opts.config.fuses_dq(qf.shape[3]),
-                interpret=opts.interpret)
+                scale=opts.scale, naive=opts.naive_backward,
+                fused_dq=opts.config.fuses_dq(qf.shape[3], opts.causal), interpret=opts.interpret)
         return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, interpret=opts.interpret, **kw)
     return qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, **kw)
 

@@ -200,6 +200,21 @@ def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued=None) -> jax.A
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
 
 
+def matmul_sum(acc_shape: tuple[int, int], acc_dtype, operands: tuple, *, fused: bool) -> jax.Array:
+    """``Σ a_i @ b_i`` over ``operands`` (one ``(a, b)`` per term), as a fresh array: ``fused`` issues every
+    term into one accumulator and waits once; otherwise (the Mosaic GPU interpreter) the products are
+    computed one at a time and added (same values up to accumulation order)."""
+    if not fused:
+        return sum(matmul(acc_shape, acc_dtype, a, b) for a, b in operands)
+
+    def body(acc_ref):
+        for a, b in operands:
+            plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
+
+
 def _wgmma_to_8bit(x):
     """The relayout WGMMA → WGMMA_8BIT of an 8-bit ``mosaic.gpu`` FragmentedArray (shape (64·r, 16·c)).
 
@@ -507,6 +522,7 @@ def on_hopper() -> bool:
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
            "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
            "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
+           "matmul_sum",
            "matmuls", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
            "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product", "reduce_add_matmul",

@@ -21,7 +21,9 @@ updated in place, the two independent products of a step issued together.
   loops over key tiles; dS is the register A operand of dS·K̃.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
   dS·K̃ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
-  ``_mosaic.reduce_add_matmul``); the default at head dim 64, where it is faster on the H200.
+  ``_mosaic.reduce_add_matmul``); from head dim 128 split by columns between the two warpgroups
+  after a CTA-wide barrier (:func:`splits_dq_columns`). The default at head dim 64 and at 128
+  causal, where it is faster on the H200.
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
@@ -45,16 +47,32 @@ from jax import lax
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels._mosaic import (
-    accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
-    matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
-    reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, tile_transforms, wg_tiles, tma_rows,
-    trim_rows, wgmma_zeros,
+    PingPong, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
+    matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_out,
+    REDUCE_COLS, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of,
+    schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2
 STAGES = 2
+#: the smallest head dim at which the fused dQ is split by columns between the warpgroups (:func:`splits_dq_columns`)
+DQ_SPLIT_MIN_HEAD_DIM = 128
+
+
+def splits_dq_columns(head_dim: int) -> bool:
+    """Whether the fused dQ of :func:`qat_attention_bwd_mosaic` is split by columns between the two warpgroups.
+
+    Split: after one CTA-wide barrier per step both warpgroups' dS tiles are in SMEM, and warpgroup w
+    reduce-adds dQ's columns w·D/2… summed over the CTA's 128 keys (Σ_w dS_w·K̃_w[:, cols], one
+    accumulator), instead of each adding all D columns over its own 64 keys: half the TMA reduce traffic,
+    the warpgroups held in step. On the H200 (benchmarks/NOTES.md, sixteenth session), fwd+bwd at D128:
+    B4 H32 S4096 12.25 → 11.70 ms non-causal and 6.71 → 6.12 causal. At head dim 64 it was slower
+    (4.03 → 4.30 ms at B8 H32 S2048, with Q̃, K̃ and dS in a 64-byte swizzle so that a 32-column half of
+    K̃ is a ``wgmma`` operand); here a column half of K̃ spans whole 128-byte swizzle rows only from 128.
+    """
+    return head_dim >= max(DQ_SPLIT_MIN_HEAD_DIM, 2 * REDUCE_COLS)
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool, dtype,
@@ -75,16 +93,17 @@ def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
 
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, group, n_qtiles, head_dim, sk_len,
-                 causal, offset, score_scale, scale, naive, interpret, fused_dq):
+                 causal, offset, score_scale, scale, naive, interpret, fused_dq, split):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
-    (``_mosaic.reduce_add_matmul``).
-    ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch."""
+    (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`).
+    ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
     if fused_dq:
-        dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers, stage2 = refs
+        dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers, stage2, *cta_barrier = refs
+        cta_barrier = cta_barrier[0] if split else None
     else:
         dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers = refs
     b, hkv, wg = grid_position()
-    out_shape = (TILE, head_dim)
+    out_shape, half = (TILE, head_dim), head_dim // 2
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
     cta_keys = lax.axis_index("kv") * (WGS * TILE)
     key_start = cta_keys + wg * TILE
@@ -98,13 +117,18 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         copy_in(((k_ref.at[b, hkv, rows], k_smem), (v_ref.at[b, hkv, rows], v_smem)), barriers, wg)
         zeros = wgmma_zeros(out_shape)
         dk, dv = pipeline((zeros, zeros))
+        if split:  # the other warpgroup's last dQ products have read this K̃ tile
+            PingPong(cta_barrier, wg, enabled=True).sync()
         k_smem[...] = (dk * scale).astype(k_smem.dtype)  # K̃ and Ṽ are no longer needed: reuse their SMEM
         v_smem[...] = dv.astype(v_smem.dtype)
         copy_out(((k_smem, dk_ref.at[b, rows, hkv]), (v_smem, dv_ref.at[b, rows, hkv])))
 
     def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
         *consumed, (dk, dv) = consumed_and_carry
-        k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_smem2.at[wg]
+        # split: the dS tiles the other warpgroup reads are double-buffered by step parity
+        parity = lax.rem(idx[0], 2)
+        ds_tile = (lambda w: ds_smem2.at[parity, w]) if split else (lambda w: ds_smem2.at[w])  # noqa: E731
+        k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
         s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
         if masked:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
@@ -118,15 +142,20 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         p_smem[...] = pv.astype(dt)
         ds_smem[...] = (p * (dp - rows_of(row_vector(delta_smem), shape))).astype(dt)
         plgpu.commit_smem()
+        if split:  # both warpgroups' dS tiles are published
+            PingPong(cta_barrier, wg, enabled=True).sync()
         dv, dk = accumulate((dv, dk), ((p_smem.T, do_smem), (ds_smem.T, q_smem)), fused=not interpret)
         if fused_dq:
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            # (Also measured on the H200: both warpgroups' dS combined after a barrier, each adding half the
-            # columns over the CTA's 128 keys: half the reduce traffic, but the barrier locks the warpgroups
-            # in step; slower than the separate dQ kernel at D128 too, 7.71 vs 7.64 ms. Not kept.)
-            reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim,
-                              lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols],
+            dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
+        if split:  # columns wg·D/2… of dQ over the CTA's 128 keys: Σ_w dS_w·K̃_w[:, cols], one accumulator
+            cols = pl.ds(wg * half, half)  # whole 128-byte swizzle rows of K̃ (splits_dq_columns)
+            terms = tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg))
+            dq = matmul_sum((TILE, half), jnp.float32, terms, fused=not interpret)
+            reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret)
+        elif fused_dq:
+            reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim, dq_dst,
                               interpret=interpret)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
@@ -214,15 +243,19 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     common = dict(head_dim=d, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
                   scale=scale, interpret=interpret)
     kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
-    dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, p_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
+    split = fused_dq and splits_dq_columns(d)
+    # split: dS double-buffered (the other warpgroup reads it), a (64 × D/2) stage, the CTA-wide barrier
+    ds_tiles = plgpu.SMEM((2, WGS, TILE, TILE), dt, transforms=tile_transforms(dt, TILE)) if split else p_tiles
+    dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, ds_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
     dkdv_args = [qf, do_h, m_rows, inv_l, delta, kf, vf]
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
-        dkdv_scratch.append(reduce_add_stage(WGS, TILE))
+        dkdv_scratch += [wg_tiles(WGS, TILE, f32, d // 2), schedule_barrier()] if split else [
+            reduce_add_stage(WGS, TILE)]
         dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret))
     dk, dv = launch(
         functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
-                          **common),
+                          split=split, **common),
         [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), do.dtype)] * 2, dkdv_scratch,
         (hkv, kv_blocks, b), ("heads", "kv", "batch"), name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
         compute_wgs=WGS, interpret=interpret,

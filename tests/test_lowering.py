@@ -232,7 +232,8 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     (forward: register P̃/P operands, O and O' issued together; backward: FQ(P)·(1/l) and dS through SMEM as
     transposed operands, dS·K̃ from registers); the fake-quant kernel and the others stay Triton. A third
     entry: "pingpong" turns on the schedule barrier (QatConfig.pingpong); "fused"/"separate" is
-    QatConfig.dq_kernel (default "auto": fused at D64, where the dQ kernel is then absent)."""
+    QatConfig.dq_kernel (default "auto": fused at D64 and at D128 causal — split by columns between the
+    warpgroups at D128 — where the dQ kernel is then absent)."""
     from lowbit_jax import qat as qat_mod
 
     fwd, bwd, *extra = backends
@@ -257,9 +258,9 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     for name in ("qat_bwd_dkdv", "qat_bwd_dq"):
         assert triton_named(text, name) == (bwd == "triton")
     if bwd == "mosaic":  # the fused dK/dV kernel reduce-adds dQ with TMA: no separate dQ kernel
-        kernels = (fwd == "mosaic") + (1 if opts.config.fuses_dq(d) else 2)
+        kernels = (fwd == "mosaic") + (1 if opts.config.fuses_dq(d, causal) else 2)
         assert text.count("mosaic_gpu_v2(") == kernels, (text.count("mosaic_gpu_v2("), kernels)
-        fused = opts.config.fuses_dq(d)
+        fused = opts.config.fuses_dq(d, causal)
         assert mosaic_named(text, "qat_bwd_dkdv_dq" if fused else "qat_bwd_dkdv")
         assert mosaic_named(text, "qat_bwd_dq") != fused
 

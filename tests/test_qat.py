@@ -121,7 +121,9 @@ def test_mosaic_forward_pingpong_same_values():
 def test_mosaic_fused_dq_same_gradients(case):
     """QatConfig.dq_kernel="fused" (dS·K̃ reduce-added into a float32 dQ by the dK/dV kernel; in the
     interpreter a per-block workspace, summed) gives the separate dQ kernel's gradients (ragged Sq,
-    GQA, D128 and D64, causal with Sq < Sk); dK and dV come from the same kernel body either way."""
+    GQA, D128 and D64, causal with Sq < Sk); dK and dV come from the same kernel body either way. At D128
+    the fused dQ is split by columns between the warpgroups (each reads the other's dS tile after a
+    CTA-wide barrier): a wrong tile, parity or column half changes dQ here."""
     b, sq, sk, hq, hkv, d, causal = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d)
     do = cotangent(q)
@@ -130,8 +132,14 @@ def test_mosaic_fused_dq_same_gradients(case):
     for name, a, r in zip(("o", "dq", "dk", "dv"), got["fused"], got["separate"]):
         assert a.shape == r.shape and a.dtype == r.dtype, name
         assert metrics(a, r)[1] < 1e-5, (name, metrics(a, r))  # float32 sums in another order, then bf16
-    assert lb.QatConfig().fuses_dq(64) and not lb.QatConfig().fuses_dq(128)
-    assert lb.QatConfig(dq_kernel="fused").fuses_dq(128) and not lb.QatConfig(dq_kernel="separate").fuses_dq(64)
+    from pallas_kernels import qat_bwd_mosaic
+
+    cfg = lb.QatConfig()
+    assert cfg.fuses_dq(64, False) and cfg.fuses_dq(64, True) and cfg.fuses_dq(128, True)
+    assert not cfg.fuses_dq(128, False)
+    assert lb.QatConfig(dq_kernel="fused").fuses_dq(128, False)
+    assert not lb.QatConfig(dq_kernel="separate").fuses_dq(64, True)
+    assert qat_bwd_mosaic.splits_dq_columns(128) and not qat_bwd_mosaic.splits_dq_columns(64)
 
 
 def test_mosaic_coverage():
