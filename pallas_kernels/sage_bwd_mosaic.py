@@ -61,9 +61,10 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
-    launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, tile_max,
-    pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total,
-    tile_transforms, tma_rows, reduce_add_product, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    int8_in_registers, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
+    row_vector, rows_of, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
+    reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
+    trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -79,6 +80,15 @@ DQ_WITH_DKDV_CAUSAL = True
 #: from registers (``_mosaic.register_operand``) instead of through SMEM (see the module docstring)
 REGISTER_P_MIN_HEAD_DIM = 128
 REGISTER_DS_MIN_HEAD_DIM = 128
+
+
+def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
+    """Whether P̂ᵀ and dŜ (the INT8 A operands of dV, dK and the dQ kernel's dŜK̂) need SMEM tiles: not
+    where they are taken from registers (``REGISTER_*_MIN_HEAD_DIM``, compiled, with the relayout
+    available; ``_mosaic.register_operand``), so those kernels do not allocate them."""
+    registers = int8_in_registers(interpret)
+    return (not (registers and head_dim >= REGISTER_P_MIN_HEAD_DIM),
+            not (registers and head_dim >= REGISTER_DS_MIN_HEAD_DIM))
 
 
 def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
@@ -139,13 +149,18 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                  interpret):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``).
-    ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, the scratch [, kt_smem2, dsq_smem2, stage2]."""
-    if fused_dq:
-        (kt_ref, dq_ref, dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, p_smem2, ds_smem2, red_smem2,
-         barriers, kt_smem2, dsq_smem2, stage2) = refs
-        dk_smem2 = None
-    else:
-        dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2, dk_smem2, p_smem2, ds_smem2, red_smem2, barriers = refs
+    ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, then the scratch: K̂, Ṽ, K scales[, dK], [P̂ᵀ], [dŜᵀ]
+    (:func:`_smem_operands`), the row-maximum vectors, the barriers[, K̂ᵀ, dŜ, the dQ stage]."""
+    refs = list(refs)
+    take = lambda n=1: [refs.pop(0) for _ in range(n)]  # noqa: E731
+    kt_ref, dq_ref = take(2) if fused_dq else (None, None)
+    dk_ref, dv_ref, k_smem2, vd_smem2, ks_smem2 = take(5)
+    dk_smem2 = None if fused_dq else take()[0]
+    smem_p, smem_ds = _smem_operands(head_dim, interpret)
+    p_smem2 = take()[0] if smem_p else None
+    ds_smem2 = take()[0] if smem_ds else None
+    red_smem2, barriers = take(2)
+    kt_smem2, dsq_smem2, stage2 = take(3) if fused_dq else (None,) * 3
     b, hkv, wg = grid_position()
     h0 = hkv * group
     shape = (TILE, TILE)  # (keys, queries)
@@ -182,7 +197,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
              *consumed_and_carry):
         *consumed, (dk_acc, dv_acc) = consumed_and_carry
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
-        p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
+        p_smem = p_smem2.at[wg] if smem_p else None
+        ds_smem = ds_smem2.at[wg] if smem_ds else None
         qs = col_vector(qs_smem)
         # Sᵀ = K̂Q̂ᵀ (INT8) and dPᵀ = ṼdOᵀ (16-bit), issued together
         st, dpt = matmuls((shape, shape), (jnp.int32, jnp.float32), ((k_smem, q_smem.T), (vd_smem, do_smem.T)),
@@ -212,7 +228,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             _store_transposed(dsq_smem2.at[wg], ds8)
-        if fused_dq or p_op is p_smem or ds_op is ds_smem:
+        if fused_dq or smem_p or smem_ds:
             plgpu.commit_smem()  # P̂ or dŜ went to SMEM, or dŜ transposed
         # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
         # one after the other, since two (64 × 128) int32 products beside the dK, dV accumulators spill registers
@@ -286,8 +302,11 @@ def _store_transposed(ref, codes: jax.Array) -> None:
 
 
 def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref, vd_ref, dq_ref,
-               q_smem2, do_smem2, qs_smem2, lse_smem2, delta_smem2, ds_smem2, red_smem2, barriers,
-               *, group, scale, per_block, head_dim, fused, causal, offset, ds_per_row, interpret):
+               q_smem2, do_smem2, qs_smem2, lse_smem2, delta_smem2, *scratch, group, scale, per_block, head_dim,
+               fused, causal, offset, ds_per_row, interpret):
+    """dQ. ``scratch``: [dŜ (:func:`_smem_operands`)], the row-maximum vectors, the barriers."""
+    smem_ds = _smem_operands(head_dim, interpret)[1]
+    ds_smem2, red_smem2, barriers = scratch if smem_ds else (None, *scratch)
     b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, TILE)  # (queries, keys)
@@ -310,7 +329,8 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
 
     def step(idx, k_smem, ks_smem, kt_smem, vd_smem, *consumed_and_carry):
         *consumed, dq_acc = consumed_and_carry
-        q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        ds_smem = ds_smem2.at[wg] if smem_ds else None
         ks = col_vector(ks_smem)
         s, dp = matmuls((shape, shape), (jnp.int32, jnp.float32),
                         ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
@@ -372,9 +392,9 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
                                ds_per_row=ds_per_row, fused_dq=fused_dq, scale=scale, interpret=interpret)
+    operand_tiles = [wg_tiles(WGS, TILE, i8, TILE)] * sum(_smem_operands(d, interpret))  # P̂ᵀ, dŜᵀ if in SMEM
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
-               *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), wg_tiles(WGS, TILE, i8, TILE),
-               wg_tiles(WGS, TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32),
+               *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), *operand_tiles, plgpu.SMEM((WGS, TILE), f32),
                plgpu.Barrier(num_barriers=(4 if fused_dq else 3, WGS))]
     args = [q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd]
     kv_blocks = sk_pad // (WGS * TILE)
@@ -405,8 +425,9 @@ def sage_bwd_dq_mosaic(q8, q_scale, lse_pad, delta, do, k8, k_scale, k8_t, vd, *
     kernel = functools.partial(_dq_kernel, group=hq // k8.shape[1], scale=scale, per_block=per_block, head_dim=d,
                                fused=not interpret, causal=causal, offset=sk_len - sq_len, ds_per_row=ds_per_row,
                                interpret=interpret)
+    ds_tiles = [wg_tiles(WGS, TILE, i8, TILE)] if _smem_operands(d, interpret)[1] else []  # dŜ if in SMEM
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d)] + [plgpu.SMEM((WGS, TILE), f32)] * 3 + [
-        wg_tiles(WGS, TILE, i8, TILE), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
+        *ds_tiles, plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(5, WGS))]
     dq = launch(kernel, jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), f16), scratch,
                 (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="sage_bwd_dq", compute_wgs=WGS,
                 interpret=interpret,

@@ -241,6 +241,17 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
         lb.SageFwdConfig(dq_kernel="atomic")
 
 
+def test_mosaic_int8_operand_tiles_only_where_used():
+    """Compiled at head dim 128 P̂ᵀ and dŜ are ``wgmma`` operands from registers, so the SageBwd kernels
+    allocate no SMEM tiles for them (lowered in tests/test_lowering.py); at 64, and interpreted, they go
+    through SMEM (the interpreter tests above run that path)."""
+    from pallas_kernels import _mosaic, sage_bwd_mosaic
+
+    assert sage_bwd_mosaic._smem_operands(64, False) == (True, True)
+    assert sage_bwd_mosaic._smem_operands(128, True) == (True, True)
+    assert sage_bwd_mosaic._smem_operands(128, False) == (not _mosaic.RELAYOUT_8BIT,) * 2
+
+
 def test_mosaic_backend_selection():
     """Which kernels Mosaic covers; 'auto' keeps Triton in interpret mode and off Hopper."""
     from pallas_kernels import sage_bwd_mosaic
