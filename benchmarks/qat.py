@@ -141,7 +141,7 @@ def sweep(log, smoke):
     return rows, best
 
 
-def throughput(shapes, config, log, save, smoke):
+def throughput(shapes, config, log, save, smoke, methods=None):
     rows = []
     for b, h, s, d, causal in shapes:
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
@@ -149,7 +149,7 @@ def throughput(shapes, config, log, save, smoke):
         flops = attention_flops(b, h, s, s, d, causal)
         row = dict(b=b, h=h, s=s, d=d, causal=causal, fwd_ms={}, fwd_bwd_ms={}, errors={})
         iters = 3 if (smoke or s * s * b >= 4 * 8192 * 8192) else 10
-        fns = method_fns(d, causal, config)
+        fns = {m: fn for m, fn in method_fns(d, causal, config).items() if methods is None or m in methods}
         if smoke:
             fns = {"qat": qat_fn(causal, config, implementation="pallas", interpret=True)}
         for name, fn in fns.items():
@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere")
     parser.add_argument("--no-sweep", action="store_true", help="use the default QatConfig")
+    parser.add_argument("--methods", nargs="+", choices=tuple(method_fns(64, False, None)), default=None,
+                        help="time only these columns (default: all); the others show as not run")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/qat.py needs a GPU (or --smoke)")
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
         payload["throughput"] = rows
         write_json(name, payload)
 
-    throughput(SMOKE_SHAPES if args.smoke else SHAPES, config, log, save, args.smoke)
+    throughput(SMOKE_SHAPES if args.smoke else SHAPES, config, log, save, args.smoke, args.methods)
     for p in write_json(name, payload):
         log(f"wrote {p}")
     return 0

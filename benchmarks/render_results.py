@@ -196,6 +196,30 @@ def _dq(dq) -> str:
     return dq if isinstance(dq, str) else f"{dq[0]} keys w{dq[1]} s{dq[2]}"
 
 
+def _qat_throughput_table(rows: list[dict]) -> list[str]:
+    """The Attn-QAT throughput rows as a table whose columns are the methods some row has."""
+    pp = "qat_mosaic_pingpong"
+    names = {"qat": "qat", "qat_mosaic": "mosaic", pp: "mosaic+pp", "qat_naive_bwd": "qat naive", "sage": "sage",
+             "cudnn_bf16": "cuDNN bf16"}
+    present = lambda kind, m: any(m in r[f"{kind}_tflops"] for r in rows)  # noqa: E731
+    fwd = [m for m in ("qat", "qat_mosaic", pp, "sage", "cudnn_bf16") if present("fwd", m)]
+    fwd_ratio = [m for m in ("qat_mosaic", pp) if present("fwd", m) and present("fwd", "cudnn_bf16")]
+    fb = [m for m in ("qat", "qat_mosaic", pp, "qat_naive_bwd", "sage", "cudnn_bf16") if present("fwd_bwd", m)]
+    fb_ratio = [m for m in ("qat", "qat_mosaic", pp) if present("fwd_bwd", m) and present("fwd_bwd", "cudnn_bf16")]
+    heads = ([("fwd: " if i == 0 else "") + names[m] for i, m in enumerate(fwd)]
+             + [f"{names[m]} / cuDNN" for m in fwd_ratio]
+             + [("fwd+bwd: " if i == 0 else "") + names[m] for i, m in enumerate(fb)]
+             + [f"**{names[m]} / cuDNN**" for m in fb_ratio])
+    out = ["| B | H | S | D | causal | " + " | ".join(heads) + " |", "|---" * (5 + len(heads)) + "|"]
+    for r in rows:
+        cells = ([_f(r["fwd_tflops"].get(m)) for m in fwd]
+                 + [f"{_f(r['fwd_vs_cudnn_bf16'].get(m), '{:.2f}')}×" for m in fwd_ratio]
+                 + [_f(r["fwd_bwd_tflops"].get(m)) for m in fb]
+                 + [f"**{_f(r['fwd_bwd_vs_cudnn_bf16'].get(m), '{:.2f}')}×**" for m in fb_ratio])
+        out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def render_qat(data: dict, sweep: dict | None) -> list[str]:
     out = ["", "## Attn-QAT (NVFP4 fake-quantized attention)", "", *_command_block(data),
            "TFLOP/s count 4·B·H·S²·D (halved if causal), fwd+bwd 3.5× that, for every method. bf16 inputs. "
@@ -204,21 +228,12 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "mismatched 16-bit backward (ablation; on the Mosaic kernels from the 2026-11-29 run on, Triton before). "
            "`qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU ones (`QatConfig(fwd_backend=\"mosaic\", "
            "bwd_backend=\"mosaic\")`, what the default \"auto\" picks on Hopper) without and `mosaic+pp` with "
-           "the forward's ping-pong schedule (`QatConfig.pingpong`, the default from the 2026-11-29 20:30 run on); "
-           "– where not run.", "",
-           "| B | H | S | D | causal | fwd: qat | mosaic | mosaic+pp | sage | cuDNN bf16 | mosaic / cuDNN "
-           "| fwd+bwd: qat | mosaic | mosaic+pp | qat naive | sage | cuDNN bf16 | **qat / cuDNN** "
-           "| **mosaic / cuDNN** | **mosaic+pp / cuDNN** |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data.get("throughput", []):
-        f, fb, ratio = r["fwd_tflops"], r["fwd_bwd_tflops"], r["fwd_bwd_vs_cudnn_bf16"]
-        pp = "qat_mosaic_pingpong"
-        out.append(f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | {_f(f.get('qat'))} | "
-                   f"{_f(f.get('qat_mosaic'))} | {_f(f.get(pp))} | {_f(f.get('sage'))} | {_f(f.get('cudnn_bf16'))} | "
-                   f"{_f(r['fwd_vs_cudnn_bf16'].get('qat_mosaic'), '{:.2f}')}× | {_f(fb.get('qat'))} | "
-                   f"{_f(fb.get('qat_mosaic'))} | {_f(fb.get(pp))} | {_f(fb.get('qat_naive_bwd'))} | "
-                   f"{_f(fb.get('sage'))} | {_f(fb.get('cudnn_bf16'))} | **{_f(ratio.get('qat'), '{:.2f}')}×** | "
-                   f"**{_f(ratio.get('qat_mosaic'), '{:.2f}')}×** | **{_f(ratio.get(pp), '{:.2f}')}×** |")
+           "the forward's ping-pong schedule (`QatConfig.pingpong`, the default from the 2026-11-29 20:30 run on). "
+           "Columns of methods the run did not time (`qat.py --methods`) are left out (the run of 2026-11-29 20:30 "
+           "with every column — Triton kernels 0.50–0.54× cuDNN fwd+bwd, Mosaic without ping-pong 0.54–0.65× — is "
+           "quoted in benchmarks/NOTES.md, sixteenth session). From 2026-11-30 the D128 causal backward fuses dQ "
+           "into the dK/dV kernel, split by columns between its warpgroups (`QatConfig.dq_kernel`).", "",
+           *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]
         out += ["", f"### Accuracy vs exact fp32 (B{r0['b']} H{r0['h']} S{r0['s']} D{r0['d']}, N(0,1), non-causal; "
@@ -332,7 +347,10 @@ def render_dq_kernel(data: dict) -> list[str]:
            "reduce-adds each step's dS·K into a float32 dQ with TMA. `sage separate` runs the library's default "
            "backends with the dQ kernel; `sage fused` runs the Mosaic dK/dV kernel (per-block Q/K scales, per-tile "
            "dS). The library default (`dq_kernel=\"auto\"`) follows the tables measured when it was chosen: "
-           "SageBwd fuses at D64 and at D128 non-causal (separate at D128 causal); Attn-QAT fuses at D64 only.", "",
+           "SageBwd fuses at D64 and at D128 non-causal (separate at D128 causal); Attn-QAT fuses at D64 and at "
+           "D128 causal (separate at D128 non-causal, where the two are level). At D128 Attn-QAT's fused dQ is split "
+           "by columns between the kernel's two warpgroups (`qat_bwd_mosaic.splits_dq_columns`; from 2026-11-30 "
+           "17:59 on; before, each warpgroup added all columns over its own keys).", "",
            "| B | Hq/Hkv | S | D | causal | cuDNN bf16 | sage separate | sage fused | qat separate | qat fused |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:

@@ -120,3 +120,26 @@ def test_nvfp4_scale_check_runs_and_counts_the_old_division():
     assert check.reciprocal_mismatches(fns) == {"xla": 0}
     bad = {"xla": (lambda x: jnp.zeros_like(x), lambda s: s)}  # a wrong scale and a wrong reciprocal
     assert check.scale_mismatches(bad, 1, old=False)["xla"] > 0 and check.reciprocal_mismatches(bad)["xla"] > 0
+
+
+def test_qat_table_keeps_only_the_methods_a_run_timed():
+    """render_results: Attn-QAT's throughput table (``qat.py --methods`` times a subset) has a column for
+    each method some row timed, and a ratio column only where cuDNN's time is there too."""
+    from benchmarks.render_results import _qat_throughput_table
+
+    def row(fwd, fwd_bwd):
+        ratio = lambda t: {m: v / t["cudnn_bf16"] for m, v in t.items()} if "cudnn_bf16" in t else {}  # noqa: E731
+        return dict(b=4, h=32, s=4096, d=128, causal=True, fwd_tflops=fwd, fwd_bwd_tflops=fwd_bwd,
+                    fwd_vs_cudnn_bf16=ratio(fwd), fwd_bwd_vs_cudnn_bf16=ratio(fwd_bwd))
+
+    pp = "qat_mosaic_pingpong"
+    some = _qat_throughput_table([row({pp: 300.0, "cudnn_bf16": 600.0}, {pp: 330.0, "cudnn_bf16": 500.0})])
+    assert some[0] == ("| B | H | S | D | causal | fwd: mosaic+pp | cuDNN bf16 | mosaic+pp / cuDNN | "
+                       "fwd+bwd: mosaic+pp | cuDNN bf16 | **mosaic+pp / cuDNN** |")
+    assert some[1].count("|---") == 11 and some[2].endswith("| 300 | 600 | 0.50× | 330 | 500 | **0.66×** |")
+    full = {m: 100.0 for m in ("qat", "qat_mosaic", pp, "sage", "cudnn_bf16")}
+    table = _qat_throughput_table([row(full, {**full, "qat_naive_bwd": 100.0})])
+    assert table[0].count("|") - 1 == 5 + 5 + 2 + 6 + 3
+    assert "qat naive" in table[0] and "**qat / cuDNN**" in table[0]
+    no_cudnn = _qat_throughput_table([row({pp: 1.0}, {pp: 1.0})])
+    assert "/ cuDNN" not in no_cudnn[0]
