@@ -126,8 +126,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
     def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
         *consumed, (dk, dv) = consumed_and_carry
         # split: the dS tiles the other warpgroup reads are double-buffered by step parity
-        parity = lax.rem(idx[0], 2)
-        ds_tile = (lambda w: ds_smem2.at[parity, w]) if split else (lambda w: ds_smem2.at[w])  # noqa: E731
+        ds_tile = (lambda w: ds_smem2.at[lax.rem(idx[0], 2), w]) if split else (  # noqa: E731
+            lambda w: ds_smem2.at[w])
         k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
         s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
         if masked:
