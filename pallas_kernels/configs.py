@@ -69,8 +69,9 @@ class SageFwdConfig:
         290 TFLOP/s at B4 H32 S4096, 349 vs 324 at B1 S16384), 12–16% slower non-causal (314
         vs 357 at B4 S4096, where the default fuses dQ), and dQ/dK rel-L2 0.022 instead of
         0.050 vs exact.
-      dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales and
-        per-tile dS scales (``sage_bwd_mosaic.supports_fused_dq``), it also reduce-adds each
+      dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales,
+        per-tile dS scales (``sage_bwd_mosaic.supports_fused_dq``) and dQ's dS tiles equal to dK's
+        (``dq_block_k == bwd_block_k``: one dŜ serves both products), it also reduce-adds each
         step's dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation
         order then varies run to run) and ``dq_backend`` is unused; elsewhere, and with
         "separate", the dQ kernel recomputes S, P and dP per query tile. "auto" (default):

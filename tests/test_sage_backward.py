@@ -241,6 +241,21 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
         lb.SageFwdConfig(dq_kernel="atomic")
 
 
+def test_fused_dq_only_with_the_dk_tiles_ds_tiles():
+    """The fused dQ uses dK's dŜ (per bwd_block_q × bwd_block_k tile) for dQ too, which is SageBwd's dQ only when
+    dq_block_k = bwd_block_k; with narrower dQ tiles (dS quantized per (64 × 32) for dQ) the separate dQ kernel
+    runs even with dq_kernel="fused", and the gradients are the reference's."""
+    q, k, v = make_qkv(1, 128, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=5, k_outlier=3.0)
+    do = cotangent(q)
+    cfg = dataclasses.replace(MOSAIC, dq_block_k=32, dq_kernel="fused")
+    kw = dict(qk_granularity="per_block", config=cfg)
+    got = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
+    want = grads(q, k, v, do, implementation="xla", **kw)
+    for name, m, x in zip(("o", "dq", "dk", "dv"), got, want):
+        cos, rel = metrics(m, x)
+        assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
+
+
 def test_mosaic_int8_operand_tiles_only_where_used():
     """Compiled at head dim 128 P̂ᵀ and dŜ are ``wgmma`` operands from registers, so the SageBwd kernels
     allocate no SMEM tiles for them (lowered in tests/test_lowering.py); at 64, and interpreted, they go
