@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere")
     parser.add_argument("--no-sweep", action="store_true", help="use the default QatConfig")
     parser.add_argument("--methods", nargs="+", choices=tuple(method_fns(64, False, None)), default=None,
-                        help="time only these columns (default: all); the others show as not run")
+                        help="time only these columns (default: all); RESULTS.md leaves the others out")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/qat.py needs a GPU (or --smoke)")
