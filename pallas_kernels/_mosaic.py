@@ -320,19 +320,26 @@ def int8_in_registers(interpret: bool) -> bool:
     return RELAYOUT_8BIT and INT8_REGISTER_OPERANDS and not interpret
 
 
+def int8_operand_in_smem(interpret: bool, registers: bool = True) -> bool:
+    """Whether :func:`register_operand` stores an INT8 tile to its SMEM ``scratch`` (so the kernel must allocate
+    one) rather than relaying it out in registers: always when ``registers`` is False or
+    :func:`int8_in_registers` is (interpreted, no relayout, or switched off)."""
+    return not (registers and int8_in_registers(interpret))
+
+
 def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = True, registers: bool = True):
     """``x`` (a WGMMA-layout tile: 16-bit, or INT8 (64, K)) as the register A operand of ``wgmma``.
 
     A 16-bit tile is used as is; an INT8 one is relaid out to WGMMA_8BIT (:func:`_install_8bit_relayout`).
     The Mosaic GPU interpreter takes SMEM operands only, and an INT8 tile stays out of registers with
-    ``registers=False`` or :func:`int8_in_registers` false: then ``x`` is stored to ``scratch`` (an SMEM
-    tile, which is returned), followed by ``commit_smem`` unless ``commit=False`` (the caller then
-    commits once for several stores). Same values either way."""
-    if registers and not interpret:
-        if jnp.dtype(x.dtype).itemsize > 1:
+    ``registers=False`` or :func:`int8_in_registers` false (:func:`int8_operand_in_smem`): then ``x`` is
+    stored to ``scratch`` (an SMEM tile, which is returned), followed by ``commit_smem`` unless
+    ``commit=False`` (the caller then commits once for several stores). Same values either way."""
+    if jnp.dtype(x.dtype).itemsize > 1:
+        if registers and not interpret:
             return x
-        if int8_in_registers(interpret):
-            return plgpu.layout_cast(x, plgpu.Layout.WGMMA_8BIT)
+    elif not int8_operand_in_smem(interpret, registers):
+        return plgpu.layout_cast(x, plgpu.Layout.WGMMA_8BIT)
     scratch[...] = x
     if commit:
         plgpu.commit_smem()
@@ -519,11 +526,10 @@ def on_hopper() -> bool:
     return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 
-__all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of",
-           "row_vector", "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys",
-           "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
-           "matmul_sum",
-           "matmuls", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
+__all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
+           "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys", "first_query_tile",
+           "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul", "matmul_sum", "matmuls",
+           "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
            "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
            "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product", "reduce_add_matmul",
            "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers", "PingPong",

@@ -61,7 +61,7 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
-    int8_in_registers, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
+    int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
     row_vector, rows_of, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
     trim_rows, wg_tiles, wgmma_zeros,
@@ -84,11 +84,10 @@ REGISTER_DS_MIN_HEAD_DIM = 128
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
     """Whether P̂ᵀ and dŜ (the INT8 A operands of dV, dK and the dQ kernel's dŜK̂) need SMEM tiles: not
-    where they are taken from registers (``REGISTER_*_MIN_HEAD_DIM``, compiled, with the relayout
-    available; ``_mosaic.register_operand``), so those kernels do not allocate them."""
-    registers = int8_in_registers(interpret)
-    return (not (registers and head_dim >= REGISTER_P_MIN_HEAD_DIM),
-            not (registers and head_dim >= REGISTER_DS_MIN_HEAD_DIM))
+    where ``_mosaic.register_operand`` takes them from registers (from ``REGISTER_*_MIN_HEAD_DIM``,
+    compiled, with the relayout available), so those kernels do not allocate them."""
+    return (int8_operand_in_smem(interpret, head_dim >= REGISTER_P_MIN_HEAD_DIM),
+            int8_operand_in_smem(interpret, head_dim >= REGISTER_DS_MIN_HEAD_DIM))
 
 
 def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
