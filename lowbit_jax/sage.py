@@ -321,10 +321,8 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
     vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
                      ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
-    # the fused dQ takes dK's dŜ, which is dQ's only if both products quantize dS on the same tiles
-    fuse_dq = (dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and cfg.dq_block_k == cfg.bwd_block_k
-               and sage_bwd_mosaic.supports_fused_dq(head_dim=ops.q.shape[3], per_block=opts.per_block,
-                                                     ds_per_row=mosaic_kw["ds_per_row"]))
+    fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
+        head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,

@@ -139,8 +139,10 @@ class SageFwdConfig:
 
     def fuses_dq(self, head_dim: int, causal: bool) -> bool:
         """Whether a Mosaic dK/dV kernel should also compute dQ (``dq_kernel``; where it can:
-        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at head dim 64 and, non-causal, at 128."""
-        return fuses_dq(self.dq_kernel, head_dim <= 64 or not causal)
+        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at head dim 64 and, non-causal, at 128.
+        Never with ``dq_block_k != bwd_block_k``: the fused dQ takes dK's dŜ, which is dQ's only if both
+        products quantize dS on the same tiles."""
+        return self.dq_block_k == self.bwd_block_k and fuses_dq(self.dq_kernel, head_dim <= 64 or not causal)
 
     def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""

@@ -234,6 +234,7 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
     assert cfg.fuses_dq(64, True) and cfg.fuses_dq(128, False) and not cfg.fuses_dq(128, True)
     assert lb.SageFwdConfig(dq_kernel="fused").fuses_dq(128, True)
     assert not lb.SageFwdConfig(dq_kernel="separate").fuses_dq(64, False)
+    assert not lb.SageFwdConfig(dq_kernel="fused", dq_block_k=32).fuses_dq(64, False)  # dQ's dS tiles differ
     for change in (dict(head_dim=32), dict(per_block=False), dict(ds_per_row=True)):
         assert not sage_bwd_mosaic.supports_fused_dq(**{**dict(head_dim=64, per_block=True, ds_per_row=False),
                                                         **change}), change
