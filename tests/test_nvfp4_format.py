@@ -189,8 +189,8 @@ def test_group_scale_rounds_the_exact_quotient():
     or without ``assume_finite``, eagerly and under jit. XLA turns ``amax / 6`` into a multiply by fl(1/6),
     which rounds 15 float32 patterns to the other e4m3 neighbour (0.11132812·2**k among them), so the
     quotient is nvfp4._sixth. A check of every finite non-negative float32 passed
-    (benchmarks/nvfp4_scale_check.py, on the CPU and on the H200); here: random bit patterns, every e4m3 value and rounding point times 6 with the
-    float32 neighbours of each, P-like values in (0, 1], and zero."""
+    (benchmarks/nvfp4_scale_check.py, on the CPU and on the H200); here: random bit patterns, every e4m3
+    value and rounding point times 6 with the float32 neighbours of each, P-like values in (0, 1], and zero."""
     rng = np.random.default_rng(7)
     grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
