@@ -34,9 +34,9 @@ from jax import lax
 
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._mosaic import (
-    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, key_step_specs, launch,
-    mask_scores, matmul, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, schedule_barrier,
-    tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
+    key_step_specs, launch, mask_scores, matmul, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of,
+    schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -62,9 +62,12 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
             and (not causal or sq_len <= sk_len))
 
 
-def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
-                q_smem2, qs_smem2, vs_smem2, p_smem2, o_smem2, lse_smem2, barriers, sched,
-                *, group, block_k, head_dim, sk_len, causal, offset, interpret):
+def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
+                *scratch, group, block_k, head_dim, sk_len, causal, offset, interpret):
+    """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
+    the barriers, the ping-pong barrier."""
+    p_smem2, o_smem2, lse_smem2, barriers, sched = (
+        scratch if int8_operand_in_smem(interpret) else (None, *scratch))
     b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, block_k)
@@ -105,10 +108,10 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
         beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃
         l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
         out_shape = (TILE, head_dim)
-        p_smem = p_smem2.at[wg]
+        p_smem = None if p_smem2 is None else p_smem2.at[wg]
         p8 = register_operand(int8.encode_unit_interval(e, truncating_convert=True), p_smem, interpret)
         acc = acc * rows_of(alpha, out_shape)
-        if p8 is p_smem:  # stored to SMEM: nothing in registers to hold back
+        if p_smem is not None:  # stored to SMEM: nothing in registers to hold back
             acc, l_new = pp.values(acc, l_new)
         else:
             p8, acc, l_new = pp.values(p8, acc, l_new)
@@ -146,8 +149,9 @@ def sage_attention_fwd_mosaic(
     f32 = jnp.float32
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret)
+    p_tile = [wg_tiles(WGS, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
     scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
-               wg_tiles(WGS, TILE, jnp.int8, config.block_k), plgpu.SMEM((WGS, TILE, d), out_dtype),
+               *p_tile, plgpu.SMEM((WGS, TILE, d), out_dtype),
                plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS)), schedule_barrier()]
     # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE rows padded to Sq_pad
     # (a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
