@@ -94,8 +94,8 @@ def render_backward(data: dict) -> list[str]:
            "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
            "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the library's defaults "
            "(`dkdv_backend`/`dq_backend` = auto: both backward kernels on Mosaic GPU where they apply, the table "
-           "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel at D64 and at D128 "
-           "non-causal, the table \"dQ inside the dK/dV kernel\"; `fwd_backend` = auto: the Mosaic forward at D128, "
+           "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel (at D128 causal too "
+           "since 2026-11-30 19:59; before, separate there), the table \"dQ inside the dK/dV kernel\"; `fwd_backend` = auto: the Mosaic forward at D128, "
            "Triton's at D64, since 2026-11-30 16:03); `sage (Triton)` and `sage (Mosaic)` put both backward kernels "
            "on one backend with the Triton forward, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
            "`ds_scale=\"row\"` (a dash: not run in that measurement).", "",
@@ -347,7 +347,8 @@ def render_dq_kernel(data: dict) -> list[str]:
            "reduce-adds each step's dS·K into a float32 dQ with TMA. `sage separate` runs the library's default "
            "backends with the dQ kernel; `sage fused` runs the Mosaic dK/dV kernel (per-block Q/K scales, per-tile "
            "dS). The library default (`dq_kernel=\"auto\"`) follows the tables measured when it was chosen: "
-           "SageBwd fuses at D64 and at D128 non-causal (separate at D128 causal); Attn-QAT fuses at D64 and at "
+           "SageBwd fused at D64 and at D128 non-causal (separate at D128 causal) until 2026-11-30 19:59, when it "
+           "became fused everywhere (benchmarks/NOTES.md, seventeenth session); Attn-QAT fuses at D64 and at "
            "D128 causal (separate at D128 non-causal, where the two are level). At D128 Attn-QAT's fused dQ is split "
            "by columns between the kernel's two warpgroups (`qat_bwd_mosaic.splits_dq_columns`; from 2026-11-30 "
            "17:59 on; before, each warpgroup added all columns over its own keys).", "",

@@ -75,10 +75,10 @@ class SageFwdConfig:
         step's dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation
         order then varies run to run) and ``dq_backend`` is unused; elsewhere, and with
         "separate", the dQ kernel recomputes S, P and dP per query tile. "auto" (default):
-        fused at head dim 64 (fwd+bwd 3.97 vs 5.14 ms at B8 H32 S2048 on the H200) and at 128
-        non-causal (11.43 vs 13.06 ms at B4 H32 S4096, 41.1 vs 48.3 at B1 S16384); separate at
-        128 causal (7.14 vs 7.62 ms at B4 H32 S4096) (benchmarks/RESULTS.md, "dQ inside the
-        dK/dV kernel").
+        fused wherever it applies, as "fused": at head dim 64 (fwd+bwd 3.97 vs 5.14 ms at B8 H32
+        S2048 on the H200), at 128 non-causal (10.68 vs 11.99 ms at B4 H32 S4096) and, since the
+        D128 kernels take P̂ᵀ and dŜ from registers, at 128 causal too (6.43 vs 6.62 ms at B4 H32
+        S4096, 21.9 vs 23.5 at B1 S16384; benchmarks/NOTES.md, seventeenth session).
     """
 
     block_q: int = 64
@@ -139,10 +139,12 @@ class SageFwdConfig:
 
     def fuses_dq(self, head_dim: int, causal: bool) -> bool:
         """Whether a Mosaic dK/dV kernel should also compute dQ (``dq_kernel``; where it can:
-        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at head dim 64 and, non-causal, at 128.
+        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at every head dim, causal or not (measured
+        faster at each on the H200; ``head_dim`` and ``causal`` are kept for a device where it is not).
         Never with ``dq_block_k != bwd_block_k``: the fused dQ takes dK's dŜ, which is dQ's only if both
         products quantize dS on the same tiles."""
-        return self.dq_block_k == self.bwd_block_k and fuses_dq(self.dq_kernel, head_dim <= 64 or not causal)
+        del head_dim, causal
+        return self.dq_block_k == self.bwd_block_k and fuses_dq(self.dq_kernel, True)
 
     def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""

@@ -17,8 +17,8 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
 * or dQ fused into ``sage_bwd_dkdv_mosaic`` (``k8_t=``; ``SageFwdConfig.dq_kernel``): the
   per-tile dŜ is also stored transposed (through the WGMMA_TRANSPOSED register layout)
   and each step's dŜK̂ is reduce-added by TMA into a float32 dQ (FlashAttention-3's
-  accumulation, ``_mosaic.reduce_add_matmul``): the default at head dim 64 and at 128 non-causal
-  (fwd+bwd 23% and 12% less time on the H200); slower at 128 causal (``SageFwdConfig.fuses_dq``).
+  accumulation, ``_mosaic.reduce_add_matmul``): the default (``SageFwdConfig.fuses_dq``; fwd+bwd
+  23% less time on the H200 at head dim 64, 11% at 128 non-causal, 3–7% at 128 causal).
 
 At head dim 128 the INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken
 straight from registers (``_mosaic.register_operand``: two lane shuffles per 4 values into the 8-bit

@@ -187,12 +187,13 @@ def test_qat_forward_and_backward_lower_to_triton(case):
 @pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [
     (False, "tile", 1024, 128, "per_token", False), (True, "tile", 384, 128, "per_token", False),
     (True, "row", 380, 128, "per_token", False), (True, "tile", 300, 64, "per_block", True),
-    (False, "tile", 512, 64, "per_block", False), (False, "tile", 384, 128, "per_block", True)])
+    (False, "tile", 512, 64, "per_block", False), (False, "tile", 384, 128, "per_block", True),
+    (True, "tile", 384, 128, "per_block", True)])
 def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity, fused):
     """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls
     (dS scales per tile, or per row: ``ds_scale``; Sq = 380 and 300 are not multiples of the TMA tiling's
     8 rows, which only the lowering — not the interpreter — rejects). ``fused``: dq_kernel="auto" (fused at
-    D64, and at D128 non-causal) with per-block scales, one Mosaic kernel (dQ reduce-added by TMA); else
+    every head dim) with per-block scales, one Mosaic kernel (dQ reduce-added by TMA); else
     "separate" (two)."""
     cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), dkdv_backend="mosaic",
                               dq_backend="mosaic", fwd_backend="triton", ds_scale=ds_scale,

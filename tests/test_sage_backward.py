@@ -206,9 +206,10 @@ def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel):
 
 
 @pytest.mark.parametrize("case", [(1, 128, 256, 4, 2, 64, False), (2, 200, 384, 4, 2, 64, True),
-                                  (1, 128, 256, 4, 2, 64, True), (1, 128, 256, 4, 2, 128, False)])
+                                  (1, 128, 256, 4, 2, 64, True), (1, 128, 256, 4, 2, 128, False),
+                                  (1, 256, 256, 4, 2, 128, True)])
 def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
-    """SageFwdConfig.dq_kernel: with per-block Q/K scales and per-tile dS, "fused" ("auto" at D64) computes
+    """SageFwdConfig.dq_kernel: with per-block Q/K scales and per-tile dS, "fused" (and "auto") computes
     dQ in the Mosaic dK/dV kernel (the dQ kernel is not called; in the interpreter the per-block partial
     sums go to a workspace) and gives the separate dQ kernel's gradients (the same dŜ codes, other order)."""
     from pallas_kernels import sage_bwd_mosaic
@@ -220,7 +221,7 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d, k_outlier=3.0)
     do = cotangent(q)
     got, n_calls = {}, {}
-    fused = "auto" if d == 64 or not causal else "fused"  # "auto" fuses there (SageFwdConfig.fuses_dq)
+    fused = "auto" if d == 64 else "fused"  # "auto" fuses everywhere (SageFwdConfig.fuses_dq); both named
     for mode in (fused, "separate"):
         got[mode] = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, causal=causal,
                           qk_granularity="per_block", config=dataclasses.replace(MOSAIC, dq_kernel=mode))
@@ -231,7 +232,7 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
         assert a.dtype == r.dtype and rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
     assert sage_bwd_mosaic.supports_fused_dq(head_dim=64, per_block=True, ds_per_row=False)
     cfg = lb.SageFwdConfig()
-    assert cfg.fuses_dq(64, True) and cfg.fuses_dq(128, False) and not cfg.fuses_dq(128, True)
+    assert all(cfg.fuses_dq(d, causal) for d in (64, 128) for causal in (False, True))
     assert lb.SageFwdConfig(dq_kernel="fused").fuses_dq(128, True)
     assert not lb.SageFwdConfig(dq_kernel="separate").fuses_dq(64, False)
     assert not lb.SageFwdConfig(dq_kernel="fused", dq_block_k=32).fuses_dq(64, False)  # dQ's dS tiles differ
