@@ -173,9 +173,18 @@ def wg_tiles(wgs: int, rows: int, dtype, cols: int):
     return plgpu.SMEM((wgs, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
 
 
+#: probe switch: bytes of unused SMEM scratch every kernel :func:`launch` starts also allocates (0: none). It
+#: moves a kernel's SMEM, and so the SMEM/L1 split the driver picks for it, without changing its code
+#: (benchmarks/smem_report.py; benchmarks/NOTES.md, seventeenth session).
+EXTRA_SMEM_BYTES = 0
+
+
 def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool):
     """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
     is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous")."""
+    if EXTRA_SMEM_BYTES:
+        scratch_types = [*scratch_types, plgpu.SMEM((EXTRA_SMEM_BYTES,), jnp.int8)]
+        kernel = (lambda body: lambda *refs: body(*refs[:-1]))(kernel)  # the padding is never touched
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
                         compiler_params=compiler_params(), num_threads=compute_wgs + 1, thread_name="wg",
                         interpret=interpret_params(interpret), kernel_name=name)

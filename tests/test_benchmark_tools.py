@@ -1,5 +1,6 @@
 """benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
-benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run)."""
+benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run),
+benchmarks/smem_report.py (lowered on the CPU)."""
 
 import json
 
@@ -143,3 +144,21 @@ def test_qat_table_keeps_only_the_methods_a_run_timed():
     assert "qat naive" in table[0] and "**qat / cuDNN**" in table[0]
     no_cudnn = _qat_throughput_table([row({pp: 1.0}, {pp: 1.0})])
     assert "/ cuDNN" not in no_cudnn[0]
+
+
+def test_smem_report_measures_each_kernel_and_the_padding_switch(monkeypatch):
+    """benchmarks/smem_report.py reads each Mosaic GPU kernel's SMEM off its lowering for an H200 (CPU only);
+    ``_mosaic.EXTRA_SMEM_BYTES`` pads every kernel by exactly that many bytes, and the carveout steps follow."""
+    from benchmarks import smem_report
+    from pallas_kernels import _mosaic
+
+    base = dict(smem_report.lowered_kernels("sage", 64, True, "fused", seq=256))
+    assert set(base) == {"sage_attention_fwd", "sage_bwd_dkdv_dq"}, base
+    assert 32 * 1024 < base["sage_attention_fwd"] < base["sage_bwd_dkdv_dq"] < 227 * 1024
+    monkeypatch.setattr(_mosaic, "EXTRA_SMEM_BYTES", 8192)
+    jax.clear_caches()  # the kernels' jitted wrappers would otherwise keep the unpadded trace
+    padded = dict(smem_report.lowered_kernels("sage", 64, True, "fused", seq=256))
+    assert {k: padded[k] - base[k] for k in base} == {k: 8192 for k in base}
+    jax.clear_caches()
+    assert [smem_report.carveout_kib(k * 1024) for k in (0, 99, 100, 163, 164, 227, 228)] == [
+        8, 100, 132, 164, 196, 228, None]
