@@ -1,7 +1,7 @@
 """Shared memory of every Mosaic GPU kernel, as lowered for an H200 — on the CPU, no GPU needed.
 
 Usage (repo root, any machine):
-    PYTHONPATH=. python benchmarks/smem_report.py [--extra-smem BYTES] [--head-dim 128] [--method sage]
+    PYTHONPATH=. python benchmarks/smem_report.py [--extra-smem BYTES] [--reduction-scratch BYTES] [--head-dim 128] [--method sage]
 
 Each SageBwd / Attn-QAT configuration (head dim 64 and 128, causal and not, dQ fused and separate, every kernel
 on Mosaic GPU) is lowered for an abstract H200, and the SMEM Pallas reserves for each kernel launch is read off
@@ -10,7 +10,9 @@ report says so if it moves). Beside it: the smallest shared-memory carveout of a
 (0, 8, 16, 32, 64, 100, 132, 164, 196 or 228 KiB, plus the 1 KiB the driver reserves per CTA) and the L1 cache
 that then leaves of the SM's 256 KiB — what the kernels' register spills are cached in, if the driver picks
 that carveout (benchmarks/NOTES.md, seventeenth session: the hypothesis, and the ``EXTRA_SMEM_BYTES`` probe
-that tests it). ``--extra-smem`` sets that probe switch. Writes benchmarks/results/smem_report.json (not
+that tests it). ``--extra-smem`` and ``--reduction-scratch`` set the probe switches ``EXTRA_SMEM_BYTES`` and
+``REDUCTION_SCRATCH_BYTES``. The estimate leaves out the kernel's mbarriers (8 bytes each), so a kernel within a few
+hundred bytes of a step may need the next one. Writes benchmarks/results/smem_report.json (not
 rendered into RESULTS.md: nothing here is measured on the GPU).
 """
 
@@ -124,12 +126,15 @@ def report(methods=("sage", "qat"), head_dims=(64, 128), log=print) -> list[dict
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extra-smem", type=int, default=0, help="pallas_kernels._mosaic.EXTRA_SMEM_BYTES")
+    parser.add_argument("--reduction-scratch", type=int, default=None,
+                        help="pallas_kernels._mosaic.REDUCTION_SCRATCH_BYTES (default: Pallas's 2 KiB)")
     parser.add_argument("--head-dim", type=int, choices=(64, 128), action="append")
     parser.add_argument("--method", choices=("sage", "qat"), action="append")
     args = parser.parse_args(argv)
     from pallas_kernels import _mosaic
 
     _mosaic.EXTRA_SMEM_BYTES = args.extra_smem
+    _mosaic.REDUCTION_SCRATCH_BYTES = args.reduction_scratch
     rows = report(tuple(args.method or ("sage", "qat")), tuple(args.head_dim or (64, 128)))
     RESULTS.parent.mkdir(exist_ok=True)
     command = " ".join(["PYTHONPATH=. python benchmarks/smem_report.py", *(argv if argv is not None else sys.argv[1:])])

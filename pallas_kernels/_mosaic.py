@@ -27,9 +27,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 MEMORY_REGISTERS = 40
 
 
+#: probe switch: SMEM bytes reserved for cross-warp reductions in a kernel that reduces (None: Pallas's
+#: default, 2 KiB; benchmarks/NOTES.md, seventeenth session — untested on the GPU below the default)
+REDUCTION_SCRATCH_BYTES: int | None = None
+
+
 def compiler_params() -> plgpu.CompilerParams:
     """Mosaic GPU compiler parameters (fast approximate exp2/reciprocal)."""
-    return plgpu.CompilerParams(approx_math=True)
+    if REDUCTION_SCRATCH_BYTES is None:
+        return plgpu.CompilerParams(approx_math=True)
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES)
 
 
 def interpret_params(interpret: bool):
