@@ -15,7 +15,9 @@ process (nothing cached from another variant), and times one jitted fwd+bwd of `
 ``lb.qat_attention`` (``--part fwd``: the forward alone) per shape (B, Hq, Hkv, S, D, causal). Variants run
 interleaved ``--repeats`` times, so drift of the machine shows as spread between repeats.
 ``--check``: each variant's gradients against the xla reference (rel-L1, same quantization) on the
-first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``).
+first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``; the
+raw output goes to $OUT/ptxas_<variant>.log where $OUT is set: in a fwd+bwd run the per-kernel attribution has
+been seen to give the forward the backward's count, benchmarks/NOTES.md, seventeenth session).
 Writes benchmarks/results/variants.json (and $OUT/variants.json); not rendered into RESULTS.md.
 """
 
@@ -162,6 +164,9 @@ def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, 
     result = json.loads(lines[-1][len("RESULT "):])
     if ptxas:
         result["spill_bytes"] = spills(proc.stdout + proc.stderr)
+        if os.environ.get("OUT"):  # the raw log, to read which kernel a spill report follows
+            with open(os.path.join(os.environ["OUT"], f"ptxas_{name}.log"), "a") as f:
+                f.write(proc.stdout + proc.stderr)
     return result
 
 
