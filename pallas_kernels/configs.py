@@ -77,8 +77,9 @@ class SageFwdConfig:
         "separate", the dQ kernel recomputes S, P and dP per query tile. "auto" (default):
         fused wherever it applies, as "fused": at head dim 64 (fwd+bwd 3.97 vs 5.14 ms at B8 H32
         S2048 on the H200), at 128 non-causal (10.68 vs 11.99 ms at B4 H32 S4096) and, since the
-        D128 kernels take P̂ᵀ and dŜ from registers, at 128 causal too (6.43 vs 6.62 ms at B4 H32
-        S4096, 21.9 vs 23.5 at B1 S16384; benchmarks/NOTES.md, seventeenth session).
+        D128 dK/dV kernel stopped allocating SMEM tiles for the P̂ᵀ and dŜ it takes from registers,
+        at 128 causal too (6.43 vs 6.62 ms at B4 H32 S4096, 21.9 vs 23.5 at B1 S16384;
+        benchmarks/NOTES.md, seventeenth session).
     """
 
     block_q: int = 64
