@@ -207,7 +207,7 @@ def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel):
 
 @pytest.mark.parametrize("case", [(1, 128, 256, 4, 2, 64, False), (2, 200, 384, 4, 2, 64, True),
                                   (1, 128, 256, 4, 2, 64, True), (1, 128, 256, 4, 2, 128, False),
-                                  (1, 256, 256, 4, 2, 128, True)])
+                                  (1, 200, 256, 4, 2, 128, True)])
 def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
     """SageFwdConfig.dq_kernel: with per-block Q/K scales and per-tile dS, "fused" (and "auto") computes
     dQ in the Mosaic dK/dV kernel (the dQ kernel is not called; in the interpreter the per-block partial
