@@ -14,6 +14,14 @@ from pathlib import Path
 import jax
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: the GPU the kernels are lowered for on a machine without one (tests/test_lowering.py, smem_report.py)
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+
+
+def lower_for_h200(fn: Callable, *specs) -> jax.stages.Lowered:
+    """``jax.jit(fn)`` lowered for an abstract H200 (CUDA), on any machine: no GPU needed."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
 def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:

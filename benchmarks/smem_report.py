@@ -11,9 +11,9 @@ report says so if it moves). Beside it: the smallest shared-memory carveout of a
 that then leaves of the SM's 256 KiB — what the kernels' register spills are cached in, if the driver picks
 that carveout (benchmarks/NOTES.md, seventeenth session: the hypothesis, and the ``EXTRA_SMEM_BYTES`` probe
 that tests it). ``--extra-smem`` and ``--reduction-scratch`` set the probe switches ``EXTRA_SMEM_BYTES`` and
-``REDUCTION_SCRATCH_BYTES``. The estimate leaves out the kernel's mbarriers (8 bytes each), so a kernel within a few
-hundred bytes of a step may need the next one. Writes benchmarks/results/smem_report.json (not
-rendered into RESULTS.md: nothing here is measured on the GPU).
+``REDUCTION_SCRATCH_BYTES``. The estimate leaves out the kernel's mbarriers (8 bytes each), so a kernel within a
+few hundred bytes of a step may need the next one. Writes benchmarks/results/smem_report.json (and
+$OUT/smem_report.json; not rendered into RESULTS.md: nothing here is measured on the GPU).
 """
 
 from __future__ import annotations
@@ -22,19 +22,16 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+from benchmarks.common import lower_for_h200, write_json
 #: shared-memory capacities an sm_90 SM can be configured to (KiB; CUDA C programming guide, compute capability 9.0)
 CARVEOUTS_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
 UNIFIED_KIB = 256  # L1 + shared memory per SM
 RESERVED_KIB = 1  # shared memory the driver reserves per CTA
-RESULTS = Path(__file__).resolve().parent / "results" / "smem_report.json"
 
 
 def carveout_kib(smem_bytes: int) -> int | None:
@@ -103,9 +100,8 @@ def lowered_kernels(method: str, head_dim: int, causal: bool, dq_kernel: str, se
         loss = lambda q, k, v: jnp.sum(attend(q, k, v, opts).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    with recording_smem() as kernels, jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((), (), abstract_device=H200)):
-        jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    with recording_smem() as kernels:
+        lower_for_h200(grads, q, kv, kv)
     return kernels
 
 
@@ -136,11 +132,9 @@ def main(argv=None) -> int:
     _mosaic.EXTRA_SMEM_BYTES = args.extra_smem
     _mosaic.REDUCTION_SCRATCH_BYTES = args.reduction_scratch
     rows = report(tuple(args.method or ("sage", "qat")), tuple(args.head_dim or (64, 128)))
-    RESULTS.parent.mkdir(exist_ok=True)
     command = " ".join(["PYTHONPATH=. python benchmarks/smem_report.py", *(argv if argv is not None else sys.argv[1:])])
-    RESULTS.write_text(json.dumps(dict(command=command,
-                                       jax=jax.__version__, rows=rows), indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    for path in write_json("smem_report", dict(command=command, jax=jax.__version__, rows=rows)):
+        print(f"wrote {path}")
     return 0
 
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 import lowbit_jax as lb
+from benchmarks import common
 from lowbit_jax import sage as sage_mod
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 TRITON_CALL = "__gpu$xla.gpu.triton"
 FWD_KERNELS = ("sage_quantize_q", "sage_quantize_kv", "sage_attention_fwd")
 BWD_KERNELS = ("sage_bwd_preprocess", "sage_bwd_dkdv", "sage_bwd_dq")
@@ -29,8 +29,8 @@ CASES = [
 
 
 def lower_for_h200(fn, *specs) -> str:
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    """The module text of ``jax.jit(fn)`` lowered for an abstract H200 (``benchmarks.common.lower_for_h200``)."""
+    return common.lower_for_h200(fn, *specs).as_text()
 
 
 def triton_named(text: str, name: str) -> bool:
