@@ -103,6 +103,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
     else:
         dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers = refs
     b, hkv, wg = grid_position()
+    # split: both warpgroups meet at the CTA-wide barrier (PingPong's two-arrival barrier as a plain rendezvous)
+    cta_sync = PingPong(cta_barrier, wg, enabled=True).sync if split else None
     out_shape, half = (TILE, head_dim), head_dim // 2
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
     cta_keys = lax.axis_index("kv") * (WGS * TILE)
@@ -118,7 +120,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         zeros = wgmma_zeros(out_shape)
         dk, dv = pipeline((zeros, zeros))
         if split:  # the other warpgroup's last dQ products have read this K̃ tile
-            PingPong(cta_barrier, wg, enabled=True).sync()
+            cta_sync()
         k_smem[...] = (dk * scale).astype(k_smem.dtype)  # K̃ and Ṽ are no longer needed: reuse their SMEM
         v_smem[...] = dv.astype(v_smem.dtype)
         copy_out(((k_smem, dk_ref.at[b, rows, hkv]), (v_smem, dv_ref.at[b, rows, hkv])))
@@ -143,7 +145,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         ds_smem[...] = (p * (dp - rows_of(row_vector(delta_smem), shape))).astype(dt)
         plgpu.commit_smem()
         if split:  # both warpgroups' dS tiles are published
-            PingPong(cta_barrier, wg, enabled=True).sync()
+            cta_sync()
         dv, dk = accumulate((dv, dk), ((p_smem.T, do_smem), (ds_smem.T, q_smem)), fused=not interpret)
         if fused_dq:
             g, t = head_and_tile(idx[0])
