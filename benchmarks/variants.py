@@ -16,8 +16,8 @@ process (nothing cached from another variant), and times one jitted fwd+bwd of `
 interleaved ``--repeats`` times, so drift of the machine shows as spread between repeats.
 ``--check``: each variant's gradients against the xla reference (rel-L1, same quantization) on the
 first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``; the
-raw output goes to $OUT/ptxas_<variant>.log where $OUT is set: in a fwd+bwd run the per-kernel attribution has
-been seen to give the forward the backward's count, benchmarks/NOTES.md, seventeenth session).
+raw output goes to $OUT/ptxas_<variant>.log where $OUT is set) and stack frame (local memory per thread,
+where the spills live: times the CTA's threads, the L1 they need; benchmarks/NOTES.md, eighteenth session).
 Writes benchmarks/results/variants.json (and $OUT/variants.json); not rendered into RESULTS.md.
 """
 
@@ -35,7 +35,10 @@ import sys
 import warnings
 
 SMOKE_SHAPE = (1, 2, 2, 128, 64, True)
-SPILL = re.compile(r"Compiling entry function '(\w+)'|(\d+) bytes spill stores")
+# ptxas -v: "Compiling entry function 'k'" then that kernel's "N bytes stack frame, M bytes spill stores" line.
+# (Its "Registers are spilled ... in function 'k', M bytes spill stores" warning comes *before* k's entry line,
+# so it is not matched: pairing it with the entry above gave the previous kernel k's count.)
+SPILL = re.compile(r"Compiling entry function '(\w+)'|(\d+) bytes stack frame, (\d+) bytes spill stores")
 
 
 def parse_assignments(text: str) -> list[tuple[str, str, object]]:
@@ -141,14 +144,15 @@ def child(args) -> dict:
     return result
 
 
-def spills(log: str) -> dict[str, int]:
-    """ptxas's spill-store bytes per compiled kernel (the largest seen for each name) from its -v output."""
+def spills(log: str, *, stack_frame: bool = False) -> dict[str, int]:
+    """ptxas's spill-store bytes per compiled kernel (the largest seen for each name) from its -v output;
+    ``stack_frame``: the stack frame instead (bytes of local memory per thread, where spills live)."""
     out, current = {}, None
     for match in SPILL.finditer(log):
         if match.group(1):
             current = match.group(1)
         elif current is not None:
-            out[current] = max(out.get(current, 0), int(match.group(2)))
+            out[current] = max(out.get(current, 0), int(match.group(2 if stack_frame else 3)))
     return out
 
 
@@ -164,6 +168,7 @@ def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, 
     result = json.loads(lines[-1][len("RESULT "):])
     if ptxas:
         result["spill_bytes"] = spills(proc.stdout + proc.stderr)
+        result["stack_frame_bytes"] = spills(proc.stdout + proc.stderr, stack_frame=True)
         if os.environ.get("OUT"):  # the raw log, to read which kernel a spill report follows
             with open(os.path.join(os.environ["OUT"], f"ptxas_{name}.log"), "a") as f:
                 f.write(proc.stdout + proc.stderr)
@@ -206,7 +211,9 @@ def main(argv=None) -> int:
             payload["runs"].append(dict(variant=name, assign=assign, repeat=repeat, **result))
             print(f"{name:>16} #{repeat}: " + "  ".join(f"[{k}] {ms:.3f} ms" for k, ms in result["ms"].items())
                   + (f"  check {result['check']}" if result.get("check") else "")
-                  + (f"  spills {result['spill_bytes']}" if result.get("spill_bytes") else ""), flush=True)
+                  + (f"  spills {result['spill_bytes']}" if result.get("spill_bytes") else "")
+                  + (f"  stack frames {result['stack_frame_bytes']}" if result.get("stack_frame_bytes") else ""),
+                  flush=True)
             write_json("variants_smoke" if args.smoke else "variants", payload)
     return 0
 
