@@ -319,13 +319,15 @@ MEMORY_SETTINGS = {
 }
 
 
-def peak_memory(method: str, setting: str, b: int, h: int, s: int, d: int, causal: bool) -> int:
-    """Peak GPU bytes of one fwd+bwd in this (fresh) process; ``setting`` from MEMORY_SETTINGS."""
+def peak_memory(method: str, setting: str, b: int, h: int, s: int, d: int, causal: bool) -> dict[str, int]:
+    """Peak GPU bytes of one fwd+bwd in this (fresh) process (``peak``), and the compiled step's own split
+    (``compiled.memory_analysis()``): its arguments, outputs and XLA temp buffers (``args``, ``out``,
+    ``temp``: at the peak all three are live); ``setting`` from MEMORY_SETTINGS."""
     q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape, q.dtype)
     attn = attention_fn(method, d, causal)
     if setting == "inputs":
-        jax.block_until_ready(fwd_bwd(attn)(q, k, v, do))
+        step, args = fwd_bwd(attn), (q, k, v, do)
     else:
         x = q
         del q, k, v
@@ -336,27 +338,33 @@ def peak_memory(method: str, setting: str, b: int, h: int, s: int, d: int, causa
             o, vjp = jax.vjp(lambda x, w: attn(x * w[0], x * w[1], x * w[2]), x, w)
             return o, *vjp(do)
 
-        jax.block_until_ready(step(x, w, do))
-    return int(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+        args = (x, w, do)
+    compiled = step.lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    split = compiled.memory_analysis()
+    return dict(peak=int(jax.devices()[0].memory_stats()["peak_bytes_in_use"]),
+                args=int(split.argument_size_in_bytes), out=int(split.output_size_in_bytes),
+                temp=int(split.temp_size_in_bytes))
 
 
 def memory_table(log):
     rows = []
     for b, h, s, d, causal in MEMORY_SHAPES:
         for setting, what in MEMORY_SETTINGS.items():
-            row = dict(b=b, h=h, s=s, d=d, causal=causal, setting=setting, what=what, peak_bytes={})
+            row = dict(b=b, h=h, s=s, d=d, causal=causal, setting=setting, what=what, peak_bytes={}, temp_bytes={})
             for method in ("sage", "cudnn_bf16"):
                 cmd = [sys.executable, __file__, "--memory", method, setting, str(b), str(h), str(s), str(d),
                        str(int(causal))]
                 res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."},
                                      timeout=240)
                 try:
-                    row["peak_bytes"][method] = int(res.stdout.strip().splitlines()[-1])
-                except (ValueError, IndexError):
+                    got = json.loads(res.stdout.strip().splitlines()[-1])
+                    row["peak_bytes"][method], row["temp_bytes"][method] = got["peak"], got["temp"]
+                except (ValueError, IndexError, KeyError):
                     log(f"  memory {method} {setting} failed: {res.stderr[-500:]}")
             rows.append(row)
             log(f"  peak memory ({setting}) B{b} S{s} D{d}: " + " ".join(
-                f"{m}={v / 2**30:.2f} GiB" for m, v in row["peak_bytes"].items()))
+                f"{m}={v / 2**30:.2f} GiB (temp {row['temp_bytes'][m] / 2**30:.2f})" for m, v in row["peak_bytes"].items()))
     return rows
 
 
@@ -378,7 +386,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.memory:
         m, setting, b, h, s, d, c = args.memory
-        print(peak_memory(m, setting, int(b), int(h), int(s), int(d), bool(int(c))))
+        print(json.dumps(peak_memory(m, setting, int(b), int(h), int(s), int(d), bool(int(c)))))
         return 0
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/attention_bwd.py needs a GPU (or --smoke)")

@@ -114,14 +114,20 @@ def render_backward(data: dict) -> list[str]:
         heading = "Peak GPU memory of one fwd+bwd, fresh process each (`memory_stats()['peak_bytes_in_use']`"
         heading += f"; `{data['memory_command']}`, {data['memory_date']}" if data.get("memory_command") else ""
         heading += f"; from the run of {data['memory_from']}, not this one" if data.get("memory_from") else ""
+        temps = any(r.get("temp_bytes") for r in data["memory"])
+        heading += ("; in brackets the compiled step's XLA temp buffers, `compiled.memory_analysis()`: at the peak "
+                    "they are live beside the step's arguments and outputs" if temps else "")
         out += ["", heading + "):", "",
                 "| shape | setting | sage | cuDNN bf16 |", "|---|---|---|---|"]
+
+        def cell(r, m):
+            peak, temp = r["peak_bytes"].get(m), r.get("temp_bytes", {}).get(m)
+            return _f(peak and peak / 2**30, "{:.2f} GiB") + (f" (temp {temp / 2**30:.2f})" if temp is not None else "")
+
         for r in data["memory"]:
-            pb = r["peak_bytes"]
             setting = r.get("what", "q, k, v are the step's inputs")
             out.append(f"| B{r['b']} H{r['h']} S{r['s']} D{r['d']} causal={r['causal']} | {setting} | "
-                       f"{_f(pb.get('sage') and pb['sage'] / 2**30, '{:.2f} GiB')} | "
-                       f"{_f(pb.get('cudnn_bf16') and pb['cudnn_bf16'] / 2**30, '{:.2f} GiB')} |")
+                       f"{cell(r, 'sage')} | {cell(r, 'cudnn_bf16')} |")
         if data.get("memory_note"):
             out += ["", data["memory_note"]]
     if data.get("error_reports"):
