@@ -8,9 +8,11 @@ on Mosaic GPU) is lowered for an abstract H200, and the SMEM Pallas reserves for
 its resource estimate (``jax._src.pallas.mosaic_gpu.lowering._estimate_resources``, a private function: the
 report says so if it moves). Beside it: the smallest shared-memory carveout of an sm_90 SM that holds one CTA
 (0, 8, 16, 32, 64, 100, 132, 164, 196 or 228 KiB, plus the 1 KiB the driver reserves per CTA) and the L1 cache
-that then leaves of the SM's 256 KiB — what the kernels' register spills are cached in, if the driver picks
-that carveout (benchmarks/NOTES.md, seventeenth session: the hypothesis, and the ``EXTRA_SMEM_BYTES`` probe
-that tests it). ``--extra-smem`` and ``--reduction-scratch`` set the probe switches ``EXTRA_SMEM_BYTES`` and
+that then leaves of the SM's 256 KiB — what the kernels' register spills are cached in. On the H200 this
+matters where ptxas's stack frame (``variants.py --ptxas``) times the CTA's 256 compute threads does not fit
+in that L1: the same Attn-QAT kernel code ran 6% faster at carveout 196 than at 228, and SageBwd 4% slower
+when padded from 196 to 228 (benchmarks/NOTES.md, seventeenth and eighteenth sessions; the
+``EXTRA_SMEM_BYTES`` probe). ``--extra-smem`` and ``--reduction-scratch`` set the probe switches ``EXTRA_SMEM_BYTES`` and
 ``REDUCTION_SCRATCH_BYTES``. The estimate leaves out the kernel's mbarriers (8 bytes each), so a kernel within a
 few hundred bytes of a step may need the next one. Writes benchmarks/results/smem_report.json (and
 $OUT/smem_report.json; not rendered into RESULTS.md: nothing here is measured on the GPU).
