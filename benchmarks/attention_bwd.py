@@ -7,7 +7,9 @@ Usage (GPU machine, repo root):
 
 Measures one jitted fwd+bwd (``jax.vjp`` then the pullback of a random dO) per
 method: time, TFLOP/s (3.5× the forward's 4·B·H·Sq·Sk·D, halved if causal),
-peak GPU memory of one fwd+bwd in a fresh process (``memory_stats()``), the
+peak GPU memory of one fwd+bwd in a fresh process (``memory_stats()``; with the
+compiled step's own split into arguments, outputs and XLA temp buffers,
+``compiled.memory_analysis()``; ``--memory-only`` re-runs just that), the
 compiled-kernel gradients against the xla reference on awkward shapes, and the
 per-intermediate error report against exact fp32 on N(0,1) and K-outlier inputs.
 Writes benchmarks/results/attention_bwd.json (and $OUT/attention_bwd.json).
