@@ -366,7 +366,8 @@ def memory_table(log):
                     log(f"  memory {method} {setting} failed: {res.stderr[-500:]}")
             rows.append(row)
             log(f"  peak memory ({setting}) B{b} S{s} D{d}: " + " ".join(
-                f"{m}={v / 2**30:.2f} GiB (temp {row['temp_bytes'][m] / 2**30:.2f})" for m, v in row["peak_bytes"].items()))
+                f"{m}={v / 2**30:.2f} GiB (temp {row['temp_bytes'][m] / 2**30:.2f})"
+                for m, v in row["peak_bytes"].items()))
     return rows
 
 

@@ -1,7 +1,8 @@
 """Shared memory of every Mosaic GPU kernel, as lowered for an H200 — on the CPU, no GPU needed.
 
 Usage (repo root, any machine):
-    PYTHONPATH=. python benchmarks/smem_report.py [--extra-smem BYTES] [--reduction-scratch BYTES] [--head-dim 128] [--method sage]
+    PYTHONPATH=. python benchmarks/smem_report.py [--extra-smem BYTES] [--reduction-scratch BYTES] \\
+        [--head-dim 128] [--method sage]
 
 Each SageBwd / Attn-QAT configuration (head dim 64 and 128, causal and not, dQ fused and separate, every kernel
 on Mosaic GPU) is lowered for an abstract H200, and the SMEM Pallas reserves for each kernel launch is read off
@@ -12,8 +13,8 @@ that then leaves of the SM's 256 KiB — what the kernels' register spills are c
 matters where ptxas's stack frame (``variants.py --ptxas``) times the CTA's 256 compute threads does not fit
 in that L1: the same Attn-QAT kernel code ran 6% faster at carveout 196 than at 228, and SageBwd 4% slower
 when padded from 196 to 228 (benchmarks/NOTES.md, seventeenth and eighteenth sessions; the
-``EXTRA_SMEM_BYTES`` probe). ``--extra-smem`` and ``--reduction-scratch`` set the probe switches ``EXTRA_SMEM_BYTES`` and
-``REDUCTION_SCRATCH_BYTES``. The estimate leaves out the kernel's mbarriers (8 bytes each), so a kernel within a
+``EXTRA_SMEM_BYTES`` probe). ``--extra-smem`` and ``--reduction-scratch`` set the probe switches
+``EXTRA_SMEM_BYTES`` and ``REDUCTION_SCRATCH_BYTES``. The estimate leaves out the kernel's mbarriers (8 bytes each), so a kernel within a
 few hundred bytes of a step may need the next one. Writes benchmarks/results/smem_report.json (and
 $OUT/smem_report.json; not rendered into RESULTS.md: nothing here is measured on the GPU).
 """

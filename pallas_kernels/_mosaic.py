@@ -28,7 +28,8 @@ MEMORY_REGISTERS = 40
 
 
 #: probe switch: SMEM bytes reserved for cross-warp reductions in a kernel that reduces (None: Pallas's
-#: default, 2 KiB; benchmarks/NOTES.md, seventeenth session — untested on the GPU below the default)
+#: default, 2 KiB). No kernel here uses them: all lower with 0, and on the H200 0 gave the same gradients
+#: and level timings (benchmarks/NOTES.md, eighteenth session); kept at the default, since nothing gained.
 REDUCTION_SCRATCH_BYTES: int | None = None
 
 
