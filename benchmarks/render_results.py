@@ -267,7 +267,7 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
             t = r["tile"]
             out.append(f"| {r['kind']} | {t[0]}×{t[1]} w{t[2]} s{t[3]} | {r['ms']:.2f} | {r['tflops']:.0f} |")
         out += ["", "(fwd+bwd rows vary the backward tiles with the best forward tiles.)"]
-    return out
+    return out + _superseded(data)
 
 
 def render_qat_training(runs: list[dict]) -> list[str]:
@@ -333,7 +333,7 @@ def render_data_parallel(data: dict) -> list[str]:
     for r in data["throughput"]:
         out.append(f"| {r['method']} | {r['per_device_batch']} | {r['step_ms_one']:.1f} | {r['step_ms_many']:.1f} | "
                    f"{r['tokens_per_s_one']:,.0f} | {r['tokens_per_s_many']:,.0f} | **{r['efficiency']:.2f}** |")
-    return out
+    return out + _superseded(data)
 
 
 def render_ablation(data: dict) -> list[str]:

@@ -78,17 +78,47 @@ def col_vector(ref) -> jax.Array:
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
-def tile_max(x: jax.Array, scratch) -> jax.Array:
+def warpgroup_barrier(interpret: bool) -> None:
+    """Wait until every thread of this warpgroup arrives (``bar.sync`` on the warpgroup's named barrier):
+    SMEM written by the warpgroup is then visible to its own loads. Unlike ``plgpu.commit_smem`` there is no
+    async-proxy fence (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``), which only TMA and ``wgmma``
+    readers need (on the H200 fwd+bwd 1.7% faster at B8 H32 S2048 D64 with it in :func:`tile_max`, 0.7% at B4
+    H32 S4096 D128 causal, level elsewhere; benchmarks/NOTES.md, nineteenth session). The interpreter, which has
+    no inline Mosaic GPU, commits instead."""
+    if interpret:
+        plgpu.commit_smem()
+        return
+
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu()
+    def _(ctx):
+        mgpu_utils.warpgroup_barrier()
+
+
+def scalar(ref) -> jax.Array:
+    """The one value of a 1-D SMEM vector whose entries are all equal (a per-tile scale stored repeated per
+    row): one shared-memory load every thread makes (the same address: a broadcast).
+
+    The reduction this replaced (a column-vector load and a max: 8 LDS.64, 17 FMNMX and 2 SHFL per thread in
+    SASS) ran three times per step in the SageBwd dK/dV kernel; dropping it also freed registers (ptxas
+    spills at D128 causal 264 → 144 bytes) and made fwd+bwd 9% faster at B4 H32 S4096 D128 causal on the
+    H200, 5% non-causal, 4–6% at B16 H10/5 S2048 D64 causal (benchmarks/NOTES.md, nineteenth session)."""
+    return ref[0]
+
+
+def tile_max(x: jax.Array, scratch, interpret: bool = False) -> jax.Array:
     """Maximum of a 2-D WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
 
     Mosaic GPU reduces across warps through one SMEM scratch area shared by all
     warpgroups of a CTA, which races when two compute warpgroups reduce at once
     (measured: wrong dS scales on the H200). Here the row maxima go through this
     warpgroup's own ``scratch`` (a (rows,) float32 SMEM ref) and are re-read along
-    the lanes, so the last reduction stays inside each warp.
+    the lanes, so the last reduction stays inside each warp. Only this warpgroup reads
+    ``scratch``, so a plain warpgroup barrier orders it (:func:`warpgroup_barrier`).
     """
     scratch[...] = jnp.max(x, axis=1)
-    plgpu.commit_smem()  # fence + warpgroup barrier: every row max is written
+    warpgroup_barrier(interpret)  # every row max is written
     return jnp.max(col_vector(scratch))
 
 

@@ -62,7 +62,7 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
-    row_vector, rows_of, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
+    row_vector, rows_of, scalar, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
     trim_rows, wg_tiles, wgmma_zeros,
 )
@@ -124,20 +124,13 @@ def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
 
 
-def _ds_quantize(x: jax.Array, scratch, per_row: bool) -> tuple[jax.Array, jax.Array]:
+def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """ψ of a dS tile: one scale for the whole tile (int8.quantize over both axes; a scalar) or,
     ``per_row``, one per row (over axis 1; a row vector, no cross-warp reduction)."""
     if per_row:
         return int8.quantize(x, 1, broadcast=lambda v: rows_of(v, x.shape))
-    scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch))
+    scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch, interpret))
     return int8.encode_with_scale(x, scale, clip=False), scale  # self-scaled: no clip needed
-
-
-def _tile_scalar(ref) -> jax.Array:
-    """The one value of a (TILE,) SMEM vector of per-block scales (all entries equal), read along the
-    columns so that the reduction stays inside each warp: a reduction along the rows of a tile crosses
-    warps through SMEM that both compute warpgroups share (see ``_mosaic.tile_max``)."""
-    return jnp.max(col_vector(ref))
 
 
 # ----------------------------------------------------------------------------- dK, dV
@@ -198,13 +191,13 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
         p_smem = p_smem2.at[wg] if smem_p else None
         ds_smem = ds_smem2.at[wg] if smem_ds else None
-        qs = col_vector(qs_smem)
+        qs = None if per_block else col_vector(qs_smem)  # per-token Q scales
         # Sᵀ = K̂Q̂ᵀ (INT8) and dPᵀ = ṼdOᵀ (16-bit), issued together
         st, dpt = matmuls((shape, shape), (jnp.int32, jnp.float32), ((k_smem, q_smem.T), (vd_smem, do_smem.T)),
                           fused=fused)
         st = st.astype(jnp.float32)
         if per_block:  # one K scale per key tile, one Q scale per query tile: a scalar each
-            q0, k0 = jnp.max(qs), _tile_scalar(ks_smem2.at[wg])
+            q0, k0 = scalar(qs_smem), scalar(ks_smem2.at[wg])
             st = st * (k0 * q0)  # base-2 scores Sᵀ
         else:
             st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
@@ -215,14 +208,14 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
         p_op = register_operand(p8, p_smem, interpret, commit=False, registers=p_in_registers)
-        dv_scale = p_scale * jnp.max(col_vector(dosc_smem))
+        dv_scale = p_scale * scalar(dosc_smem)
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
         if per_block:
-            ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row)
+            ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row, interpret)
             factor = ds_scale * q0 * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row)
+            ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row, interpret)
             factor = ds_scale * (1.0 / LOG2E)
         ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
@@ -330,13 +323,13 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         *consumed, dq_acc = consumed_and_carry
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         ds_smem = ds_smem2.at[wg] if smem_ds else None
-        ks = col_vector(ks_smem)
+        ks = None if per_block else col_vector(ks_smem)  # per-token K scales
         s, dp = matmuls((shape, shape), (jnp.int32, jnp.float32),
                         ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
         s = s.astype(jnp.float32)
         if per_block:  # one Q scale per query tile, one K scale per key tile: a scalar each
-            k0 = jnp.max(ks)
-            s = s * (_tile_scalar(qs_smem2.at[wg]) * k0)
+            k0 = scalar(ks_smem)
+            s = s * (scalar(qs_smem2.at[wg]) * k0)
         else:
             s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(ks, shape)
         if causal:
@@ -344,10 +337,10 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
         ds = p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))
         if per_block:
-            ds8, ds_scale = _ds_quantize(ds, red_smem2.at[wg], ds_per_row)
+            ds8, ds_scale = _ds_quantize(ds, red_smem2.at[wg], ds_per_row, interpret)
             factor = ds_scale * k0 * scale
         else:
-            ds8, ds_scale = _ds_quantize(ds * cols_of(ks, shape), red_smem2.at[wg], ds_per_row)
+            ds8, ds_scale = _ds_quantize(ds * cols_of(ks, shape), red_smem2.at[wg], ds_per_row, interpret)
             factor = ds_scale * scale
         ds_op = register_operand(ds8, ds_smem, interpret, registers=head_dim >= REGISTER_DS_MIN_HEAD_DIM)
         dq_part = matmul((TILE, head_dim), jnp.int32, ds_op, kt_smem.T)

@@ -1,6 +1,6 @@
 """benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
 benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run),
-benchmarks/smem_report.py (lowered on the CPU)."""
+benchmarks/smem_report.py (lowered on the CPU), benchmarks/sass_census.py (a synthetic listing)."""
 
 import json
 
@@ -168,3 +168,30 @@ def test_smem_report_measures_each_kernel_and_the_padding_switch(monkeypatch):
     jax.clear_caches()
     assert [smem_report.carveout_kib(k * 1024) for k in (0, 99, 100, 163, 164, 227, 228)] == [
         8, 100, 132, 164, 196, 228, None]
+
+
+def test_sass_census_finds_the_hot_loop_not_the_retry_stubs():
+    """benchmarks/sass_census.py on a `cuobjdump -sass` shaped listing: the loop with tensor-core instructions
+    is found among the loops before the last EXIT; the barrier-wait stubs after it (which branch back into the
+    loop) are not loops; predicates are stripped from opcodes."""
+    from benchmarks import sass_census
+
+    body = [(0x00, "S2R R0, SR_TID.X"),
+            (0x10, "SYNCS.ARRIVE.TRANS64 RZ, [UR4], RZ"), (0x20, "UTMALDG.3D [UR8], [UR6]"), (0x30, "@P0 BRA 0x10"),
+            (0x40, "WARPGROUP.ARRIVE"), (0x50, "IGMMA.64x64x32.S8.S8 R24, gdesc[UR20], RZ, !UPT"),
+            (0x60, "@!P2 BRA 0x200"), (0x70, "FMNMX.NAN R3, R4, R5, !PT"), (0x80, "FMNMX.NAN R3, R3, R6, !PT"),
+            (0x90, "@!UP1 BRA 0x40"), (0xa0, "EXIT"),
+            (0x200, "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR11], R24"), (0x210, "@!P2 BRA 0x200"),
+            (0x220, "BRA 0x70")]
+    listing = "\n\tcode for sm_90a\n" + "\n".join(
+        f"        /*{a:04x}*/                   {t} ;   /* 0x000000000000000 */\n"
+        "                                                   /* 0x000fe20000000000 */" for a, t in body)
+    instrs = sass_census.parse(listing)
+    assert [a for a, _ in instrs] == [a for a, _ in body]
+    assert sass_census.opcode("@!UP1 BRA 0x40") == "BRA" and sass_census.opcode("@PT FMUL R1, R2, R3") == "FMUL"
+    assert sass_census.loops(instrs) == [(0x10, 0x30), (0x40, 0x90)]
+    assert sass_census.hot_loop(instrs) == (0x40, 0x90)
+    report = sass_census.report("k", listing)
+    assert report["loop_instructions"] == 6
+    assert report["census"] == {"FMNMX.NAN": 2, "BRA": 2, "WARPGROUP.ARRIVE": 1, "IGMMA.64x64x32.S8.S8": 1}
+    assert sass_census.report("none", "\n".join(listing.splitlines()[:8]))["loop"] is None
