@@ -192,7 +192,7 @@ def test_mosaic_kernel_gradients_match_xla_backward(case):
 @pytest.mark.parametrize("dq_kernel", ["fused", "separate"])
 def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel):
     """Forward blocks of 64 keys: the two compute warpgroups of a dK/dV CTA (128 keys) hold K tiles with
-    different per-block scales, and each takes its own scalar (``_tile_scalar``) for S and the fused dQ."""
+    different per-block scales, and each takes its own scalar (``_mosaic.scalar``) for S and the fused dQ."""
     q, k, v = make_qkv(1, 128, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=11, k_outlier=3.0)
     k = k * jnp.where(jnp.arange(256) % 128 < 64, 1.0, 4.0)[None, :, None, None].astype(k.dtype)
     do = cotangent(q)
