@@ -91,7 +91,9 @@ def dump_and_disassemble(args, out: Path) -> dict[str, str]:
     env = dict(os.environ, MOSAIC_GPU_DUMP_TO=str(dump), MOSAIC_GPU_DUMP_PTX="1")
     cmd = [sys.executable, str(Path(__file__).with_name("variants.py")), "--child", "--assign", args.assign,
            "--shapes", json.dumps([args.shape]), "--method", args.method, "--part", args.part]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the fwd+bwd run failed:\n{proc.stderr[-3000:]}")
     sass = {}
     for ptx in sorted(dump.glob("*.ptx")):
         cubin = ptx.with_suffix(".cubin")

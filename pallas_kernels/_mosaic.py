@@ -107,7 +107,7 @@ def scalar(ref) -> jax.Array:
     return ref[0]
 
 
-def tile_max(x: jax.Array, scratch, interpret: bool = False) -> jax.Array:
+def tile_max(x: jax.Array, scratch, interpret: bool) -> jax.Array:
     """Maximum of a 2-D WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
 
     Mosaic GPU reduces across warps through one SMEM scratch area shared by all
