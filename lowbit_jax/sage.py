@@ -18,8 +18,10 @@ Backward (``backward="int8"``, the default): SageBwd — see
 :mod:`pallas_kernels.sage_bwd`. Residuals are the INT8 operands with their
 scales (Q̂, K̂ and the transposed copies Q̂ᵀ, K̂ᵀ, V̂ᵀ, one byte per element each:
 5 bytes per token·channel for MHA where 16-bit attention keeps 6 in q, k, v), O
-and the log-sum-exp; no 16-bit copy of q, k or v is kept, the backward allocates no fp32
-workspace, and its gradients are deterministic (no atomics).
+and the log-sum-exp; no 16-bit copy of q, k or v is kept. With the Triton kernels (and the separate dQ
+kernel, ``SageFwdConfig.dq_kernel="separate"``) the backward allocates no fp32 workspace and its gradients are
+deterministic; the fused dQ, the default on Hopper, reduce-adds each step's dŜ·K̂ into a float32 dQ (B, Sq, Hq, D)
+with TMA, so dQ's summation order, and its last bits, vary run to run (dK, dV do not).
 
 Backends: the kernels are Pallas-Triton; on Hopper the SageBwd dK/dV and dQ kernels run
 on Pallas Mosaic GPU where that was measured faster (``SageFwdConfig.dkdv_backend`` /
