@@ -25,7 +25,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -87,13 +86,11 @@ def report(name: str, sass: str, top: int = 40) -> dict:
 
 def dump_and_disassemble(args, out: Path) -> dict[str, str]:
     """Run one fwd+bwd with the PTX dump on; return {kernel file name: SASS}."""
+    from benchmarks.variants import run_variant
+
     dump = Path(tempfile.mkdtemp(prefix="sass_census_"))
-    env = dict(os.environ, MOSAIC_GPU_DUMP_TO=str(dump), MOSAIC_GPU_DUMP_PTX="1")
-    cmd = [sys.executable, str(Path(__file__).with_name("variants.py")), "--child", "--assign", args.assign,
-           "--shapes", json.dumps([args.shape]), "--method", args.method, "--part", args.part]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the fwd+bwd run failed:\n{proc.stderr[-3000:]}")
+    run_variant("census", args.assign, [args.shape], args.method, check=False, ptxas=False, part=args.part,
+                env={"MOSAIC_GPU_DUMP_TO": str(dump), "MOSAIC_GPU_DUMP_PTX": "1"})
     sass = {}
     for ptx in sorted(dump.glob("*.ptx")):
         cubin = ptx.with_suffix(".cubin")
@@ -118,6 +115,7 @@ def main(argv=None) -> int:
         return 0
     args.shape = [int(x) for x in args.shape.split(",")]
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="sass_out_"))
+    out.mkdir(parents=True, exist_ok=True)
     results = [report(name, text) for name, text in dump_and_disassemble(args, out).items()]
     (out / "sass_census.json").write_text(json.dumps({"method": args.method, "shape": args.shape,
                                                       "assign": args.assign, "kernels": results}, indent=1))

@@ -156,11 +156,13 @@ def spills(log: str, *, stack_frame: bool = False) -> dict[str, int]:
     return out
 
 
-def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool, part: str = "fwd_bwd"
-                ) -> dict:
+def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool, part: str = "fwd_bwd",
+                env: dict[str, str] | None = None) -> dict:
+    """One variant in a fresh child process (its ``RESULT`` dict); ``env``: extra environment variables for it
+    (``benchmarks/sass_census.py`` sets the Mosaic GPU dump switches)."""
     cmd = [sys.executable, __file__, "--child", "--assign", assign, "--shapes", json.dumps(shapes),
            "--method", method, "--part", part] + (["--check"] if check else [])
-    env = dict(os.environ, **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
+    env = dict(os.environ, **(env or {}), **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
