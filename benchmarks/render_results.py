@@ -96,8 +96,8 @@ def render_backward(data: dict) -> list[str]:
            "(`dkdv_backend`/`dq_backend` = auto: both backward kernels on Mosaic GPU where they apply, the table "
            "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel (at D128 causal too "
            "since 2026-11-30 19:59; before, separate there), the table \"dQ inside the dK/dV kernel\"; "
-           "`fwd_backend` = auto: the Mosaic forward at D128, "
-           "Triton's at D64, since 2026-11-30 16:03); `sage (Triton)` and `sage (Mosaic)` put both backward kernels "
+           "`fwd_backend` = auto: the Mosaic forward at D128 since "
+           "2026-11-30 16:03 and at D64 since 2026-12-01, Triton's at D64 before); `sage (Triton)` and `sage (Mosaic)` put both backward kernels "
            "on one backend with the Triton forward, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
            "`ds_scale=\"row\"` (a dash: not run in that measurement).", "",
            "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | dS per row "
@@ -163,7 +163,7 @@ def render_backward(data: dict) -> list[str]:
                for n in ("dq", "dk", "dv")):
             out += ["", "A rel-L1 above 1e-2 here means kernel and reference disagree while the kernel stays close "
                     "to exact: see NOTES.md (the xla reference's dV went wrong on the GPU in one case)."]
-    return out
+    return out + _superseded(data)
 
 
 def render_backward_sweep(data: dict, title: str = "SageBwd tile sweep") -> list[str]:
@@ -307,7 +307,7 @@ def render_training(data: dict) -> list[str]:
         out += ["", "Back-to-back single windows are noisy on the lent H200: on 2026-11-29 the dense step measured "
                 "62.4–86.6 ms and sage/dense 0.70–0.88 across runs (benchmarks/NOTES.md, sixth session); "
                 "`training.py` now times interleaved rounds."]
-    return out
+    return out + _superseded(data)
 
 
 def render_data_parallel(data: dict) -> list[str]:

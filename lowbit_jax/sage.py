@@ -25,8 +25,9 @@ with TMA, so dQ's summation order, and its last bits, vary run to run (dK, dV do
 
 Backends: the kernels are Pallas-Triton; on Hopper the SageBwd dK/dV and dQ kernels run
 on Pallas Mosaic GPU where that was measured faster (``SageFwdConfig.dkdv_backend`` /
-``dq_backend``, :mod:`pallas_kernels.sage_bwd_mosaic`), and so does the forward at head dim
-128 (``fwd_backend``, :mod:`pallas_kernels.sage_fwd_mosaic`). Same numerics.
+``dq_backend``, :mod:`pallas_kernels.sage_bwd_mosaic`), and so does the forward at head dims
+64 and 128 (``fwd_backend``, :mod:`pallas_kernels.sage_fwd_mosaic`). Same quantization; the Mosaic forward
+applies per-block scales as one product per score, so its last bits differ from Triton's.
 ``backward="bf16"`` is the ablation: exact attention gradients in 16-bit operands
 (fp32 math) from the same dequantized INT8 residuals.
 
@@ -221,7 +222,8 @@ def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
     if use_pallas and _mosaic_forward(ops, bias, opts):
         o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(
             ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=q.shape[1], sk_len=k.shape[1],
-            causal=opts.causal, out_dtype=q.dtype, config=opts.config, interpret=opts.interpret)
+            causal=opts.causal, out_dtype=q.dtype, config=opts.config, per_block=opts.per_block,
+            interpret=opts.interpret)
         return o, lse, ops
     if use_pallas:
         attend = functools.partial(sage_fwd_kernels.sage_attention_fwd, interpret=opts.interpret)
@@ -278,10 +280,10 @@ def _mosaic_allowed(backend: str, opts: SageOptions) -> bool:
 def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
     """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)?
 
-    "auto": on Hopper (not interpreted) from head dim ``sage_fwd_mosaic.AUTO_MIN_HEAD_DIM`` (128) up, where
+    "auto": on Hopper (not interpreted) from head dim ``sage_fwd_mosaic.AUTO_MIN_HEAD_DIM`` (64) up, where
     it was measured faster than Triton's (H200, forward incl. quantization: B4 H32 S4096 D128 2.30 vs 2.46 ms,
-    causal 1.49 vs 1.54, B1 S16384 7.74 vs 8.54, causal 4.43 vs 4.57; benchmarks/NOTES.md, fifteenth session);
-    at head dim 64 the two were level, and Triton stays.
+    causal 1.49 vs 1.54, B1 S16384 7.74 vs 8.54, causal 4.43 vs 4.57, fifteenth session; fwd+bwd at D64
+    0–2% faster since the scalar scale product, benchmarks/NOTES.md, twentieth session).
     """
     backend = opts.config.fwd_backend
     if not _mosaic_allowed(backend, opts) or (backend == "auto"

@@ -216,14 +216,14 @@ def sage_backward_reference(
         # one scale per tile, or per key (dK) / per query row and key tile (dQ) with ds_scale="row"
         k_axes, q_axes = ((2,), (4,)) if config.ds_scale == "row" else ((2, 4), (2, 4))
         if per_block:
-            dsk8, dsk_fac = int8.quantize(dst, k_axes)
+            dsk8, dsk_fac = int8.quantize_half_even(dst, k_axes)
             dsk_fac = dsk_fac * qs_i[:, :, :1, None, None] / LOG2E
-            dsq8, dsq_fac = int8.quantize(dsq_t, q_axes)
+            dsq8, dsq_fac = int8.quantize_half_even(dsq_t, q_axes)
             dsq_fac = dsq_fac * ks_q_tiles[:, :, None, :, :1] * scale
         else:
-            dsk8, dsk_fac = int8.quantize(dst * qs_i[:, :, :, None, None], k_axes)
+            dsk8, dsk_fac = int8.quantize_half_even(dst * qs_i[:, :, :, None, None], k_axes)
             dsk_fac = dsk_fac / LOG2E
-            dsq8, dsq_fac = int8.quantize(dsq_t * ks_q_tiles[:, :, None], q_axes)
+            dsq8, dsq_fac = int8.quantize_half_even(dsq_t * ks_q_tiles[:, :, None], q_axes)
             dsq_fac = dsq_fac * scale
         # factors: dK (B, H, 1, nkb, bk|1) → per key; dQ (B, H, bq|1, nkb_q, 1) → per query row
         dk_int = _int8_product("bhqjk,bhqd->bhjkd", dsk8, q_i)

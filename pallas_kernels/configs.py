@@ -57,8 +57,8 @@ class SageFwdConfig:
         and off Hopper. The numerics are the same.
       fwd_backend: the forward kernel's backend: "triton", "mosaic"
         (:mod:`pallas_kernels.sage_fwd_mosaic`, where it applies) or "auto" (default): Mosaic
-        on Hopper from head dim 128 up (forward 3–10% faster than Triton's on the H200), Triton
-        at head dim 64 (level there), in interpret mode and off Hopper. Same numerics.
+        on Hopper at head dims 64 and 128 (forward 3–10% faster than Triton's on the H200 at 128,
+        fwd+bwd 0–2% at 64), Triton in interpret mode and off Hopper. Same quantization.
       ds_scale: granularity of the INT8 dS scales. "tile" (default, SPEC §1): one scale per
         backward tile. "row" (an option): each kernel uses its own dS in one product only,
         so the scale may follow that product's output rows (SPEC's rule on where a scale
@@ -79,7 +79,8 @@ class SageFwdConfig:
         S2048 on the H200), at 128 non-causal (10.68 vs 11.99 ms at B4 H32 S4096) and, since the
         D128 dK/dV kernel stopped allocating SMEM tiles for the P̂ᵀ and dŜ it takes from registers,
         at 128 causal too (6.43 vs 6.62 ms at B4 H32 S4096, 21.9 vs 23.5 at B1 S16384;
-        benchmarks/NOTES.md, seventeenth session).
+        benchmarks/NOTES.md, seventeenth session). With the 2026-12-01 kernels: 9.56 vs 9.85 ms at
+        B4 H32 S4096 D128, 35.55 vs 35.80 at B1 S16384, level causal (5.55 vs 5.49; dq_kernel.py).
     """
 
     block_q: int = 64

@@ -158,10 +158,10 @@ def _dkdv_kernel(
         dpt = _dot_f32(vd, do)
         dst = pt * (dpt - delta_ref[g, rows][None, :])
         if per_block:
-            ds8, ds_scale = int8.quantize(dst, ds_axes)
+            ds8, ds_scale = int8.quantize_half_even(dst, ds_axes, truncating_convert=True)
             factor = ds_scale * q0 * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = int8.quantize(dst * qs[None, :], ds_axes)
+            ds8, ds_scale = int8.quantize_half_even(dst * qs[None, :], ds_axes, truncating_convert=True)
             factor = ds_scale * (1.0 / LOG2E)
         dk_acc = dk_acc + _dot_i8(ds8, qt_ref[g, :, rows]) * factor
         if has_bias:  # Q-smoothing: the removed block mean q̄ also multiplies dS
@@ -224,10 +224,10 @@ def _dq_kernel(
         dp = jnp.dot(do, dequantize_v_t(vt_ref[:, keys], vs, do.dtype), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if per_block:
-            ds8, ds_scale = int8.quantize(ds, ds_axes)
+            ds8, ds_scale = int8.quantize_half_even(ds, ds_axes, truncating_convert=True)
             factor = ds_scale * k0 * scale
         else:
-            ds8, ds_scale = int8.quantize(ds * ks[None, :], ds_axes)
+            ds8, ds_scale = int8.quantize_half_even(ds * ks[None, :], ds_axes, truncating_convert=True)
             factor = ds_scale * scale
         return acc + _dot_i8(ds8, kt_ref[:, keys]) * factor
 

@@ -20,12 +20,13 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   accumulation, ``_mosaic.reduce_add_matmul``): the default (``SageFwdConfig.fuses_dq``; fwd+bwd
   23% less time on the H200 at head dim 64, 11% at 128 non-causal, 3–7% at 128 causal).
 
-At head dim 128 the INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken
-straight from registers (``_mosaic.register_operand``: two lane shuffles per 4 values into the 8-bit
-operand layout) instead of through SMEM and a warpgroup barrier: fwd+bwd 7% less time at B4 H32
-S4096 D128 on the H200, causal too. At head dim 64 they go through SMEM, which measured 1–3%
-faster there (``REGISTER_P_MIN_HEAD_DIM``, ``REGISTER_DS_MIN_HEAD_DIM``; benchmarks/NOTES.md,
-fourteenth session). The fused dQ's dŜ (queries × keys) is a transposed copy and always goes
+The INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken straight from
+registers (``_mosaic.register_operand``: two lane shuffles per 4 values into the 8-bit operand
+layout) instead of through SMEM and a warpgroup barrier: fwd+bwd 7% less time at B4 H32 S4096
+D128 on the H200, causal too (fourteenth session); at head dim 64, where SMEM had measured 1–3%
+faster, registers are 2–3.5% faster since the per-step scale reads were cut (B8 H32 S2048, B16
+H10/5 S2048 causal; ``REGISTER_P_MIN_HEAD_DIM``, ``REGISTER_DS_MIN_HEAD_DIM``; benchmarks/NOTES.md,
+twentieth session). The fused dQ's dŜ (queries × keys) is a transposed copy and always goes
 through SMEM.
 Independent products of a step are issued before one wait: Sᵀ with dPᵀ, and (at head dim
 64) dV with dK — causal, with the fused dQ, dQ's dŜK̂ as well — after one barrier for both P̂
@@ -78,8 +79,8 @@ STAGES = 2
 DQ_WITH_DKDV_CAUSAL = True
 #: the smallest head dim at which P̂ᵀ (dV's A operand) and dŜ (dK's and the dQ kernel's) are taken straight
 #: from registers (``_mosaic.register_operand``) instead of through SMEM (see the module docstring)
-REGISTER_P_MIN_HEAD_DIM = 128
-REGISTER_DS_MIN_HEAD_DIM = 128
+REGISTER_P_MIN_HEAD_DIM = 64
+REGISTER_DS_MIN_HEAD_DIM = 64
 
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
@@ -125,12 +126,12 @@ def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
 
 
 def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """ψ of a dS tile: one scale for the whole tile (int8.quantize over both axes; a scalar) or,
-    ``per_row``, one per row (over axis 1; a row vector, no cross-warp reduction)."""
+    """ψ of a dS tile, codes rounded half to even (``int8.encode_half_even``): one scale for the whole tile
+    (a scalar) or, ``per_row``, one per row (over axis 1; a row vector, no cross-warp reduction)."""
     if per_row:
-        return int8.quantize(x, 1, broadcast=lambda v: rows_of(v, x.shape))
+        return int8.quantize_half_even(x, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, x.shape))
     scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch, interpret))
-    return int8.encode_with_scale(x, scale, clip=False), scale  # self-scaled: no clip needed
+    return int8.encode_half_even(x, scale, truncating_convert=True), scale
 
 
 # ----------------------------------------------------------------------------- dK, dV

@@ -18,10 +18,11 @@ tiles that reach the diagonal or the ragged key tail are masked element-wise, th
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
 The two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong,
-:data:`PINGPONG`). ``SageFwdConfig.fwd_backend="auto"`` (the default) takes it on Hopper from head dim
-128 up (:data:`AUTO_MIN_HEAD_DIM`): on the H200 (forward with quantization) it is 3–10% faster than the
-Triton kernel at D128 (B4 H32 S4096, causal too, and B1 S16384), level at B16 H10/5 S2048 D64 causal
-and 2.5% slower at B8 H32 S2048 D64 (benchmarks/NOTES.md, fourteenth and fifteenth sessions).
+:data:`PINGPONG`). ``SageFwdConfig.fwd_backend="auto"`` (the default) takes it on Hopper at head
+dims 64 and 128 (:data:`AUTO_MIN_HEAD_DIM`): on the H200 (forward with quantization) it is 3–10% faster than
+the Triton kernel at D128 (B4 H32 S4096, causal too, and B1 S16384; fourteenth and fifteenth sessions), and
+with per-block scales read as one scalar product per step, 0–2% faster fwd+bwd at D64 (benchmarks/NOTES.md,
+twentieth session).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._mosaic import (
     PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
     key_step_specs, launch, mask_scores, matmul, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of,
-    schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    scalar, schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -51,8 +52,10 @@ STAGES = 2
 PINGPONG = True
 #: ``SageFwdConfig.fwd_backend="auto"`` takes this kernel on Hopper from this head dim up: with ping-pong it beats
 #: the Triton forward at head dim 128 (H200, incl. quantization: B4 H32 S4096 2.30 vs 2.46 ms, causal 1.49 vs
-#: 1.54, B1 S16384 7.74 vs 8.54, causal 4.43 vs 4.57) and is level at 64 (benchmarks/NOTES.md, fifteenth session)
-AUTO_MIN_HEAD_DIM = 128
+#: 1.54, B1 S16384 7.74 vs 8.54, causal 4.43 vs 4.57; fifteenth session); at 64, level then, it is 0–2% faster
+#: fwd+bwd since the per-block scales became one scalar product (B16 H10/5 S2048 causal, B8 H32 S2048, B2 H16
+#: S8192 causal; benchmarks/NOTES.md, twentieth session)
+AUTO_MIN_HEAD_DIM = 64
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, has_bias: bool,
@@ -63,7 +66,7 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
-                *scratch, group, block_k, head_dim, sk_len, causal, offset, interpret):
+                *scratch, group, block_k, head_dim, sk_len, causal, offset, scalar_scales, interpret):
     """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
     the barriers, the ping-pong barrier."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
@@ -96,7 +99,10 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
         *consumed, (acc, m_prev, l_prev) = consumed_and_carry
         s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T, issued=pp.sync).astype(jnp.float32)
-        s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
+        if scalar_scales:  # one Q scale per 64-row tile, one K scale per key step: one multiply per score
+            s = s * (scalar(qs_smem2.at[wg]) * scalar(ks_smem))
+        else:
+            s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
         if masked:
             s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
         m_cur = jnp.max(s, axis=1)
@@ -127,10 +133,12 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
     pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv])
 
 
-@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "per_block",
+                                             "interpret"))
 def sage_attention_fwd_mosaic(
     q8: jax.Array, q_scale: jax.Array, k8: jax.Array, k_scale: jax.Array, vt8: jax.Array, v_scale: jax.Array, *,
-    sq_len: int, sk_len: int, causal: bool, out_dtype: jnp.dtype, config: SageFwdConfig, interpret: bool = False,
+    sq_len: int, sk_len: int, causal: bool, out_dtype: jnp.dtype, config: SageFwdConfig, per_block: bool = False,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """INT8 attention forward on quantized operands (arguments as ``sage_fwd.sage_attention_fwd``, no bias).
 
@@ -141,6 +149,9 @@ def sage_attention_fwd_mosaic(
       sq_len, sk_len, causal: real lengths and the bottom-right aligned causal mask.
       out_dtype: dtype of o (bf16/fp16/fp32).
       config: ``block_k`` is the P quantization tile (64 or 128).
+      per_block: the Q and K scales are per block (``config.block_q``, ``config.block_k``): equal within each
+        64-row tile and each key step, so the scores take one scalar product per step (two ``_mosaic.scalar`` reads) instead of a row and a
+        column broadcast (measured 1–2.5% faster fwd+bwd at D128, benchmarks/NOTES.md "Twentieth session").
     Returns:
       o (B, Sq, Hq, D) out_dtype and the base-2 LSE float32 (B, Hq, Sq).
     """
@@ -148,7 +159,8 @@ def sage_attention_fwd_mosaic(
     hkv = k8.shape[1]
     f32 = jnp.float32
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
-                               causal=causal, offset=sk_len - sq_len, interpret=interpret)
+                               causal=causal, offset=sk_len - sq_len, interpret=interpret,
+                               scalar_scales=per_block and config.block_q % TILE == 0)
     p_tile = [wg_tiles(WGS, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
     scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
                *p_tile, plgpu.SMEM((WGS, TILE, d), out_dtype),

@@ -112,3 +112,26 @@ def test_encode_unit_interval_conversion_modes_agree():
     portable = np.asarray(int8.encode_unit_interval(e))
     truncating = np.asarray(int8.encode_unit_interval(e, truncating_convert=True))
     np.testing.assert_array_equal(portable, truncating)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("truncating_convert", [False, True])
+def test_half_even_codes_round_ties_to_even(jit, truncating_convert):
+    """encode_half_even (SageBwd's dS): rne(x / scale) for |x / scale| ≤ 127, both forms (the reference's
+    jnp.round and the kernels' magic-number low byte, negatives as two's complement): every half-integer, both
+    float neighbours of each, random values, ±0; quantize_half_even's scale is quantize's."""
+    rng = np.random.default_rng(7)
+    base = np.concatenate([rng.uniform(-127, 127, 20000), np.arange(-127, 127.5, 0.5)]).astype(np.float32)
+    near = [np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))]
+    x = np.clip(np.concatenate([base, *near, np.array([0.0, -0.0], np.float32)]), -127, 127)
+    want = np.rint(x).astype(np.int8)  # numpy's rint: half to even
+    encode = lambda v: int8.encode_half_even(v, jnp.float32(1.0), truncating_convert=truncating_convert)  # noqa: E731
+    got = np.asarray((jax.jit(encode) if jit else encode)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, want)
+    assert list(np.asarray(encode(jnp.asarray([2.5, -2.5, 3.5, -0.5], jnp.float32)))) == [2, -2, 4, 0]
+    y = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    codes, scale = int8.quantize_half_even(y, -1, truncating_convert=truncating_convert)
+    ref_codes, ref_scale = int8.quantize(y, -1)
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(ref_scale))
+    diff = np.abs(np.asarray(codes, np.int32) - np.asarray(ref_codes, np.int32))
+    assert diff.max() <= 1 and np.abs(np.asarray(codes)).max() == 127

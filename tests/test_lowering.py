@@ -212,13 +212,15 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
     assert mosaic_named(text, "sage_bwd_dq") != fused
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sage_forward_lowers_to_mosaic_gpu(causal):
-    """fwd_backend="mosaic": the quantize kernels stay Triton, the attention is a Mosaic GPU call."""
-    cfg = dataclasses.replace(lb.sage_fwd_config(128, causal, "NVIDIA H200"), fwd_backend="mosaic")
-    # causal: Sq = 380, not a multiple of the 8 rows a tiled TMA store needs (only lowering catches that)
-    specs, opts = specs_and_options(380 if causal else 384, 512, 8, 2, 128, causal,
-                                    "per_token" if causal else "per_block", False, cfg)
+@pytest.mark.parametrize("d, causal, sq, granularity", [
+    (128, False, 384, "per_block"), (128, True, 380, "per_token"), (64, True, 380, "per_block"),
+    (64, False, 640, "per_token")])
+def test_sage_forward_lowers_to_mosaic_gpu(d, causal, sq, granularity):
+    """fwd_backend="mosaic" (the Hopper default at head dims 64 and 128): the quantize kernels stay Triton,
+    the attention is a Mosaic GPU call; per-block scales take the one-scalar-product path. Sq = 380 is
+    not a multiple of the 8 rows a tiled TMA store needs (only lowering catches that)."""
+    cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), fwd_backend="mosaic")
+    specs, opts = specs_and_options(sq, 512, 8, 2, d, causal, granularity, False, cfg)
     text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
     assert text.count(TRITON_CALL) == 2  # sage_quantize_q, sage_quantize_kv; no Triton attention kernel
     assert "sage_quantize_q" in text and "sage_quantize_kv" in text and mosaic_named(text, "sage_attention_fwd")

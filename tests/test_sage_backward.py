@@ -189,14 +189,17 @@ def test_mosaic_kernel_gradients_match_xla_backward(case):
             assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
 
 
-@pytest.mark.parametrize("dq_kernel", ["fused", "separate"])
-def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel):
-    """Forward blocks of 64 keys: the two compute warpgroups of a dK/dV CTA (128 keys) hold K tiles with
-    different per-block scales, and each takes its own scalar (``_mosaic.scalar``) for S and the fused dQ."""
+@pytest.mark.parametrize("dq_kernel, fwd_backend", [("fused", "triton"), ("separate", "triton"),
+                                                     ("fused", "mosaic")])
+def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel, fwd_backend):
+    """Blocks of 64 keys and 64 queries: the two compute warpgroups of a dK/dV CTA (128 keys) hold K tiles with
+    different per-block scales, and each takes its own scalar (``_mosaic.scalar``) for S and the fused dQ; in the
+    Mosaic forward each warpgroup's 64 queries and each 64-key step take one scalar product of their scales."""
     q, k, v = make_qkv(1, 128, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=11, k_outlier=3.0)
     k = k * jnp.where(jnp.arange(256) % 128 < 64, 1.0, 4.0)[None, :, None, None].astype(k.dtype)
+    q = q * jnp.where(jnp.arange(128) < 64, 1.0, 3.0)[None, :, None, None].astype(q.dtype)
     do = cotangent(q)
-    cfg = dataclasses.replace(MOSAIC, block_k=64, fwd_backend="triton", dq_kernel=dq_kernel)
+    cfg = dataclasses.replace(MOSAIC, block_k=64, fwd_backend=fwd_backend, dq_kernel=dq_kernel)
     kw = dict(qk_granularity="per_block", config=cfg, causal=True)
     got = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
     want = grads(q, k, v, do, implementation="xla", **kw)
@@ -259,14 +262,14 @@ def test_fused_dq_only_with_the_dk_tiles_ds_tiles():
 
 
 def test_mosaic_int8_operand_tiles_only_where_used():
-    """Compiled at head dim 128 P̂ᵀ and dŜ are ``wgmma`` operands from registers, so the SageBwd kernels
-    allocate no SMEM tiles for them (lowered in tests/test_lowering.py); at 64, and interpreted, they go
-    through SMEM (the interpreter tests above run that path)."""
+    """Compiled, at head dims 64 and 128, P̂ᵀ and dŜ are ``wgmma`` operands from registers, so the SageBwd
+    kernels allocate no SMEM tiles for them (lowered in tests/test_lowering.py); interpreted they go through
+    SMEM (the interpreter tests above run that path)."""
     from pallas_kernels import _mosaic, sage_bwd_mosaic
 
-    assert sage_bwd_mosaic._smem_operands(64, False) == (True, True)
-    assert sage_bwd_mosaic._smem_operands(128, True) == (True, True)
-    assert sage_bwd_mosaic._smem_operands(128, False) == (not _mosaic.RELAYOUT_8BIT,) * 2
+    for d in (64, 128):
+        assert sage_bwd_mosaic._smem_operands(d, True) == (True, True)
+        assert sage_bwd_mosaic._smem_operands(d, False) == (not _mosaic.RELAYOUT_8BIT,) * 2
 
 
 def test_mosaic_backend_selection():
@@ -298,11 +301,11 @@ def test_mosaic_backend_selection():
 
 
 @pytest.mark.parametrize("d, seq, causal, want", [
-    # the backward all Mosaic at D128 and D64, causal or not; the forward Mosaic at D128 only
+    # all Mosaic at D128 and D64, causal or not (the forward at D64 since 2026-12-01)
     (128, 256, False, dict(fwd=True, dkdv=True, dq=True)),
     (128, 256, True, dict(fwd=True, dkdv=True, dq=True)),
-    (64, 256, False, dict(fwd=False, dkdv=True, dq=True)),
-    (64, 256, True, dict(fwd=False, dkdv=True, dq=True)),
+    (64, 256, False, dict(fwd=True, dkdv=True, dq=True)),
+    (64, 256, True, dict(fwd=True, dkdv=True, dq=True)),
     (128, 192, False, dict(fwd=False, dkdv=False, dq=False)),  # Sq_pad not a multiple of two warpgroups' rows
 ])
 def test_auto_backend_on_hopper(monkeypatch, d, seq, causal, want):

@@ -17,6 +17,10 @@ Probabilities P (non-negative, at most 1 by construction) are quantized with the
 "magic number" rounding: adding ``1.5 * 2**23`` to a float in ``[0, 2**22)``
 leaves the round-half-to-even integer in the low mantissa bits. This is one FFMA
 per element instead of a floor and two conversions (shared/DEVICE_NOTES.md).
+SageBwd's dS codes round the same way (:func:`quantize_half_even`; negative values
+leave their two's complement code in the low byte): a deviation from SPEC's half away
+from zero that shows only on exact ties, chosen for speed and used alike by the
+reference and every kernel.
 """
 
 from __future__ import annotations
@@ -144,7 +148,8 @@ def encode_unit_interval(e: jax.Array, *, truncating_convert: bool = False) -> j
 
 
 def round_to_code(y: jax.Array, *, truncating_convert: bool = False) -> jax.Array:
-    """INT8 codes ``rne(y)`` of float32 ``y`` in ``[0, 127]`` (see :func:`encode_unit_interval`)."""
+    """INT8 codes ``rne(y)`` of float32 ``y`` in ``[-127, 127]`` (see :func:`encode_unit_interval`; for negative
+    ``y`` the magic number's low byte is the two's complement code)."""
     if not truncating_convert:
         return jnp.round(y).astype(jnp.int8)  # round half to even, as the magic number
     return jax.lax.bitcast_convert_type(y + MAGIC, jnp.int32).astype(jnp.int8)
@@ -171,3 +176,35 @@ def quantize_unit(p: jax.Array, axis: int, *, truncating_convert: bool = False,
     inv = QMAX * reciprocal_or_zero(pmax)
     codes = round_to_code(p * (inv if broadcast is None else broadcast(inv)), truncating_convert=truncating_convert)
     return codes, scale_from_amax(pmax)
+
+
+def encode_half_even(x: jax.Array, scale: jax.Array, *, truncating_convert: bool = False,
+                     broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """INT8 codes ``rne(x / scale)`` for a self-scaled group (``scale = amax/127`` of x's own group, so
+    ``|x / scale| ≤ 127``): SageBwd's dS codes.
+
+    Round half to even instead of SPEC's half away from zero (a tie, x/scale exactly k + ½, is the only
+    difference): in a kernel one FFMA (``x·(1/scale) + MAGIC``) and the byte pack, as P̂'s codes, instead
+    of a multiply, a copysign, an add, two clamps and a float→int conversion per element.
+
+    Args:
+      x: float array; scale: float32, positive, broadcastable (or mapped by ``broadcast``, as in
+        :func:`encode_with_scale`).
+      truncating_convert: the kernels' magic-number form (see :func:`encode_unit_interval`).
+    Returns:
+      int8 array of x's shape.
+    """
+    inv = 1.0 / scale  # once per group
+    y = x.astype(jnp.float32) * (inv if broadcast is None else broadcast(inv))
+    return round_to_code(y, truncating_convert=truncating_convert)
+
+
+def quantize_half_even(x: jax.Array, axes: int | Sequence[int] = -1, *, truncating_convert: bool = False,
+                       broadcast: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize` with the codes rounded half to even (:func:`encode_half_even`): SageBwd's dS.
+
+    Args and returns as :func:`quantize`; ``truncating_convert`` as in :func:`encode_unit_interval`.
+    """
+    xf = x.astype(jnp.float32)
+    scale = scale_from_amax(jnp.max(jnp.abs(xf), axis=axes, keepdims=broadcast is None))
+    return encode_half_even(xf, scale, truncating_convert=truncating_convert, broadcast=broadcast), scale
