@@ -96,9 +96,9 @@ def render_backward(data: dict) -> list[str]:
            "(`dkdv_backend`/`dq_backend` = auto: both backward kernels on Mosaic GPU where they apply, the table "
            "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel (at D128 causal too "
            "since 2026-11-30 19:59; before, separate there), the table \"dQ inside the dK/dV kernel\"; "
-           "`fwd_backend` = auto: the Mosaic forward at D128 since "
-           "2026-11-30 16:03 and at D64 since 2026-12-01, Triton's at D64 before); `sage (Triton)` and `sage (Mosaic)` put both backward kernels "
-           "on one backend with the Triton forward, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
+           "`fwd_backend` = auto: the Mosaic forward at D128 since 2026-11-30 16:03 and at D64 since 2026-12-01, "
+           "Triton's at D64 before); `sage (Triton)` and `sage (Mosaic)` put both backward kernels on one backend "
+           "with the Triton forward, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
            "`ds_scale=\"row\"` (a dash: not run in that measurement).", "",
            "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | dS per row "
            "| cuDNN bf16 | Pallas mha bf16 | Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",

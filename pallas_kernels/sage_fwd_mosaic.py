@@ -150,8 +150,9 @@ def sage_attention_fwd_mosaic(
       out_dtype: dtype of o (bf16/fp16/fp32).
       config: ``block_k`` is the P quantization tile (64 or 128).
       per_block: the Q and K scales are per block (``config.block_q``, ``config.block_k``): equal within each
-        64-row tile and each key step, so the scores take one scalar product per step (two ``_mosaic.scalar`` reads) instead of a row and a
-        column broadcast (measured 1–2.5% faster fwd+bwd at D128, benchmarks/NOTES.md "Twentieth session").
+        64-row tile and each key step, so the scores take one scalar product per step (two ``_mosaic.scalar``
+        reads) instead of a row and a column broadcast (fwd+bwd 1.5–2.5% faster at D128 on the H200;
+        benchmarks/NOTES.md, twentieth session).
     Returns:
       o (B, Sq, Hq, D) out_dtype and the base-2 LSE float32 (B, Hq, Sq).
     """
