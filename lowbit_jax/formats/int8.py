@@ -78,8 +78,7 @@ def encode_with_scale(x: jax.Array, scale: jax.Array, *,
     Returns:
       int8 array of x's shape, ``clip(round_half_away(x / scale), -127, 127)``.
     """
-    inv = 1.0 / scale  # once per group: the (small) scale array, not per element
-    y = x.astype(jnp.float32) * (inv if broadcast is None else broadcast(inv))
+    y = _divided(x, scale, broadcast)
     z = y + _half_away(y)
     # clip before the truncation: the same codes as clipping after (±127 are integers)
     return (jnp.clip(z, -QMAX, QMAX) if clip else z).astype(jnp.int8)
@@ -103,9 +102,22 @@ def quantize(x: jax.Array, axes: int | Sequence[int] = -1, *,
       scale with ``axes`` kept as size-1 dims (unless ``broadcast``), so ``codes * scale ≈ x``.
     """
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=broadcast is None)
-    scale = scale_from_amax(amax)
+    scale = _group_scale(xf, axes, broadcast)
     return encode_with_scale(xf, scale, broadcast=broadcast, clip=False), scale
+
+
+def _divided(x: jax.Array, scale: jax.Array, broadcast: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
+    """``x / scale`` in float32 as ``x · (1/scale)``: one reciprocal per group (the small scale array), one
+    multiply per element; ``broadcast`` maps the reciprocal onto x's shape (see :func:`encode_with_scale`)."""
+    inv = 1.0 / scale
+    return x.astype(jnp.float32) * (inv if broadcast is None else broadcast(inv))
+
+
+def _group_scale(xf: jax.Array, axes: int | Sequence[int],
+                 broadcast: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
+    """``amax/127`` of each group of float32 ``xf`` (the elements sharing the indices outside ``axes``),
+    with ``axes`` kept as size-1 dims unless ``broadcast`` (see :func:`quantize`)."""
+    return scale_from_amax(jnp.max(jnp.abs(xf), axis=axes, keepdims=broadcast is None))
 
 
 def reciprocal_or_zero(x: jax.Array) -> jax.Array:
@@ -194,9 +206,7 @@ def encode_half_even(x: jax.Array, scale: jax.Array, *, truncating_convert: bool
     Returns:
       int8 array of x's shape.
     """
-    inv = 1.0 / scale  # once per group
-    y = x.astype(jnp.float32) * (inv if broadcast is None else broadcast(inv))
-    return round_to_code(y, truncating_convert=truncating_convert)
+    return round_to_code(_divided(x, scale, broadcast), truncating_convert=truncating_convert)
 
 
 def quantize_half_even(x: jax.Array, axes: int | Sequence[int] = -1, *, truncating_convert: bool = False,
@@ -206,5 +216,5 @@ def quantize_half_even(x: jax.Array, axes: int | Sequence[int] = -1, *, truncati
     Args and returns as :func:`quantize`; ``truncating_convert`` as in :func:`encode_unit_interval`.
     """
     xf = x.astype(jnp.float32)
-    scale = scale_from_amax(jnp.max(jnp.abs(xf), axis=axes, keepdims=broadcast is None))
+    scale = _group_scale(xf, axes, broadcast)
     return encode_half_even(xf, scale, truncating_convert=truncating_convert, broadcast=broadcast), scale
