@@ -25,7 +25,7 @@ import numpy as np
 import lowbit_jax as lb
 from benchmarks.common import attention_flops, environment, time_fn, write_json
 from lowbit_jax import sage as sage_mod
-from pallas_kernels import sage_fwd
+from pallas_kernels import sage_fwd, sage_fwd_mosaic
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -90,19 +90,28 @@ def methods(d: int, causal: bool, config: SageFwdConfig):
     return out
 
 
-def sage_parts(q, k, v, causal, config, interpret=False):
-    """Jitted (quantize, kernel-only) pair for timing the two stages apart."""
+def sage_parts(q, k, v, causal, config, interpret=False, backend="library"):
+    """Jitted (quantize, kernel-only) pair for timing the two stages apart, the quantized operands, and the name
+    of the attention kernel timed: with ``backend="library"`` the one ``lb.sage_attention`` runs for this call
+    (the Mosaic GPU forward where ``fwd_backend`` picks it: head dims 64 and 128 on Hopper), with
+    ``backend="triton"`` always the Triton kernel (what the tile sweep tunes)."""
     opts = sage_mod.resolve_options(q, k, v, causal=causal, scale=None, smooth_k=True, smooth_q=False,
-                                    qk_granularity="per_block", implementation="pallas", interpret=True,
+                                    qk_granularity="per_block", implementation="pallas", interpret=interpret,
                                     config=config)
     cfg = opts.config
     quant = jax.jit(functools.partial(sage_mod.quantize_pallas, scale=opts.scale, smooth_k=True, smooth_q=False,
                                       per_block=True, config=cfg, interpret=interpret))
     ops = jax.block_until_ready(quant(q, k, v))
-    kern = jax.jit(lambda o: sage_fwd.sage_attention_fwd(
-        o.q, o.q_scale, o.k, o.k_scale, o.vt, o.v_scale, None, sq_len=q.shape[1], sk_len=k.shape[1],
-        causal=causal, k_per_block=True, out_dtype=q.dtype, config=cfg, interpret=interpret)[0])
-    return quant, kern, ops
+    mosaic = backend == "library" and sage_mod._mosaic_forward(ops, None, opts)
+    if mosaic:
+        kern = jax.jit(lambda o: sage_fwd_mosaic.sage_attention_fwd_mosaic(
+            o.q, o.q_scale, o.k, o.k_scale, o.vt, o.v_scale, sq_len=q.shape[1], sk_len=k.shape[1], causal=causal,
+            out_dtype=q.dtype, config=cfg, per_block=True, interpret=interpret)[0])
+    else:
+        kern = jax.jit(lambda o: sage_fwd.sage_attention_fwd(
+            o.q, o.q_scale, o.k, o.k_scale, o.vt, o.v_scale, None, sq_len=q.shape[1], sk_len=k.shape[1],
+            causal=causal, k_per_block=True, out_dtype=q.dtype, config=cfg, interpret=interpret)[0])
+    return quant, kern, ops, "mosaic" if mosaic else "triton"
 
 
 def sweep(shapes, configs_for_d, log):
@@ -114,7 +123,7 @@ def sweep(shapes, configs_for_d, log):
         for bq, bk, w, st in configs_for_d(d):
             cfg = SageFwdConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
             try:
-                _, kern, ops = sage_parts(q, k, v, causal, cfg)
+                _, kern, ops, _ = sage_parts(q, k, v, causal, cfg, backend="triton")
                 ms = time_fn(kern, ops)
                 tops = flops / ms / 1e9
             except Exception as e:  # noqa: BLE001
@@ -206,7 +215,7 @@ def throughput(shapes, best, log, save=lambda rows: None):
                 log(f"  {name} failed at B{b} S{s} D{d} causal={causal}: {type(e).__name__}: {str(e)[:300]}")
                 row[name] = None
         try:
-            quant, kern, ops = sage_parts(q, k, v, causal, cfg)
+            quant, kern, ops, row["kernel_backend"] = sage_parts(q, k, v, causal, cfg)
             row["sage_kernel_only"] = time_fn(kern, ops)
             row["sage_quantize_only"] = time_fn(quant, q, k, v)
         except Exception as e:  # noqa: BLE001

@@ -35,7 +35,10 @@ def render_attention(data: dict) -> list[str]:
         "TFLOP/s (TOP/s for INT8) count 4·B·H·S²·D, halved if causal, for every method; "
         "times are per call with calls queued back to back (device time). "
         "`sage` is the whole op (K-mean/V-amax reductions + fused quantize kernels + attention kernel); "
-        "`kernel` is the attention kernel alone on pre-quantized operands; "
+        "`kernel` is an attention kernel alone on pre-quantized operands: the one the whole op runs where the "
+        "row says `mosaic` (the Mosaic GPU forward, `fwd_backend` \"auto\" on Hopper), else the Triton kernel "
+        "(`sage_fwd.sage_attention_fwd`; the runs up to 2026-12-01 04:05 timed it whatever the op ran, so "
+        "there `sage` can exceed `kernel`); "
         "`quant ms` the quantization alone. bf16 inputs, layout (B, S, H, D).",
         *_superseded(data),
         "",
@@ -46,13 +49,18 @@ def render_attention(data: dict) -> list[str]:
     for r in data["throughput"]:
         tf, ratio = r["tflops"], r["vs_cudnn_bf16"]
         cfg = r["config"]
+        mark = " †" if r.get("carried_from") else ""
         out.append(
-            f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']} | "
+            f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']}{mark} | "
             + " | ".join(_f(tf.get(m)) for m in METHODS)
             + f" | **{_f(ratio.get('sage'), '{:.2f}')}×** | {_f(ratio.get('sage_kernel_only'), '{:.2f}')}× | "
             f"{_f(r.get('sage_quantize_only'), '{:.3f}')} | "
-            f"{cfg['block_q']}×{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']} |"
+            f"{cfg['block_q']}×{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            + (" (kernel: mosaic)" if r.get("kernel_backend") == "mosaic" else "") + " |"
         )
+    carried = sorted({r["carried_from"] for r in data["throughput"] if r.get("carried_from")})
+    if carried:
+        out += ["", f"† from the run of {', '.join(carried)}, not this one: " + data.get("carried_note", "")]
     out += ["", "### Accuracy vs exact fp32 attention (B4 H32 S4096 D128, bf16 inputs)", "",
             "| inputs | causal | method | cos-sim | rel-L1 | rel-L2 |", "|---|---|---|---|---|---|"]
     for r in data["accuracy"]:

@@ -1,5 +1,6 @@
 """sage_attention forward: Pallas kernels (interpret on CPU) ↔ xla reference ↔ exact float64."""
 
+import dataclasses
 import functools
 
 import jax
@@ -145,12 +146,19 @@ def test_config_fitted_to_short_sequences():
         lb.SageFwdConfig(block_k=48)
 
 
-def test_benchmark_stage_split_runs():
-    """benchmarks/attention.py times quantization and the kernel apart; that split must compute sage."""
+@pytest.mark.parametrize("fwd_backend", ["triton", "mosaic"])
+def test_benchmark_stage_split_runs(fwd_backend):
+    """benchmarks/attention.py times quantization and the kernel apart; that split must compute sage, with the
+    attention kernel the op itself picks (the Mosaic forward where ``fwd_backend`` asks for it)."""
     from benchmarks.attention import sage_parts
 
-    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, seed=12)
-    quant, kern, ops = sage_parts(q, k, v, True, SMALL, interpret=INTERPRET)
+    config = dataclasses.replace(SMALL, fwd_backend=fwd_backend,
+                                 **({"block_q": 64, "block_k": 64} if fwd_backend == "mosaic" else {}))
+    q, k, v = make_qkv(1, 128, 128, 2, 2, 64, seed=12)
+    quant, kern, ops, backend = sage_parts(q, k, v, True, config, interpret=INTERPRET)
+    assert backend == fwd_backend
     out = kern(ops)
-    ref = lb.sage_attention(q, k, v, causal=True, config=SMALL, implementation="pallas", interpret=INTERPRET)
+    ref = lb.sage_attention(q, k, v, causal=True, config=config, implementation="pallas", interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    _, _, _, sweep_backend = sage_parts(q, k, v, True, config, interpret=INTERPRET, backend="triton")
+    assert sweep_backend == "triton"
