@@ -90,8 +90,10 @@ def attention_part(shapes, interpret, log) -> list[dict]:
         fns = {"sage": method_fn("sage", causal, "auto", d=d, interpret=interpret),
                "qat": method_fn("qat", causal, "auto", d=d, interpret=interpret)}
         if not interpret:
-            cfg = dataclasses.replace(lb.sage_fwd_config(d, causal), fwd_backend="mosaic")
-            fns["sage_fwd_mosaic"] = functools.partial(lb.sage_attention, causal=causal, config=cfg)
+            # the default forward on Hopper is the Mosaic one (fwd_backend "auto", head dims 64 and 128): the
+            # alternative beside it is the Triton forward
+            cfg = dataclasses.replace(lb.sage_fwd_config(d, causal), fwd_backend="triton")
+            fns["sage_fwd_triton"] = functools.partial(lb.sage_attention, causal=causal, config=cfg)
             if d == 64:  # 128-key QAT forward tiles (O and O' fit beside a 64x128 tile at D64; NOTES, tenth session)
                 fns["qat_block_k128"] = functools.partial(lb.qat_attention, causal=causal,
                                                           config=lb.QatConfig(block_k=128))
