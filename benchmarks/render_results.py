@@ -49,18 +49,15 @@ def render_attention(data: dict) -> list[str]:
     for r in data["throughput"]:
         tf, ratio = r["tflops"], r["vs_cudnn_bf16"]
         cfg = r["config"]
-        mark = " †" if r.get("carried_from") else ""
         out.append(
-            f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']}{mark} | "
+            f"| {r['b']} | {r['h']} | {r['s']} | {r['d']} | {r['causal']}{_carried_mark(r)} | "
             + " | ".join(_f(tf.get(m)) for m in METHODS)
             + f" | **{_f(ratio.get('sage'), '{:.2f}')}×** | {_f(ratio.get('sage_kernel_only'), '{:.2f}')}× | "
             f"{_f(r.get('sage_quantize_only'), '{:.3f}')} | "
             f"{cfg['block_q']}×{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
             + (" (kernel: mosaic)" if r.get("kernel_backend") == "mosaic" else "") + " |"
         )
-    carried = sorted({r["carried_from"] for r in data["throughput"] if r.get("carried_from")})
-    if carried:
-        out += ["", f"† from the run of {', '.join(carried)}, not this one: " + data.get("carried_note", "")]
+    out += _carried_footnote(data, data["throughput"])
     out += ["", "### Accuracy vs exact fp32 attention (B4 H32 S4096 D128, bf16 inputs)", "",
             "| inputs | causal | method | cos-sim | rel-L1 | rel-L2 |", "|---|---|---|---|---|---|"]
     for r in data["accuracy"]:
@@ -380,21 +377,17 @@ def render_dq_kernel(data: dict) -> list[str]:
             ratio = f", {ref / t:.2f}×" if ref else ""
             return f"{t:.2f} ({r['tflops'][name]:.0f}{ratio})"
 
-        mark = " †" if r.get("carried_from") else ""
-        out.append(f"| {b} | {h}/{hkv} | {s} | {d} | {causal}{mark} | {cell('cudnn')} | {cell('sage_separate')} | "
-                   f"{cell('sage_fused')} | {cell('qat_separate')} | {cell('qat_fused')} |")
-    carried = sorted({r["carried_from"] for r in data["rows"] + data["checks"] if r.get("carried_from")})
-    if carried:
-        out += ["", f"† from the run of {', '.join(carried)}, not this one: "
-                + data.get("carried_note", "the kernels of those shapes did not change in between.")]
+        out.append(f"| {b} | {h}/{hkv} | {s} | {d} | {causal}{_carried_mark(r)} | {cell('cudnn')} | "
+                   f"{cell('sage_separate')} | {cell('sage_fused')} | {cell('qat_separate')} | {cell('qat_fused')} |")
+    out += _carried_footnote(data, data["rows"] + data["checks"],
+                             default="the kernels of those shapes did not change in between.")
     out += ["", "Compiled gradients (dQ / dK / dV rel-L1): fused vs separate, and each vs the xla reference "
             "(same quantization).", "",
             "| case (B, Sq, Sk, Hq, Hkv, D, causal) | method | fused vs separate | fused vs xla | separate vs xla |",
             "|---|---|---|---|---|"]
     fmt = lambda xs: " / ".join(f"{x:.1e}" for x in xs)  # noqa: E731
     for c in data["checks"]:
-        mark = " †" if c.get("carried_from") else ""
-        out.append(f"| {tuple(c['case'])}{mark} | {c['method']} | {fmt(c['fused_vs_separate'])} | "
+        out.append(f"| {tuple(c['case'])}{_carried_mark(c)} | {c['method']} | {fmt(c['fused_vs_separate'])} | "
                    f"{fmt(c['fused_vs_xla'])} | {fmt(c['separate_vs_xla'])} |")
     return out
 
@@ -425,6 +418,19 @@ def render_breakdown(data: dict) -> list[str]:
             kernels = ", ".join(f"`{n[:48]}` {ms:.3f}" for n, ms, _ in r["top"][:5])
             out.append(f"| {b}, {hq}/{hkv}, {s}, {d}, {causal} | {r['method']} | {r['busy_ms']:.3f} | {kernels} |")
     return out + _superseded(data)
+
+
+def _carried_mark(row: dict) -> str:
+    """The dagger (' †') after a row carried from an earlier run (its ``carried_from``), else ''."""
+    return " †" if row.get("carried_from") else ""
+
+
+def _carried_footnote(data: dict, rows: list[dict], default: str = "") -> list[str]:
+    """The † footnote: which runs the carried ``rows`` come from and why (``data['carried_note']``)."""
+    carried = sorted({r["carried_from"] for r in rows if r.get("carried_from")})
+    if not carried:
+        return []
+    return ["", f"† from the run of {', '.join(carried)}, not this one: " + data.get("carried_note", default)]
 
 
 def _superseded(data: dict) -> list[str]:
