@@ -25,7 +25,6 @@ import numpy as np
 import lowbit_jax as lb
 from benchmarks.common import attention_flops, environment, time_fn, write_json
 from lowbit_jax import sage as sage_mod
-from pallas_kernels import sage_fwd, sage_fwd_mosaic
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -93,25 +92,18 @@ def methods(d: int, causal: bool, config: SageFwdConfig):
 def sage_parts(q, k, v, causal, config, interpret=False, backend="library"):
     """Jitted (quantize, kernel-only) pair for timing the two stages apart, the quantized operands, and the name
     of the attention kernel timed: with ``backend="library"`` the one ``lb.sage_attention`` runs for this call
-    (the Mosaic GPU forward where ``fwd_backend`` picks it: head dims 64 and 128 on Hopper), with
-    ``backend="triton"`` always the Triton kernel (what the tile sweep tunes)."""
+    (``sage.attend_quantized``: the Mosaic GPU forward where ``fwd_backend`` picks it, head dims 64 and 128 on
+    Hopper), with ``backend="triton"`` always the Triton kernel (what the tile sweep tunes)."""
+    if backend == "triton":
+        config = dataclasses.replace(config, fwd_backend="triton")
     opts = sage_mod.resolve_options(q, k, v, causal=causal, scale=None, smooth_k=True, smooth_q=False,
                                     qk_granularity="per_block", implementation="pallas", interpret=interpret,
                                     config=config)
-    cfg = opts.config
     quant = jax.jit(functools.partial(sage_mod.quantize_pallas, scale=opts.scale, smooth_k=True, smooth_q=False,
-                                      per_block=True, config=cfg, interpret=interpret))
+                                      per_block=True, config=opts.config, interpret=interpret))
     ops = jax.block_until_ready(quant(q, k, v))
-    mosaic = backend == "library" and sage_mod._mosaic_forward(ops, None, opts)
-    if mosaic:
-        kern = jax.jit(lambda o: sage_fwd_mosaic.sage_attention_fwd_mosaic(
-            o.q, o.q_scale, o.k, o.k_scale, o.vt, o.v_scale, sq_len=q.shape[1], sk_len=k.shape[1], causal=causal,
-            out_dtype=q.dtype, config=cfg, per_block=True, interpret=interpret)[0])
-    else:
-        kern = jax.jit(lambda o: sage_fwd.sage_attention_fwd(
-            o.q, o.q_scale, o.k, o.k_scale, o.vt, o.v_scale, None, sq_len=q.shape[1], sk_len=k.shape[1],
-            causal=causal, k_per_block=True, out_dtype=q.dtype, config=cfg, interpret=interpret)[0])
-    return quant, kern, ops, "mosaic" if mosaic else "triton"
+    kern = jax.jit(lambda o: sage_mod.attend_quantized(o, None, opts=opts, out_dtype=q.dtype)[0])
+    return quant, kern, ops, "mosaic" if sage_mod._mosaic_forward(ops, None, opts) else "triton"
 
 
 def sweep(shapes, configs_for_d, log):

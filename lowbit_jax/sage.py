@@ -219,22 +219,38 @@ def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
     ops = quantize(q, k, v, scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q,
                    per_block=opts.per_block, config=opts.config, transposed=transposed, interpret=opts.interpret)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
+    o, lse = attend_quantized(ops, bias, opts=opts, out_dtype=q.dtype)
+    return o, lse, ops
+
+
+def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOptions,
+                     out_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """The attention step of the forward on already quantized operands: the Mosaic GPU kernel where
+    :func:`_mosaic_forward` picks it, else the Triton kernel (``implementation="pallas"``) or the reference.
+
+    Args:
+      ops: the INT8 operands and scales (:func:`quantize_pallas` / ``quantize_reference``).
+      bias: Q-smoothing's fp32 score bias (:func:`smoothing_bias`) or None.
+      opts: resolved options (:func:`resolve_options`); ``opts.seq_q``/``seq_k`` are the real lengths.
+      out_dtype: dtype of o.
+    Returns:
+      o (B, Sq, Hq, D) ``out_dtype`` and the base-2 LSE float32 (B, Hq, Sq).
+    """
+    use_pallas = opts.implementation == "pallas"
     if use_pallas and _mosaic_forward(ops, bias, opts):
-        o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(
-            ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=q.shape[1], sk_len=k.shape[1],
-            causal=opts.causal, out_dtype=q.dtype, config=opts.config, per_block=opts.per_block,
+        return sage_fwd_mosaic.sage_attention_fwd_mosaic(
+            ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=opts.seq_q, sk_len=opts.seq_k,
+            causal=opts.causal, out_dtype=out_dtype, config=opts.config, per_block=opts.per_block,
             interpret=opts.interpret)
-        return o, lse, ops
     if use_pallas:
         attend = functools.partial(sage_fwd_kernels.sage_attention_fwd, interpret=opts.interpret)
     else:
         attend = sage_attention_reference
-    o, lse = attend(
+    return attend(
         ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, bias,
-        sq_len=q.shape[1], sk_len=k.shape[1], causal=opts.causal, k_per_block=opts.per_block,
-        out_dtype=q.dtype, config=opts.config,
+        sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, k_per_block=opts.per_block,
+        out_dtype=out_dtype, config=opts.config,
     )
-    return o, lse, ops
 
 
 # ----------------------------------------------------------------------------- custom_vjp
