@@ -295,16 +295,25 @@ def render_training(data: dict) -> list[str]:
            + (f" Median of {data['rounds']} interleaved windows of {data['steps_per_round']} steps; the ratio to "
               "dense is the median of the per-round ratios." if data.get("rounds") else
               " One window of timed steps per method, back to back."), "",
-           "| method | params | batch × seq | ms / step | tokens/s | MFU |", "|---|---|---|---|---|---|"]
+           "| method | params | batch × seq | ms / step | tokens/s | MFU | step temp memory |",
+           "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
+        temp = r.get("temp_bytes")
         out.append(f"| {r['method']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq']} | {r['step_ms']:.1f} | "
-                   f"{r['tokens_per_s']:,.0f} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} |")
+                   f"{r['tokens_per_s']:,.0f} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | "
+                   f"{'–' if temp is None else f'{temp / 2**30:.2f} GiB'} |")
+    if any(r.get("temp_bytes") is not None for r in data["rows"]):
+        out += ["", "Step temp memory: the compiled step's XLA temporaries (`memory_analysis().temp_size_in_bytes`: "
+                "activations, attention residuals, workspaces; parameters and optimizer state not included). "
+                "`METHOD@block` / `@dots`: `ModelConfig.remat`, the blocks recomputed in the backward "
+                "(everything / all but the matmul outputs)."]
     ratios = data.get("vs_dense") or {"sage": data["sage_vs_dense"]}
-    out += ["", "tokens/s relative to dense: " + ", ".join(f"{m} **{r:.2f}**" for m, r in ratios.items()
-                                                         if m != "dense")]
+    is_dense = lambda m: m.partition("@")[0] == "dense"  # noqa: E731
+    out += ["", "tokens/s relative to dense (a `METHOD@REMAT` row relative to `dense@REMAT`): " + ", ".join(
+        f"{m} **{r:.2f}**" for m, r in ratios.items() if not is_dense(m))]
     if data.get("vs_dense_rounds"):
         out += ["", "Per-round ratios (each round times every method back to back): " + "; ".join(
-            f"{m} " + " ".join(f"{x:.2f}" for x in rs) for m, rs in data["vs_dense_rounds"].items() if m != "dense")
+            f"{m} " + " ".join(f"{x:.2f}" for x in rs) for m, rs in data["vs_dense_rounds"].items() if not is_dense(m))
             + ". Dense alone went from " + "{:.1f} to {:.1f} ms/step within the run.".format(
                 *[(r["step_ms_rounds"][0], r["step_ms_rounds"][-1]) for r in data["rows"]
                   if r["method"] == "dense"][0])]

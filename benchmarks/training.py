@@ -5,6 +5,8 @@ Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/training.py --smoke         # tiny model, runs anywhere
     PYTHONPATH=. python benchmarks/training.py --methods dense sage sage:row qat_fp4
                                     # METHOD:DS_SCALE = sage with TrainConfig.ds_scale (dS per row)
+    PYTHONPATH=. python benchmarks/training.py --methods dense sage dense@block sage@block
+                                    # METHOD@REMAT = with ModelConfig.remat ("block", "dots")
 
 Tokens/s of the jitted data-parallel train step (fwd + bwd + AdamW) and model
 FLOP utilisation: 6·N + 6·L·S·d FLOPs per token (the parameters' matmuls plus
@@ -12,6 +14,9 @@ causal attention, 12·L·S·d halved) over the device's dense bf16 peak. Every m
 is compiled first, then timed in ``--rounds`` interleaved windows of ``--steps``
 steps (median per method; the ratio to dense is the median of per-round ratios),
 because back-to-back single windows drifted by up to 35% on the lent H200.
+Each row also gives the compiled step's XLA temporary memory (``memory_analysis().temp_size_in_bytes``:
+activations, residuals and workspaces; parameters and optimizer state are arguments, not temporaries),
+which is what ``ModelConfig.remat`` trades against time.
 Writes benchmarks/results/training.json (and $OUT/training.json).
 """
 
@@ -39,28 +44,46 @@ def flops_per_token(cfg, seq: int, n_params: int) -> float:
 
 
 def prepare(method: str, preset: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
-    """A compiled, warmed-up train step for ``method`` (a model method, or "sage:row": sage with
-    dS scaled per row) and ``run()``, which times ``steps`` steps and returns seconds per step
-    (called once to warm up, then ``rounds`` times: the LR schedule spans all those steps)."""
-    base, _, ds_scale = method.partition(":")
+    """A compiled, warmed-up train step for ``method`` (a model method; "sage:row": sage with dS scaled per
+    row; "METHOD@block" / "METHOD@dots": with ``ModelConfig.remat``) and ``run()``, which times ``steps`` steps
+    and returns seconds per step (called once to warm up, then ``rounds`` times: the LR schedule spans all
+    those steps)."""
+    base, _, remat = method.partition("@")
+    base, _, ds_scale = base.partition(":")
     cfg = TrainConfig(preset=preset, method=base, batch=batch, seq=seq, steps=steps * (rounds + 1), max_corpus_mb=8,
-                      ds_scale=ds_scale or "tile")
+                      ds_scale=ds_scale or "tile", remat=remat or "none")
     b = build(cfg.resolved())
     data = PackedBatches(load_corpus(None, 8 * 2**20), seq, batch, 1, 0)
     state = dict(params=b["params"], opt_state=b["tx"].init(b["params"]), metrics=None)
     batches = [jax.numpy.asarray(data.batch(i)) for i in range(steps)]
+    step = b["train_step"].lower(state["params"], state["opt_state"], batches[0]).compile()
+    memory = step.memory_analysis()
+    temp_bytes = None if memory is None else int(memory.temp_size_in_bytes)
 
     def run() -> float:
         t0 = time.perf_counter()
         for tokens in batches:
-            state["params"], state["opt_state"], state["metrics"] = b["train_step"](
-                state["params"], state["opt_state"], tokens)
+            state["params"], state["opt_state"], state["metrics"] = step(state["params"], state["opt_state"], tokens)
         jax.block_until_ready(state["metrics"])
         return (time.perf_counter() - t0) / steps
 
     run()  # compile + warm up
     n_params = sum(x.size for x in jax.tree.leaves(b["params"]))
-    return dict(run=run, state=state, n_params=n_params, flops=flops_per_token(b["model_config"], seq, n_params))
+    return dict(run=run, state=state, n_params=n_params, flops=flops_per_token(b["model_config"], seq, n_params),
+                temp_bytes=temp_bytes, remat=cfg.remat)
+
+
+def baseline(method: str) -> str:
+    """The dense method a method is compared with: the one with the same ``@REMAT`` suffix."""
+    _, at, remat = method.partition("@")
+    return "dense" + at + remat
+
+
+def ratios_to_dense(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per-round (paired) ratios, dense step time / method step time, each method against the dense run with
+    the same remat (:func:`baseline`); methods without that dense run are left out."""
+    return {m: [float(d / t) for d, t in zip(times[baseline(m)], ts)] for m, ts in times.items()
+            if baseline(m) in times}
 
 
 def main(argv=None) -> int:
@@ -92,15 +115,13 @@ def main(argv=None) -> int:
         mfu = runs[m]["flops"] * tok_s / peak if peak else None
         payload["rows"].append(dict(method=m, preset=preset, params=runs[m]["n_params"], batch=batch, seq=seq,
                                     step_ms=dt * 1e3, step_ms_rounds=[t * 1e3 for t in times[m]],
-                                    tokens_per_s=tok_s, mfu=mfu,
-                                    final_loss=float(runs[m]["state"]["metrics"]["loss"])))
+                                    tokens_per_s=tok_s, mfu=mfu, remat=runs[m]["remat"],
+                                    temp_bytes=runs[m]["temp_bytes"], final_loss=float(runs[m]["state"]["metrics"]["loss"])))
         print(f"{m:8s} {preset} ({runs[m]['n_params'] / 1e6:.1f}M) B{batch} S{seq}: {dt * 1e3:.1f} ms/step "
-              f"(median of {rounds}), {tok_s:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu else ""))
-    if "dense" in times:  # per-round (paired) ratios: dense time / method time, then the median
-        payload["vs_dense"] = {m: float(np.median(np.array(times["dense"]) / np.array(times[m]))) for m in times}
-        payload["vs_dense_rounds"] = {m: list(np.array(times["dense"]) / np.array(times[m])) for m in times}
-    else:
-        payload["vs_dense"] = {}
+              f"(median of {rounds}), {tok_s:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu else "")
+              + (f", XLA temp {runs[m]['temp_bytes'] / 2**30:.2f} GiB" if runs[m]["temp_bytes"] is not None else ""))
+    payload["vs_dense_rounds"] = ratios_to_dense(times)
+    payload["vs_dense"] = {m: float(np.median(r)) for m, r in payload["vs_dense_rounds"].items()}
     payload["sage_vs_dense"] = payload["vs_dense"].get("sage")
     write_json("training_smoke" if args.smoke else "training", payload)
     print("tokens/s relative to dense (median of per-round ratios): "

@@ -13,9 +13,24 @@ from flax import nnx
 from models.attention import Attention, check_method
 
 
+#: ``ModelConfig.remat``: what each block keeps for the backward pass (``jax.checkpoint`` policies through
+#: ``nnx.remat``). "none": every residual (the attention kernels' INT8 operands, O and the LSE included);
+#: "block": only the block's input, the block's forward is recomputed in the backward (quantization and
+#: attention forward too); "dots": the outputs of the projection and MLP matmuls, the rest recomputed.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and attention choices of a :class:`TransformerLM`."""
+    """Sizes and attention choices of a :class:`TransformerLM`.
+
+    ``remat`` trades compute for memory per block (:data:`REMAT_POLICIES`): "none" (default), "block"
+    or "dots". It changes no value, only what the backward pass recomputes.
+    """
 
     vocab_size: int = 256
     dim: int = 256
@@ -29,9 +44,12 @@ class ModelConfig:
     smooth_k: bool = True
     rope_base: float = 10000.0
     dtype: str = "bfloat16"
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
         if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide dim ({self.dim}) and be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -129,6 +147,10 @@ class Block(nnx.Module):
         return x + self.mlp(x), cache
 
 
+def _apply_block(block: Block, x: jax.Array) -> jax.Array:
+    return block(x)
+
+
 class TransformerLM(nnx.Module):
     """Byte-level decoder LM.
 
@@ -146,8 +168,9 @@ class TransformerLM(nnx.Module):
         if tokens.shape[-1] > self.cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[-1]} exceeds the model's max_len {self.cfg.max_len}")
         x = embed_tokens(self.embed, tokens)
+        policy = REMAT_POLICIES[self.cfg.remat]
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.cfg.remat == "none" else nnx.remat(_apply_block, policy=policy)(block, x)
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
     def init_cache(self, batch: int) -> list[dict]:

@@ -516,11 +516,19 @@ def reduce_add_stage(wgs: int, rows: int) -> plgpu.SMEM:
     return wg_tiles(wgs, rows, jnp.float32, REDUCE_COLS)
 
 
-def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool):
+def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array):
     """A zeroed float32 GMEM ref of ``shape`` for :func:`reduce_add_out` to add into (a kernel operand).
     Interpreting (no TMA reduction) it gets one slice per writer, ``writers`` axes prepended: select one
-    with :func:`reduce_add_slot`, sum them with :func:`reduce_add_total`."""
-    return jax.new_ref(jnp.zeros(shape if not interpret else (*writers, *shape), jnp.float32))
+    with :func:`reduce_add_slot`, sum them with :func:`reduce_add_total`.
+
+    ``after``: an input of the same kernel call (the backward's dO). The zero is passed through
+    ``lax.optimization_barrier`` together with it, so the buffer cannot be filled before that input
+    exists. A plain ``jnp.zeros`` has no operands: in a model's training step XLA merged the zero fills
+    of every layer's backward into one multi-output fusion at the start of the backward, so all of them
+    were live at once (11 × 80 MiB float32 dQ workspaces in the 50m preset at B16 S2048; benchmarks/NOTES.md,
+    twenty-second session)."""
+    zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), after))
+    return jax.new_ref(jnp.broadcast_to(zero, shape if not interpret else (*writers, *shape)))
 
 
 def reduce_add_slot(ref, writer: tuple, *, interpret: bool):

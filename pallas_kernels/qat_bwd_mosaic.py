@@ -254,7 +254,8 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
         dkdv_scratch += [wg_tiles(WGS, TILE, f32, d // 2), schedule_barrier()] if split else [
             reduce_add_stage(WGS, TILE)]
-        dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret))
+        dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
+                                                after=do_h))
     dk, dv = launch(
         functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
                           split=split, **common),

@@ -395,7 +395,8 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         # K̂ᵀ, dŜ (queries × keys) and the float32 stage per warpgroup; the float32 dQ (one per key block
         # and warpgroup interpreted)
         scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), reduce_add_stage(WGS, TILE)]
-        args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret)]
+        args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
+                                                  after=do)]
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
                     (hkv, kv_blocks, b), ("heads", "kv", "batch"),
                     name="sage_bwd_dkdv_dq" if fused_dq else "sage_bwd_dkdv", compute_wgs=WGS,

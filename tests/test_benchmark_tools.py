@@ -195,3 +195,13 @@ def test_sass_census_finds_the_hot_loop_not_the_retry_stubs():
     assert report["loop_instructions"] == 6
     assert report["census"] == {"FMNMX.NAN": 2, "BRA": 2, "WARPGROUP.ARRIVE": 1, "IGMMA.64x64x32.S8.S8": 1}
     assert sass_census.report("none", "\n".join(listing.splitlines()[:8]))["loop"] is None
+
+
+def test_training_ratios_pair_each_method_with_the_dense_run_of_its_remat():
+    from benchmarks.training import baseline, ratios_to_dense
+
+    assert baseline("sage") == "dense" and baseline("sage:row@block") == "dense@block"
+    times = {"dense": [2.0, 4.0], "sage": [4.0, 4.0], "dense@block": [3.0, 3.0], "sage@block": [6.0, 3.0],
+             "qat_fp4@dots": [1.0, 1.0]}
+    got = ratios_to_dense(times)
+    assert got == {"dense": [1.0, 1.0], "sage": [0.5, 1.0], "dense@block": [1.0, 1.0], "sage@block": [0.5, 1.0]}

@@ -210,6 +210,9 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
     assert text.count("mosaic_gpu_v2(") == (1 if fused else 2)
     assert mosaic_named(text, "sage_bwd_dkdv_dq" if fused else "sage_bwd_dkdv")
     assert mosaic_named(text, "sage_bwd_dq") != fused
+    # the fused dQ's float32 zero fill waits for dO (``_mosaic.reduce_add_accumulator(after=…)``), so XLA cannot
+    # hoist and merge the fills of a model's layers into one early fusion (all layers' workspaces live at once)
+    assert ("stablehlo.optimization_barrier" in text) == fused
 
 
 @pytest.mark.parametrize("d, causal, sq, granularity", [
@@ -266,6 +269,7 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
         fused = opts.config.fuses_dq(d, causal)
         assert mosaic_named(text, "qat_bwd_dkdv_dq" if fused else "qat_bwd_dkdv")
         assert mosaic_named(text, "qat_bwd_dq") != fused
+        assert ("stablehlo.optimization_barrier" in text) == fused  # the dQ zero fill waits for dO
 
 
 def _int8_register_operand_kernel(k: int, n: int):

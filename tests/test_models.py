@@ -175,6 +175,7 @@ def test_kv_cache_decode_matches_full_forward(method):
         (dict(num_heads=3), "num_heads"),
         (dict(num_kv_heads=3, num_heads=4, dim=256), "num_heads"),
         (dict(dim=96, num_heads=2), "head dim"),
+        (dict(remat="full"), "remat must be one of"),
     ],
 )
 def test_bad_model_config(overrides, match):
@@ -188,3 +189,32 @@ def test_unknown_preset_and_too_long_sequence():
     model = models.TransformerLM(models.model_config("tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="exceeds the model's max_len"):
         model(jnp.zeros((1, 300), jnp.int32))
+
+
+@pytest.mark.parametrize("method, options", [
+    ("dense", {}),
+    ("sage", {}),
+    ("sage", {"implementation": "pallas", "interpret": True}),  # the kernels' custom_vjp inside nnx.remat
+    ("qat_fp4", {}),
+])
+def test_remat_recomputes_without_changing_gradients(method, options):
+    """ModelConfig.remat ("block", "dots"): the backward recomputes the blocks (a `remat` equation in the
+    gradient's jaxpr, none without remat) and the parameter gradients equal those with every residual
+    stored, the attention custom_vjp's INT8/FP4 residuals included."""
+    tokens = jax.random.randint(jax.random.PRNGKey(7), (2, 48), 0, 256)
+
+    def grads(remat):
+        cfg = models.model_config("tiny", method=method, dtype="float32", remat=remat)
+        graphdef, params = nnx.split(models.TransformerLM(cfg, rngs=nnx.Rngs(0), attention_options=options))
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)  # noqa: E731
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+        return jax.tree.leaves(jax.jit(jax.grad(loss))(params)), "remat" in jaxpr  # jax.checkpoint's primitive
+
+    want, has_checkpoint = grads("none")
+    assert not has_checkpoint
+    for remat in ("block", "dots"):
+        got, has_checkpoint = grads(remat)
+        assert has_checkpoint, remat
+        for g, w in zip(got, want):
+            assert bool(jnp.all(jnp.isfinite(g)))
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(w))))

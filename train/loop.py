@@ -39,6 +39,7 @@ class TrainConfig:
     qk_norm: bool = True
     smooth_k: bool = True
     dtype: str = "bfloat16"  # compute dtype of the model (parameters stay float32)
+    remat: str = "none"  # per block: none | block (recompute the block in the backward) | dots (keep matmul outputs)
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
     naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
     ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (faster, more accurate)
@@ -97,7 +98,8 @@ def make_optimizer(cfg: TrainConfig):
 
 def build(cfg: TrainConfig):
     """Model, optimizer, data and the jitted steps for a resolved config."""
-    mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype)
+    mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
+                        remat=cfg.remat)
     if cfg.seq > mcfg.max_len:
         raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for preset {cfg.preset!r}")
     mesh = make_mesh(cfg.devices)
