@@ -67,7 +67,7 @@ def prepare(method: str, preset: str, batch: int, seq: int, steps: int, rounds: 
         jax.block_until_ready(state["metrics"])
         return (time.perf_counter() - t0) / steps
 
-    run()  # compile + warm up
+    run()  # warm up (compiled above)
     n_params = sum(x.size for x in jax.tree.leaves(b["params"]))
     return dict(run=run, state=state, n_params=n_params, flops=flops_per_token(b["model_config"], seq, n_params),
                 temp_bytes=temp_bytes, remat=cfg.remat)
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         payload["rows"].append(dict(method=m, preset=preset, params=runs[m]["n_params"], batch=batch, seq=seq,
                                     step_ms=dt * 1e3, step_ms_rounds=[t * 1e3 for t in times[m]],
                                     tokens_per_s=tok_s, mfu=mfu, remat=runs[m]["remat"],
-                                    temp_bytes=runs[m]["temp_bytes"], final_loss=float(runs[m]["state"]["metrics"]["loss"])))
+                                    temp_bytes=runs[m]["temp_bytes"],
+                                    final_loss=float(runs[m]["state"]["metrics"]["loss"])))
         print(f"{m:8s} {preset} ({runs[m]['n_params'] / 1e6:.1f}M) B{batch} S{seq}: {dt * 1e3:.1f} ms/step "
               f"(median of {rounds}), {tok_s:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu else "")
               + (f", XLA temp {runs[m]['temp_bytes'] / 2**30:.2f} GiB" if runs[m]["temp_bytes"] is not None else ""))
