@@ -27,6 +27,7 @@ AVAILABLE_METHODS = ("dense", "sage", "qat_fp4")
 
 
 def check_method(method: str) -> None:
+    """Raise ``ValueError`` unless ``method`` is one of :data:`METHODS` and available in this release."""
     if method not in METHODS:
         raise ValueError(f"attention method must be one of {METHODS}, got {method!r}")
     if method not in AVAILABLE_METHODS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from models.transformer import ModelConfig
 
@@ -15,7 +16,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def model_config(name: str, **overrides) -> ModelConfig:
+def model_config(name: str, **overrides: Any) -> ModelConfig:
     """A preset with field overrides, e.g. ``model_config("tiny", method="dense")``."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")

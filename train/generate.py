@@ -61,6 +61,7 @@ def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m train.generate --from RUN [--prompt TEXT] ...``: print a sample; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="checkpoint", required=True, help="run directory or its checkpoints/")
     parser.add_argument("--prompt", default="def ")

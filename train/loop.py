@@ -7,6 +7,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ def _loss_fn(graphdef, params, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def make_optimizer(cfg: TrainConfig):
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup and cosine decay, after global-norm clipping; returns (tx, schedule)."""
     warmup = min(max(cfg.warmup, 1), max(cfg.steps - 1, 1))
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
@@ -96,8 +97,14 @@ def make_optimizer(cfg: TrainConfig):
     return tx, schedule
 
 
-def build(cfg: TrainConfig):
-    """Model, optimizer, data and the jitted steps for a resolved config."""
+def build(cfg: TrainConfig) -> dict:
+    """Model, optimizer, data and the jitted steps for a resolved config.
+
+    Returns:
+      a dict: ``model_config``, ``mesh``, ``graphdef``, ``params`` (float32), ``tx``, ``schedule``,
+      ``train_step(params, opt_state, batch (accum, global batch, seq + 1) int32) -> (params, opt_state,
+      {"loss", "grad_norm"})`` (jitted, data parallel over ``mesh``) and ``eval_fn(params, batch) -> loss``.
+    """
     mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
                         remat=cfg.remat)
     if cfg.seq > mcfg.max_len:
@@ -142,7 +149,7 @@ def build(cfg: TrainConfig):
                 train_step=data_parallel(step_fn, mesh), eval_fn=eval_fn)
 
 
-def train(cfg: TrainConfig, *, log=print) -> dict:
+def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     """Run (or resume) training; returns a summary dict.
 
     Raises:
@@ -232,7 +239,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     return summary
 
 
-def load_params(checkpoint_dir: str, like_params, like_opt_state):
+def load_params(checkpoint_dir: str, like_params: nnx.State, like_opt_state: optax.OptState) -> nnx.State:
     """Parameters from a training checkpoint (``<out>`` or ``<out>/checkpoints``), shaped like ``like_params``."""
     path = resolve_dir(checkpoint_dir)
     read_config(path)  # a clear error when there is no checkpoint

@@ -7,6 +7,8 @@ over ``jax.devices()``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -34,7 +36,7 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     return Mesh(np.array(devices[:n]), (DATA_AXIS,))
 
 
-def data_parallel(step_fn, mesh: Mesh):
+def data_parallel(step_fn: Callable, mesh: Mesh) -> Callable:
     """Wrap ``step_fn(params, opt_state, batch) -> (params, opt_state, metrics)`` for the mesh.
 
     The batch (accum, global_batch, seq+1) is split over its second axis; params and
@@ -48,4 +50,5 @@ def data_parallel(step_fn, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Where a (accum, global batch, seq + 1) token batch lives: its batch axis split over the mesh."""
     return NamedSharding(mesh, P(None, DATA_AXIS))

@@ -117,7 +117,7 @@ def v_channel_scale(v: jax.Array) -> jax.Array:
     return int8.scale_from_amax(jnp.max(jnp.abs(v), axis=1))  # exact in v's dtype
 
 
-def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
+def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Ṽᵀ = V̂ᵀ·s_V rounded to ``dtype``: SageBwd's 16-bit operand of dP = dO·Ṽᵀ.
 
     Args:
