@@ -143,6 +143,18 @@ def test_ds_scale_row_reaches_sage_backward():
     assert g_tile != g_row and g_row == pytest.approx(g_tile, rel=0.05)
 
 
+def test_remat_lowers_the_train_steps_temporary_memory():
+    """--remat block / dots: the compiled data-parallel train step (sage, Pallas interpret) needs less XLA
+    temporary memory than with every residual stored (on the H200 at the 50m preset: 1.55 vs 8.00 GiB)."""
+    temp = {}
+    for remat in ("none", "block", "dots"):
+        b = build(TrainConfig(method="sage", implementation="pallas", remat=remat, devices=1, **FAST).resolved())
+        tokens = jnp.zeros((1, FAST["batch"], FAST["seq"] + 1), jnp.int32)
+        step = b["train_step"].lower(b["params"], b["tx"].init(b["params"]), tokens).compile()
+        temp[remat] = step.memory_analysis().temp_size_in_bytes
+    assert temp["block"] < 0.8 * temp["none"] and temp["dots"] < 0.8 * temp["none"], temp
+
+
 @pytest.mark.parametrize(
     "overrides, err, match",
     [
@@ -155,6 +167,7 @@ def test_ds_scale_row_reaches_sage_backward():
         (dict(method="sage", naive_backward=True), ValueError, "needs method='qat_fp4'"),
         (dict(method="dense", ds_scale="row"), ValueError, "needs method='sage'"),
         (dict(ds_scale="token"), ValueError, "ds_scale must be one of"),
+        (dict(remat="full"), ValueError, "remat must be one of"),
     ],
 )
 def test_bad_training_config(tmp_path, overrides, err, match):
