@@ -147,10 +147,6 @@ class Block(nnx.Module):
         return x + self.mlp(x), cache
 
 
-def _apply_block(block: Block, x: jax.Array) -> jax.Array:
-    return block(x)
-
-
 class TransformerLM(nnx.Module):
     """Byte-level decoder LM.
 
@@ -168,9 +164,10 @@ class TransformerLM(nnx.Module):
         if tokens.shape[-1] > self.cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[-1]} exceeds the model's max_len {self.cfg.max_len}")
         x = embed_tokens(self.embed, tokens)
-        policy = REMAT_POLICIES[self.cfg.remat]
+        apply = (Block.__call__ if self.cfg.remat == "none"
+                 else nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.cfg.remat]))
         for block in self.blocks:
-            x = block(x) if self.cfg.remat == "none" else nnx.remat(_apply_block, policy=policy)(block, x)
+            x = apply(block, x)
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
     def init_cache(self, batch: int) -> list[dict]:
