@@ -9,8 +9,10 @@ from lowbit_jax.formats import int8, nvfp4
 from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
 from lowbit_jax.sage import SageOptions, sage_attention, sage_forward
 from lowbit_jax.qat import qat_attention
+from lowbit_jax.thrift import thrift_attention, thrift_decode, thrift_select
+from lowbit_jax.thrift_cache import ThriftKVCache
 from lowbit_jax import diagnostics  # noqa: E402  (after sage: it builds on it)
-from pallas_kernels.configs import QatConfig, SageFwdConfig, qat_config, sage_fwd_config
+from pallas_kernels.configs import QatConfig, SageFwdConfig, ThriftConfig, qat_config, sage_fwd_config
 
 __version__ = "0.1.0"
 
@@ -33,4 +35,9 @@ __all__ = [
     "sage_attention",
     "sage_forward",
     "sage_fwd_config",
+    "ThriftConfig",
+    "ThriftKVCache",
+    "thrift_attention",
+    "thrift_decode",
+    "thrift_select",
 ]

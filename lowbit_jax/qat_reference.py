@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from lowbit_jax.formats import int8, nvfp4, sage_tiles
 from lowbit_jax.reference import causal_mask
 from pallas_kernels.configs import QatConfig
+from pallas_kernels.online_softmax import online_softmax_step
 from pallas_kernels.tile_ranges import visible
 
 LOG2E = math.log2(math.e)
@@ -92,11 +93,7 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
         s = jnp.einsum("bhqd,bhkd->bhqk", qf, kj, preferred_element_type=jnp.float32) * c
         cols = j * bk + jnp.arange(bk)[None, :]
         s = jnp.where(visible(rows, cols, sq_len, sk_len, causal), s, -jnp.inf)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_ref[..., None])
-        alpha = jnp.exp2(m_prev - m_ref)
-        l_new = l_prev * alpha + jnp.sum(p, axis=-1)
+        (p,), alpha, m_new, l_new = online_softmax_step([s], m_prev, l_prev)
         pq = nvfp4.fake_quant_last(p, nonnegative=True)
         acc = acc * alpha[..., None] + jnp.einsum("bhqk,bhkd->bhqd", pq.astype(dt), vj,
                                                   preferred_element_type=jnp.float32)

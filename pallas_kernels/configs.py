@@ -308,3 +308,65 @@ def qat_config(head_dim: int, causal: bool, device_kind: str | None = None) -> Q
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
     return TUNED_QAT.get((device_kind, head_dim, causal), QatConfig())
+
+
+@dataclasses.dataclass(frozen=True)
+class ThriftConfig:
+    """Blocks and launch parameters of the ThriftAttention kernels (shared/SPEC.md §3).
+
+    ``block`` and ``decode_splits`` are part of the numerics: the selection scores blocks of ``block``
+    queries and keys, FQ(P) is taken relative to the running row max at each key block, and the decode
+    kernel's online softmax restarts in each of its ``decode_splits`` runs of 4-bit blocks. Both
+    implementations ("pallas" and "xla") therefore take the same config.
+
+    Attributes:
+      block: queries and keys per selection block, also the prefill kernel's query and key tile (32, 64 or
+        128; SPEC default 64). The decode cache's blocks (and its 4-bit V packing, two halves of whole FP4
+        groups) use it too.
+      num_warps, num_stages: the prefill kernel's Triton launch parameters.
+      quant_block, quant_warps: rows per program and warps of the fused operand pass (16-bit and
+        NVFP4-fake-quantized K, V, head-major).
+      select_rows: query blocks per program of the selection kernel (≥ 16: a tensor-core product).
+      select_chunk: key blocks scored per step of the selection kernel (a power of two ≥ 16).
+      select_warps: warps of the selection kernel.
+      decode_splits: runs of 4-bit key blocks of the split-KV decode kernel (flash-decoding), combined at the
+        end with the ``decode_splits_high`` runs of 16-bit blocks (which change only the summation order).
+      decode_warps, decode_stages: the decode kernel's launch parameters.
+    """
+
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    quant_block: int = 64
+    quant_warps: int = 4
+    select_rows: int = 16
+    select_chunk: int = 128
+    select_warps: int = 4
+    # H200, one new token over a full cache, f = 0.05 (benchmarks/RESULTS.md, "ThriftAttention decode"): (16, 4)
+    # 0.158 / 0.572 ms at B8 S8192 / B2 S131072, (32, 8) 0.151 / 0.554, (64, 16) 0.169 / 0.480
+    decode_splits: int = 32
+    decode_splits_high: int = 8
+    decode_warps: int = 4
+    decode_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block", "num_warps", "quant_block", "quant_warps", "select_rows", "select_chunk",
+                     "select_warps", "decode_splits", "decode_splits_high", "decode_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not _is_pow2(value):
+                raise ValueError(f"ThriftConfig.{name} must be a power of two, got {value!r}")
+        if not 32 <= self.block <= 128:
+            raise ValueError(f"ThriftConfig.block must be 32, 64 or 128 (two halves of whole FP4 groups), got "
+                             f"{self.block}")
+        if self.quant_block < 16 or self.quant_block % 16:
+            raise ValueError(f"ThriftConfig.quant_block must be >= 16, got {self.quant_block}")
+        if self.select_rows < 16 or self.select_chunk < 16:
+            raise ValueError(f"ThriftConfig.select_rows and select_chunk must be >= 16, got {self.select_rows}, "
+                             f"{self.select_chunk}")
+        if self.num_stages < 1 or self.decode_stages < 1:
+            raise ValueError(f"ThriftConfig stages must be >= 1, got {self.num_stages}, {self.decode_stages}")
+
+    @property
+    def pad(self) -> int:
+        """Sequence padding of the head-major operands: a multiple of the block and of the quantize pass."""
+        return max(self.block, self.quant_block)

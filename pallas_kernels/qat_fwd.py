@@ -23,6 +23,7 @@ from jax import lax
 from lowbit_jax.formats import int8, nvfp4, sage_tiles
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
+from pallas_kernels.online_softmax import online_softmax_step
 from pallas_kernels.tile_ranges import key_tile_range, visible
 
 LOG2E = math.log2(math.e)
@@ -53,11 +54,7 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
         if masked:
             cols = start + jnp.arange(block_k, dtype=jnp.int32)
             s = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        p = jnp.exp2(s - m_ref[:, None])
-        alpha = jnp.exp2(m_prev - m_ref)
-        l_new = l_prev * alpha + jnp.sum(p, axis=1)
+        (p,), alpha, m_new, l_new = online_softmax_step([s], m_prev, l_prev, masked=masked)
         v = v_ref[pl.ds(start, block_k), :]
         pq = nvfp4.fake_quant_last(p, nonnegative=True).astype(v.dtype)
         acc = acc * alpha[:, None] + lax.dot_general(pq, v, DOT_NN, preferred_element_type=jnp.float32)

@@ -153,6 +153,15 @@ def test_packed_e2m1_decode_lowers_and_matches():
     np.testing.assert_array_equal(np.asarray(hi, np.float32) * sf, deq[:, 1::2])
 
 
+def compiled_options(resolve, q, kv, **options):
+    """A method's resolved options (``resolve(q, k, v, ...)``) for zero arrays shaped as the specs q and kv, with
+    the Pallas kernels compiled for the GPU rather than interpreted (resolving "pallas" on a CPU needs
+    ``interpret=True``, lowering needs it off)."""
+    zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
+    opts = resolve(zeros(q), zeros(kv), zeros(kv), implementation="pallas", interpret=True, **options)
+    return dataclasses.replace(opts, interpret=False)
+
+
 QAT_KERNELS = ("fp4_fake_quant", "qat_attention_fwd", "qat_bwd_dkdv", "qat_bwd_dq")
 QAT_CASES = [  # (Sq, Sk, Hq, Hkv, D, causal, naive, config)
     (4096, 4096, 8, 8, 128, False, False, lb.QatConfig()),
@@ -168,10 +177,7 @@ def test_qat_forward_and_backward_lower_to_triton(case):
     sq, sk, hq, hkv, d, causal, naive, config = case
     q = jax.ShapeDtypeStruct((2, sq, hq, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, sk, hkv, d), jnp.bfloat16)
-    opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
-                                       jnp.zeros(kv.shape, kv.dtype), causal=causal, naive_backward=naive,
-                                       implementation="pallas", interpret=True, config=config)
-    opts = dataclasses.replace(opts, interpret=False)
+    opts = compiled_options(qat_mod.resolve_qat_options, q, kv, causal=causal, naive_backward=naive, config=config)
 
     def grads(q, k, v):
         loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
@@ -182,6 +188,41 @@ def test_qat_forward_and_backward_lower_to_triton(case):
     assert text.count(TRITON_CALL) >= len(QAT_KERNELS)
     for name in QAT_KERNELS:
         assert name in text
+
+
+THRIFT_KERNELS = ("thrift_select", "thrift_operands", "thrift_prefill")
+THRIFT_CASES = [  # (Sq, Sk, Hq, Hkv, D, causal, budget, config)
+    (16384, 16384, 8, 2, 128, True, 0.05, lb.ThriftConfig()),  # 256 key blocks: two scoring chunks
+    (1000, 700, 4, 4, 64, False, 0.25, lb.ThriftConfig(block=32, quant_block=32, select_chunk=16)),
+    (77, 300, 4, 1, 128, True, 1.0, lb.ThriftConfig(block=128, quant_block=128)),
+]
+
+
+@pytest.mark.parametrize("case", THRIFT_CASES)
+def test_thrift_prefill_lowers_to_triton(case):
+    from lowbit_jax import thrift as thrift_mod
+
+    sq, sk, hq, hkv, d, causal, budget, config = case
+    q = jax.ShapeDtypeStruct((1, sq, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, sk, hkv, d), jnp.bfloat16)
+    opts = compiled_options(thrift_mod.resolve_thrift_options, q, kv, causal=causal, budget=budget, config=config)
+    text = lower_for_h200(lambda q, k, v: thrift_mod.thrift_forward(q, k, v, opts=opts), q, kv, kv)
+    assert text.count(TRITON_CALL) >= len(THRIFT_KERNELS)  # the operand pass once per distinct shape
+    for name in THRIFT_KERNELS:
+        assert triton_named(text, name), name
+
+
+@pytest.mark.parametrize("t, hq, d, block", [(1, 32, 128, 64), (5, 8, 64, 32), (40, 8, 128, 128)])
+def test_thrift_decode_lowers_to_triton(t, hq, d, block):
+    """The split-KV decode kernel (1 or several row tiles: 40 tokens × 4 heads of a group is 160 rows)."""
+    from lowbit_jax import thrift as thrift_mod
+
+    cache = jax.eval_shape(lambda: lb.ThriftKVCache.create(2, 8192, 8, d, block=block))
+    q = jax.ShapeDtypeStruct((2, t, hq, d), jnp.bfloat16)
+    cfg = lb.ThriftConfig(block=block)
+    text = lower_for_h200(lambda q, c: thrift_mod._decode(q, c, budget=0.05, scale=d**-0.5, implementation="pallas",
+                                                          interpret=False, config=cfg), q, cache)
+    assert triton_named(text, "thrift_decode")
 
 
 @pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [

@@ -116,6 +116,79 @@ def e2m1_decode(code: jax.Array) -> jax.Array:
     return e2m1_decode_f16(code).astype(jnp.float32) * E2M1_F16_BIAS
 
 
+E4M3_F16_BIAS = 2.0**8  # e4m3_decode_f16 returns value / 2**8
+
+
+def e4m3_decode_f16(bits: jax.Array) -> jax.Array:
+    """The in-kernel e4m3 decode: finite e4m3fn bit patterns (uint8 or int32) → float16 ``value · 2**-8``.
+
+    Bit placement only, as :func:`e2m1_decode_f16`: the sign to bit 15, the 4 exponent and 3 mantissa
+    bits to fp16 bits 13..7. fp16's exponent bias (15) is e4m3's (7) plus 8, and fp16's subnormals
+    reproduce e4m3's (step 2**-9 · 2**-8) exactly. NaN patterns (0x7F, 0xFF) decode to finite values:
+    callers pass scales of finite data.
+    """
+    b = bits.astype(jnp.int32)
+    placed = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return jax.lax.bitcast_convert_type(placed.astype(jnp.int16), jnp.float16)
+
+
+def repeat_groups(x: jax.Array, axis: int) -> jax.Array:
+    """Each element of a 2-D tile ``x`` repeated :data:`GROUP` times along ``axis`` (0 or 1), by a broadcast
+    and a reshape: the per-element view of per-group scales, written with ops Triton lowers."""
+    r, c = x.shape
+    if axis == 1:
+        return jnp.broadcast_to(x[:, :, None], (r, c, GROUP)).reshape(r, c * GROUP)
+    return jnp.broadcast_to(x[:, None, :], (r, GROUP, c)).reshape(r * GROUP, c)
+
+
+def dequantize_tile_f16(codes: jax.Array, scale_bits: jax.Array, *, axis: int) -> jax.Array:
+    """The in-kernel NVFP4 decode of a 2-D tile into float16 ``e2m1 · scale · 2**-14``, one fp16 multiply a value.
+
+    Args:
+      codes: int32 (rows, cols) e2m1 codes 0..15 (one nibble each, e.g. from :func:`e2m1_unpack`).
+      scale_bits: e4m3fn bit patterns (uint8/int32) of the group scales: (rows, cols/16) for groups along
+        ``axis=1``, (rows/16, cols) for groups along ``axis=0``.
+      axis: the axis the groups of 16 run along.
+    Returns:
+      float16 (rows, cols), exact: ``e2m1_decode_f16`` (value · 2**-14, two significant bits) times the true
+      scale (four, from :func:`e4m3_decode_f16` · 2**8) has at most six significant bits and no bit below
+      2**-24, fp16's smallest subnormal step. Fold :data:`E2M1_F16_BIAS` into the other operand's scale.
+    """
+    scales = e4m3_decode_f16(scale_bits) * jnp.float16(E4M3_F16_BIAS)
+    return e2m1_decode_f16(codes) * repeat_groups(scales, axis)
+
+
+def pack_halves(codes: jax.Array) -> jax.Array:
+    """4-bit codes (..., n) → uint8 (..., n/2): element i in the low nibble and element i + n/2 in the high.
+
+    The storage of :class:`lowbit_jax.ThriftKVCache`: unpacking a row gives its two contiguous halves
+    (:func:`e2m1_unpack`), so a kernel contracts each half with a contiguous slice of the other operand
+    (Triton can neither interleave nor slice a register tile). Same bytes per value as :func:`quantize`'s
+    pairwise packing.
+    """
+    n = codes.shape[-1]
+    if n % 2:
+        raise ValueError(f"pack_halves needs an even last axis, got {codes.shape}")
+    c = codes.astype(jnp.int32)
+    return (c[..., : n // 2] | (c[..., n // 2:] << 4)).astype(jnp.uint8)
+
+
+def unpack_halves(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_halves`: uint8 (..., n/2) → int32 codes (..., n)."""
+    lo, hi = e2m1_unpack(packed)
+    return jnp.concatenate([lo, hi], axis=-1)
+
+
+def encode_last(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """φ along the last axis (a multiple of 16): (int32 codes (..., n), float32 e4m3 scales (..., n/16)).
+
+    The same rounding as :func:`quantize` (it is :func:`quantize_groups`), with the codes left unpacked.
+    """
+    g = x.reshape(x.shape[:-1] + (x.shape[-1] // GROUP, GROUP))
+    values, sf = quantize_groups(g)
+    return e2m1_code(values).reshape(x.shape), sf[..., 0]
+
+
 def e2m1_unpack(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Packed bytes (..., n/2) → (codes of the even elements, codes of the odd elements), int32.
 
@@ -262,11 +335,10 @@ def quantize(x: jax.Array, axis: int = -1) -> NVFP4Tensor:
     Returns:
       :class:`NVFP4Tensor`.
     """
-    g, axis = _groups(x, axis)
-    values, sf = quantize_groups(g)
-    codes = e2m1_code(values).reshape(values.shape[:-2] + (-1,))
+    _, axis = _groups(x, axis)  # validates the axis length
+    codes, sf = encode_last(jnp.moveaxis(x, axis, -1))
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
-    return NVFP4Tensor(packed, sf[..., 0].astype(jnp.float8_e4m3fn), axis, jnp.dtype(x.dtype).name)
+    return NVFP4Tensor(packed, sf.astype(jnp.float8_e4m3fn), axis, jnp.dtype(x.dtype).name)
 
 
 def dequantize(t: NVFP4Tensor) -> jax.Array:

@@ -1,0 +1,371 @@
+"""Pure-JAX references of ThriftAttention with the kernels' exact quantization and block order.
+
+shared/SPEC.md §3. The kernels (:mod:`pallas_kernels.thrift_select`, :mod:`pallas_kernels.thrift_prefill`,
+:mod:`pallas_kernels.thrift_decode`) and these twins share the quantizers of
+:mod:`lowbit_jax.formats.nvfp4` and the selection rule below:
+
+* **Blocks.** ``config.block`` queries and keys (64 by default). q̄ and k̄ are the float32 means of each
+  block's real rows (:func:`block_means`).
+* **Which blocks a query block may pick.** Non-causal: all. Causal (bottom-right aligned): the key blocks
+  holding at least one key that the block's last real row sees (:func:`valid_key_blocks`).
+* **How many.** :func:`topk_count`: non-causal ``k = max(1, ⌊f·N_kb + ½⌋)`` (0 for f = 0); causal, the k
+  whose ``Σ_i min(k, n_i)`` is nearest to ``f · Σ_i n_i`` (rows with fewer valid blocks take them all;
+  k ≥ 1 for f > 0). f = 1 selects every valid block, f = 0 none.
+* **Which.** The k largest scores ``q̄_i · k̄_j`` (no softmax scale) among the valid blocks, ties to the
+  lower block index. GQA: each query head scores against its kv head's k̄.
+* **Attention.** One online softmax (base 2) over the valid key blocks in the order of
+  :func:`block_order`: the 4-bit blocks first, then the 16-bit ones, each ascending (a kernel then runs
+  two branch-free loops instead of a branch per block). 16-bit blocks: S = QKᵀ·c and O += P·V with
+  16-bit operands (bf16; fp16 for fp16 inputs) and fp32 accumulation. 4-bit blocks: Q̃ = φ(Q) and
+  K̃ = φ(K) (NVFP4, groups of 16 along D), Ṽ = φ(V) (groups of 16 tokens per channel, aligned to
+  absolute positions), S = Q̃K̃ᵀ·c, and O += FQ(P)·Ṽ with FQ(P) NVFP4 per group of 16 keys by its own
+  amax (SPEC's "per-group amax" scheme), P = exp2(S − m) taken relative to the running row max. l sums
+  the unquantized P of both paths. Rows that see no key give zeros.
+* **Decode** (:func:`decode_reference`): the new tokens are in the cache; scores are the max over the
+  group's query heads (and query tokens) of q·k̄ of each *complete* key block; ``⌊f·n_complete + ½⌋``
+  of them in 16-bit, the rest and the trailing partial block from the 4-bit cache. Split-KV
+  (flash-decoding): the 4-bit blocks (in :func:`block_order`) in ``config.decode_splits`` contiguous
+  runs, the 16-bit ones in ``config.decode_splits_high`` more, each with its own online softmax, merged
+  at the end (:func:`combine_splits`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit_jax.formats import int8, nvfp4
+from lowbit_jax.qat_reference import head_major, mma_dtype
+from pallas_kernels.configs import ThriftConfig
+from pallas_kernels.online_softmax import online_softmax_step
+from pallas_kernels.tile_ranges import visible
+
+LOG2E = math.log2(math.e)
+#: ``along`` of :func:`fake_quant_operand`: the axis of the NVFP4 groups
+ALONG = ("channels", "tokens")
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def block_means(x: jax.Array, block: int) -> jax.Array:
+    """Float32 mean of each block's real rows.
+
+    Args:
+      x: (B, S, H, D).
+      block: rows per block.
+    Returns:
+      (B, H, ceil(S / block), D) float32.
+    """
+    b, s, h, d = x.shape
+    nb = -(-s // block)
+    xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * block - s), (0, 0), (0, 0)))
+    sums = jnp.sum(xf.reshape(b, nb, block, h, d), axis=2)
+    counts = np.minimum(block, s - block * np.arange(nb)).astype(np.float32)
+    return jnp.swapaxes(sums / counts[None, :, None, None], 1, 2)
+
+
+def valid_key_blocks(sq: int, sk: int, block: int, causal: bool) -> np.ndarray:
+    """Key blocks each query block may select: int (ceil(Sq/block),), a prefix count n_i.
+
+    Non-causal every key block; causal (bottom-right) those holding a key the block's last real row sees.
+    """
+    nqb, nkb = -(-sq // block), -(-sk // block)
+    if not causal:
+        return np.full(nqb, nkb, np.int64)
+    last = np.minimum((np.arange(nqb) + 1) * block, sq) - 1 + (sk - sq)  # last key the block's last row sees
+    return np.clip(np.floor_divide(last, block) + 1, 0, nkb).astype(np.int64)
+
+
+def topk_count(budget: float, counts: np.ndarray, causal: bool) -> int:
+    """How many key blocks each query block takes in 16-bit (SPEC §3.1).
+
+    Args:
+      budget: f in [0, 1].
+      counts: :func:`valid_key_blocks`.
+      causal: the mask.
+    Returns:
+      k: non-causal ``max(1, ⌊f·N + ½⌋)`` (0 for f = 0); causal the k ≥ 1 (0 for f = 0) with
+      ``Σ min(k, n_i)`` nearest ``f · Σ n_i``, ties to the smaller k.
+    """
+    n_max = int(counts.max()) if counts.size else 0
+    if budget <= 0.0 or n_max == 0:
+        return 0
+    if not causal:
+        return min(n_max, max(1, math.floor(budget * n_max + 0.5)))
+    target = budget * float(counts.sum())
+    ks = np.arange(1, n_max + 1)
+    selected = np.minimum(ks[:, None], counts[None, :]).sum(axis=1)
+    return int(ks[np.argmin(np.abs(selected - target))])
+
+
+def selection_reference(q_mean: jax.Array, k_mean: jax.Array, counts: np.ndarray, k: int) -> jax.Array:
+    """Top-k key blocks per query block, ties to the lower index (the selection kernel's twin).
+
+    Args:
+      q_mean: (B, Hq, Nqb, D) float32; k_mean: (B, Hkv, Nkb, D) float32 (:func:`block_means`).
+      counts: (Nqb,) valid key blocks per query block (:func:`valid_key_blocks`); k: :func:`topk_count`.
+    Returns:
+      bool (B, Hq, Nqb, Nkb): True where the pair runs in 16-bit.
+    """
+    group = q_mean.shape[1] // k_mean.shape[1]
+    km = jnp.repeat(k_mean, group, axis=1) if group > 1 else k_mean
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q_mean, km, precision=jax.lax.Precision.HIGHEST)
+    cols = jnp.arange(km.shape[2])
+    valid = cols[None, :] < jnp.asarray(counts)[:, None]  # (Nqb, Nkb)
+    order = jnp.argsort(jnp.where(valid, -scores, jnp.inf), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)  # position of each block in the descending order
+    take = jnp.minimum(k, jnp.asarray(counts))[:, None]
+    return (rank < take) & valid
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def fake_quant_operand(x: jax.Array, *, seq_pad: int, along: str, dtype) -> jax.Array:
+    """The prefill's two copies of K or V: (2, B, H, seq_pad, D) ``dtype``, [0] the 16-bit values and
+    [1] their NVFP4 fake quantization (groups of 16 along D for ``along="channels"``, 16 tokens per
+    channel for ``"tokens"``), head-major, zero rows appended (the twin of
+    :func:`pallas_kernels.fake_quant.thrift_operands`)."""
+    xh = head_major(x.astype(jnp.float32), seq_pad)
+    if along == "channels":
+        fq = nvfp4.fake_quant_last(xh)
+    else:
+        fq = jnp.swapaxes(nvfp4.fake_quant_last(jnp.swapaxes(xh, 2, 3)), 2, 3)
+    return jnp.stack([xh.astype(dtype), fq.astype(dtype)])
+
+
+def block_order(selected: jax.Array, counts: jax.Array) -> jax.Array:
+    """The order a kernel visits key blocks in: the 4-bit blocks, then the 16-bit ones, each ascending.
+
+    Args:
+      selected: bool (..., Nkb), True for a 16-bit block.
+      counts: int, broadcastable to ``selected.shape[:-1]``: the valid prefix of blocks per row.
+    Returns:
+      int16 (..., Nkb): block indices — first the valid unselected ones, then the selected ones (each
+      ascending), then the invalid ones.
+    """
+    nkb = selected.shape[-1]
+    j = jnp.arange(nkb, dtype=jnp.int32)
+    key = jnp.where(j >= jnp.asarray(counts)[..., None], 2 * nkb + j, jnp.where(selected, nkb + j, j))
+    return jnp.argsort(key, axis=-1).astype(jnp.int16)
+
+
+def _exact_dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(spec, a, b)`` of 16-bit operands with exact products and float32 sums, on any backend.
+
+    The operands go to float32 (exact) with ``precision=HIGHEST``: on a GPU, XLA rewrites these batched
+    products with one-row operands into element-wise ops, which in 16-bit round every product.
+    """
+    f32 = jnp.float32
+    return jnp.einsum(spec, a.astype(f32), b.astype(f32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _online_step(carry, s, update_fn):
+    """One online-softmax step on base-2 scores ``s`` (−inf masked); ``update_fn(p)`` gives P's product."""
+    acc, m_prev, l_prev = carry
+    (p,), alpha, m_new, l_new = online_softmax_step([s], m_prev, l_prev)
+    return acc * alpha[..., None] + update_fn(p), m_new, l_new
+
+
+def prefill_reference(q: jax.Array, kk: jax.Array, vv: jax.Array, selected: jax.Array, *, sq_len: int, sk_len: int,
+                      causal: bool, scale: float, config: ThriftConfig, out_dtype) -> jax.Array:
+    """Twin of :func:`pallas_kernels.thrift_prefill.thrift_prefill`: the mixed-precision online softmax.
+
+    Args:
+      q: (B, Sq, Hq, D).
+      kk, vv: (2, B, Hkv, Sk_pad, D) from :func:`fake_quant_operand` (channels for K, tokens for V).
+      selected: bool (B, Hq, Nqb, Nkb) (:func:`selection_reference` or the kernel's).
+    Returns:
+      (B, Sq, Hq, D) ``out_dtype``.
+    """
+    dt = kk.dtype
+    b, hq = q.shape[0], q.shape[2]
+    group = hq // kk.shape[2]
+    bk = config.block
+    nqb, nkb = selected.shape[2], selected.shape[3]
+    sq_pad = nqb * bk
+    qf = head_major(q.astype(jnp.float32), sq_pad)
+    q16, qfq = qf.astype(dt), nvfp4.fake_quant_last(qf).astype(dt)
+    kk, vv = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (kk, vv))
+    c = scale * LOG2E
+    rows = jnp.arange(sq_pad)[:, None]
+    counts = jnp.asarray(valid_key_blocks(sq_len, sk_len, bk, causal))
+    order = block_order(selected, counts).astype(jnp.int32)  # (B, Hq, Nqb, Nkb)
+    n_high = jnp.sum(selected, axis=-1)  # (B, Hq, Nqb)
+    n_low = counts - n_high
+    row_block = lambda x: jnp.repeat(x, bk, axis=2)  # (B, Hq, Nqb) → (B, Hq, Sq_pad)  # noqa: E731
+    mm = lambda a, b: _exact_dot("bhqd,bhqkd->bhqk", a, b)  # noqa: E731
+    pv = lambda p, v: _exact_dot("bhqk,bhqkd->bhqd", p.astype(dt), v)  # noqa: E731
+    offsets = jnp.arange(bk)
+
+    def gather(x, blocks):
+        """Key block ``blocks`` (B, Hq, Sq_pad) of x (B, Hq, Sk_pad, D) for every query row: (B, Hq, Sq_pad, bk, D)."""
+        idx = blocks[..., None] * bk + offsets
+        return jnp.take_along_axis(x[:, :, None], idx[..., None], axis=3)
+
+    def step(carry, i):
+        blocks = row_block(jax.lax.dynamic_index_in_dim(order, i, axis=3, keepdims=False))
+        low = row_block(i < n_low)[..., None]
+        active = row_block(i < counts[None, None, :])[..., None]
+        cols = blocks[..., None] * bk + offsets
+        s = jnp.where(low, mm(qfq, gather(kk[1], blocks)), mm(q16, gather(kk[0], blocks))) * c
+        s = jnp.where(visible(rows, cols, sq_len, sk_len, causal) & active, s, -jnp.inf)
+
+        def update(p):
+            return jnp.where(low, pv(nvfp4.fake_quant_last(p, nonnegative=True), gather(vv[1], blocks)),
+                             pv(p, gather(vv[0], blocks)))
+
+        return _online_step(carry, s, update), None
+
+    init = (jnp.zeros((b, hq, sq_pad, q.shape[3]), jnp.float32), jnp.full((b, hq, sq_pad), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hq, sq_pad), jnp.float32))
+    (acc, _, l), _ = jax.lax.scan(step, init, jnp.arange(nkb))
+    o = acc * int8.reciprocal_or_zero(l)[..., None]
+    return jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def decode_rows(q: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
+    """Query tokens as the decode kernel's rows: (B, T, Hq, D) → (B, Hkv, rows, D), row ``g·T + t`` holding
+    query head ``hkv·G + g`` at token t, zero rows appended up to ``rows``."""
+    b, t, hq, d = q.shape
+    group = hq // num_kv_heads
+    x = jnp.transpose(q.reshape(b, t, num_kv_heads, group, d), (0, 2, 3, 1, 4)).reshape(b, num_kv_heads, group * t, d)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - group * t), (0, 0)))
+
+
+def decode_outputs(o_rows: jax.Array, t: int, num_heads: int) -> jax.Array:
+    """Inverse of :func:`decode_rows`: (B, Hkv, rows, D) → (B, T, Hq, D)."""
+    b, hkv, _, d = o_rows.shape
+    group = num_heads // hkv
+    x = o_rows[:, :, : group * t].reshape(b, hkv, group, t, d)
+    return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(b, t, num_heads, d)
+
+
+def row_positions(length: jax.Array, t: int, group: int, rows: int) -> jax.Array:
+    """Absolute position of each decode row's query token (``length − T + t``; −1 for padding rows): int32
+    (rows,). A row sees the keys at positions ≤ its own."""
+    r = jnp.arange(rows)
+    return jnp.where(r < group * t, length - t + r % t, -1).astype(jnp.int32)
+
+
+def decode_selection(q: jax.Array, k_mean: jax.Array, length: jax.Array, *, budget: float, block: int) -> jax.Array:
+    """Which complete key blocks run in 16-bit, per (batch, kv head); shared by both implementations.
+
+    Args:
+      q: (B, T, Hq, D) the new query tokens; k_mean: (B, Hkv, Nkb_max, D) float32 block means of the cache.
+      length: int32 scalar, tokens in the cache (the T new ones included).
+      budget: f in [0, 1]; block: the cache's block.
+    Returns:
+      bool (B, Hkv, Nkb_max): the top ``⌊f·n + ½⌋`` of the ``n = length // block`` complete blocks by
+      ``max over the group's heads and tokens of q·k̄``, ties to the lower index.
+    """
+    hkv, nkb = k_mean.shape[1], k_mean.shape[2]
+    rows = decode_rows(q.astype(jnp.float32), hkv, q.shape[1] * (q.shape[2] // hkv))
+    scores = jnp.max(jnp.einsum("bhrd,bhkd->bhrk", rows, k_mean, precision=jax.lax.Precision.HIGHEST), axis=2)
+    n_complete = length // block
+    valid = jnp.arange(nkb) < n_complete
+    order = jnp.argsort(jnp.where(valid, -scores, jnp.inf), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)
+    take = jnp.floor(budget * n_complete.astype(jnp.float32) + 0.5).astype(jnp.int32)
+    return (rank < jnp.minimum(take, n_complete)) & valid
+
+
+def split_bounds(count: jax.Array, splits: int) -> jax.Array:
+    """Entries per split when ``count`` entries of :func:`block_order` are cut into ``splits`` contiguous runs
+    (split s takes entries ``[s·per, min((s+1)·per, count))``)."""
+    return (count + splits - 1) // splits
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Merge the splits' partial softmaxes: acc (..., splits, R, D), m and l (..., splits, R) → (..., R, D)."""
+    m_all = jnp.max(m, axis=-2, keepdims=True)
+    w = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)))
+    num = jnp.sum(acc * w[..., None], axis=-3)
+    den = jnp.sum(l * w, axis=-2)
+    return num * int8.reciprocal_or_zero(den)[..., None]
+
+
+def dequantized_cache(k4: jax.Array, k4_scale: jax.Array, v4: jax.Array, v4_scale: jax.Array, block: int):
+    """K̃, Ṽ (B, Hkv, S_max, D) float32 from the 4-bit cache (:class:`lowbit_jax.ThriftKVCache` layout)."""
+    k_codes = nvfp4.unpack_halves(k4)  # (B, Hkv, S, D)
+    kf = nvfp4.e2m1_decode(k_codes) * jnp.repeat(k4_scale.astype(jnp.float32), nvfp4.GROUP, axis=-1)
+    b, h, half_rows, d = v4.shape
+    v_codes = nvfp4.unpack_halves(jnp.swapaxes(v4.reshape(b, h, -1, block // 2, d), -1, -2))  # (B, H, nb, D, blk)
+    v_codes = jnp.swapaxes(v_codes, -1, -2).reshape(b, h, 2 * half_rows, d)
+    vf = nvfp4.e2m1_decode(v_codes) * jnp.repeat(v4_scale.astype(jnp.float32), nvfp4.GROUP, axis=-2)
+    return kf, vf
+
+
+def decode_reference(q: jax.Array, k16: jax.Array, v16: jax.Array, k4: jax.Array, k4_scale: jax.Array,
+                     v4: jax.Array, v4_scale: jax.Array, selected: jax.Array, length: jax.Array, *, scale: float,
+                     config: ThriftConfig) -> jax.Array:
+    """Twin of :func:`pallas_kernels.thrift_decode.thrift_decode`.
+
+    Args:
+      q: (B, T, Hq, D); k16, v16: (B, S_max, Hkv, D) the 16-bit cache; k4 … v4_scale: the 4-bit cache;
+      selected: bool (B, Hkv, Nkb_max) (:func:`decode_selection`); length: int32 scalar.
+    Returns:
+      (B, T, Hq, D) in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv = k16.shape[2]
+    group = hq // hkv
+    bk = config.block
+    lo_splits, hi_splits = config.decode_splits, config.decode_splits_high
+    nkb = k16.shape[1] // bk
+    dt = mma_dtype(q.dtype)
+    rows = decode_rows(q.astype(jnp.float32), hkv, group * t)
+    q16, qfq = rows.astype(dt), nvfp4.fake_quant_last(rows).astype(dt)
+    kf, vf = dequantized_cache(k4, k4_scale, v4, v4_scale, bk)
+    kh, vh = (jnp.swapaxes(x, 1, 2) for x in (k16, v16))
+    pos = row_positions(length, t, group, group * t)
+    n_blocks = (length + bk - 1) // bk
+    n_high = jnp.sum(selected, axis=-1)  # (B, Hkv), the same everywhere
+    n_low = n_blocks - n_high
+    order = block_order(selected, n_blocks).astype(jnp.int32)
+    per_lo, per_hi = split_bounds(n_low, lo_splits), split_bounds(n_high, hi_splits)
+    c = scale * LOG2E
+    mm = lambda a, b: _exact_dot("bhrd,bhkd->bhrk", a, b.astype(dt))  # noqa: E731
+    pv = lambda p, v: _exact_dot("bhrk,bhkd->bhrd", p.astype(dt), v.astype(dt))  # noqa: E731
+    gather = lambda x, j: jnp.take_along_axis(x, (j[:, :, None] * bk + jnp.arange(bk))[..., None], axis=2)  # noqa: E731
+    splits = lo_splits + hi_splits
+
+    def step(carry, i):
+        acc, m, l = carry  # (B, Hkv, splits, R[, D])
+        j = order[:, :, i]  # (B, Hkv)
+        low = (i < n_low)[:, :, None, None]
+        s = jnp.where(low, mm(qfq, gather(kf, j)), mm(q16, gather(kh, j))) * c
+        cols = j[:, :, None, None] * bk + jnp.arange(bk)
+        s = jnp.where((cols <= pos[:, None]) & (i < n_blocks), s, -jnp.inf)
+        split = jnp.where(i < n_low, i // jnp.maximum(per_lo, 1),
+                          lo_splits + (i - n_low) // jnp.maximum(per_hi, 1))  # (B, Hkv)
+        here = (jnp.arange(splits) == split[..., None])[..., None]  # (B, Hkv, splits, 1)
+        pick = lambda x: jnp.sum(jnp.where(here[..., None] if x.ndim == 5 else here, x, 0.0), axis=2)  # noqa: E731
+
+        def update(p):
+            return jnp.where(low, pv(nvfp4.fake_quant_last(p, nonnegative=True), gather(vf, j)), pv(p, gather(vh, j)))
+
+        m_old = jnp.max(jnp.where(here, m, -jnp.inf), axis=2)
+        acc_new, m_new, l_new = _online_step((pick(acc), m_old, pick(l)), s, update)
+        return (jnp.where(here[..., None], acc_new[:, :, None], acc), jnp.where(here, m_new[:, :, None], m),
+                jnp.where(here, l_new[:, :, None], l)), None
+
+    r = group * t
+    init = (jnp.zeros((b, hkv, splits, r, d), jnp.float32), jnp.full((b, hkv, splits, r), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, splits, r), jnp.float32))
+    (acc, m, l), _ = jax.lax.scan(step, init, jnp.arange(nkb))
+    return decode_outputs(combine_splits(acc, m, l), t, hq).astype(q.dtype)
+
+
+__all__ = [
+    "ALONG", "block_means", "block_order", "combine_splits", "decode_outputs", "decode_reference", "decode_rows",
+    "decode_selection", "dequantized_cache", "fake_quant_operand", "prefill_reference", "row_positions",
+    "selection_reference", "split_bounds", "topk_count", "valid_key_blocks",
+]

@@ -1,0 +1,169 @@
+"""ThriftAttention decode: split-KV (flash-decoding) over a 16-bit and a 4-bit KV cache, Pallas-Triton.
+
+shared/SPEC.md §3.4–3.5; the twin is :func:`lowbit_jax.thrift_reference.decode_reference`. A program owns one
+tile of query rows (the group's query heads × the new tokens, :func:`lowbit_jax.thrift_reference.decode_rows`)
+of one (batch, kv head) and one run of its key blocks in the order of
+:func:`lowbit_jax.thrift_reference.block_order`: the first ``config.decode_splits`` programs cut the 4-bit
+blocks into contiguous runs, the last ``config.decode_splits_high`` the 16-bit ones. Each writes its partial
+softmax (unnormalized O, m, l) for :func:`lowbit_jax.thrift_reference.combine_splits`; no program branches per
+block, so Triton pipelines the loads.
+
+A 4-bit block is read as packed e2m1 codes (:func:`lowbit_jax.formats.nvfp4.pack_halves`: a byte holds elements
+i and i + n/2) with e4m3 group scales, 0.5625 bytes per value instead of 2, and decoded in registers by bit
+placement into float16 (:func:`lowbit_jax.formats.nvfp4.e2m1_decode_f16`, value · 2**-14, no gather) times the
+group scale: one fp16 multiply per value, exact (the products have at most five significant bits and land on
+fp16's grid down to its smallest subnormal); the 2**14 goes into the score scale and into FQ(P). Every product
+works on halves: the key block's two halves of ``block/2`` keys (the V bytes' two nibbles) and the head dim's
+two halves (the K bytes' two nibbles).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowbit_jax.formats import nvfp4
+from pallas_kernels._triton import compiler_params, pl
+from pallas_kernels.configs import ThriftConfig
+from pallas_kernels.online_softmax import online_softmax_step
+
+LOG2E = math.log2(math.e)
+DOT_NT = (((1,), (1,)), ((), ()))
+DOT_NN = (((1,), (0,)), ((), ()))
+
+
+def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref, k4_ref, ks_ref, v4_ref, vs_ref,
+                   order_ref, acc_ref, m_ref, l_ref, *, block, splits_low, splits_high, score_scale, dtype):
+    half, d = block // 2, q_ref.shape[-1]
+    dg = d // 2 // nvfp4.GROUP  # K scale groups per half of the head dim
+    vg = half // nvfp4.GROUP  # V scale groups per half of the key block
+    pos = pos_ref[...]
+    n_blocks = (jnp.max(pos) + block) // block  # max(pos) + 1 tokens in the cache
+    n_high = meta_ref[0]
+    n_low = n_blocks - n_high
+    split = pl.program_id(2)
+    nt = lambda a, b: lax.dot_general(a, b, DOT_NT, preferred_element_type=jnp.float32)  # noqa: E731
+    nn = lambda a, b: lax.dot_general(a, b, DOT_NN, preferred_element_type=jnp.float32)  # noqa: E731
+    f16 = jnp.float16
+
+    def softmax_step(carry, s_a, s_b, start, update):
+        acc, m_prev, l_prev = carry
+        cols = start + jnp.arange(half, dtype=jnp.int32)
+        s_a = jnp.where(cols[None, :] <= pos[:, None], s_a, -jnp.inf)
+        s_b = jnp.where(cols[None, :] + half <= pos[:, None], s_b, -jnp.inf)
+        (p_a, p_b), alpha, m_new, l_new = online_softmax_step([s_a, s_b], m_prev, l_prev)
+        return acc * alpha[:, None] + update(p_a, p_b), m_new, l_new
+
+    def low_step(i, carry):
+        j = order_ref[i].astype(jnp.int32)
+        start = j * block
+        first, second = pl.ds(start, half), pl.ds(start + half, half)
+        qf_lo, qf_hi = qf_lo_ref[...], qf_hi_ref[...]
+
+        def scores(rows):
+            lo, hi = nvfp4.e2m1_unpack(k4_ref[rows, :])
+            k_lo = nvfp4.dequantize_tile_f16(lo, ks_ref[rows, pl.ds(0, dg)], axis=1)
+            k_hi = nvfp4.dequantize_tile_f16(hi, ks_ref[rows, pl.ds(dg, dg)], axis=1)
+            return (nt(qf_lo, k_lo) + nt(qf_hi, k_hi)) * (score_scale * nvfp4.E2M1_F16_BIAS)
+
+        def update(p_a, p_b):
+            lo, hi = nvfp4.e2m1_unpack(v4_ref[pl.ds(j * half, half), :])
+            groups = j * (block // nvfp4.GROUP)
+            v_a = nvfp4.dequantize_tile_f16(lo, vs_ref[pl.ds(groups, vg), :], axis=0)
+            v_b = nvfp4.dequantize_tile_f16(hi, vs_ref[pl.ds(groups + vg, vg), :], axis=0)
+            fq = lambda p: (nvfp4.fake_quant_last(p, nonnegative=True) * nvfp4.E2M1_F16_BIAS).astype(f16)  # noqa: E731
+            return nn(fq(p_a), v_a) + nn(fq(p_b), v_b)
+
+        return softmax_step(carry, scores(first), scores(second), start, update)
+
+    def high_step(i, carry):
+        j = order_ref[i].astype(jnp.int32)
+        start = j * block
+        first, second = pl.ds(start, half), pl.ds(start + half, half)
+        q16 = q_ref[...]
+        s_a = nt(q16, k_ref[first, :].astype(dtype)) * score_scale
+        s_b = nt(q16, k_ref[second, :].astype(dtype)) * score_scale
+
+        def update(p_a, p_b):
+            return nn(p_a.astype(dtype), v_ref[first, :].astype(dtype)) + nn(p_b.astype(dtype),
+                                                                              v_ref[second, :].astype(dtype))
+
+        return softmax_step(carry, s_a, s_b, start, update)
+
+    rows = q_ref.shape[0]
+    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+
+    def run(count, offset, index, n_splits, step):
+        per = (count + n_splits - 1) // n_splits
+        i0 = offset + index * per
+        return lax.fori_loop(i0, jnp.minimum(i0 + per, offset + count), step, carry)
+
+    acc, m, l = lax.cond(split < splits_low,
+                         lambda: run(n_low, 0, split, splits_low, low_step),
+                         lambda: run(n_high, n_low, split - splits_low, splits_high, high_step))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "interpret"))
+def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n_high: jax.Array, k16: jax.Array,
+                  v16: jax.Array, k4: jax.Array, k4_scale_bits: jax.Array, v4: jax.Array, v4_scale_bits: jax.Array,
+                  order: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial softmaxes of the decode rows over each run of the cache's key blocks.
+
+    Args:
+      q_rows: (B, Hkv, R_pad, D) 16-bit query rows (:func:`lowbit_jax.thrift_reference.decode_rows`).
+      qf_rows: (B, Hkv, R_pad, D) float16 φ⁻¹(φ(q_rows)) (exact in fp16).
+      positions: int32 (R_pad,) each row's token position (−1 for padding rows); max + 1 is the cache length.
+      n_high: int32 (1,): 16-bit blocks per (batch, kv head).
+      k16, v16: (B, S_max, Hkv, D) the 16-bit cache, S_max a multiple of ``config.block``.
+      k4: uint8 (B, Hkv, S_max, D/2), k4_scale_bits: uint8 (B, Hkv, S_max, D/16) e4m3 bits;
+      v4: uint8 (B, Hkv, S_max/2, D), v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
+        :class:`lowbit_jax.ThriftKVCache` layout).
+      order: int16 (B, Hkv, Nkb_pad): the blocks, 4-bit then 16-bit (:func:`lowbit_jax.thrift_reference.block_order`),
+        Nkb_pad a power of two.
+      scale: softmax scale; row_tile: query rows per program (a power of two ≥ 16 dividing R_pad).
+    Returns:
+      acc (B, Hkv, splits, R_pad, D) float32 (unnormalized), m and l (B, Hkv, splits, R_pad) float32 (base 2),
+      splits = ``config.decode_splits + config.decode_splits_high``.
+    """
+    b, hkv, r_pad, d = q_rows.shape
+    s_max = k16.shape[1]
+    splits = config.decode_splits + config.decode_splits_high
+    n_rt = r_pad // row_tile
+    kernel = functools.partial(_decode_kernel, block=config.block, splits_low=config.decode_splits,
+                               splits_high=config.decode_splits_high, score_scale=scale * LOG2E, dtype=q_rows.dtype)
+    row = lambda bi, x, s: (bi, x // n_rt, x % n_rt, 0)  # noqa: E731
+    q_spec = pl.BlockSpec((None, None, row_tile, d), row)
+    half_spec = lambda off: pl.BlockSpec((None, None, row_tile, d // 2),  # noqa: E731
+                                         lambda bi, x, s: (bi, x // n_rt, x % n_rt, off))
+    head = lambda shape: pl.BlockSpec((None, None) + shape, lambda bi, x, s: (bi, x // n_rt, 0, 0))  # noqa: E731
+    seq_major = pl.BlockSpec((None, s_max, None, d), lambda bi, x, s: (bi, 0, x // n_rt, 0))
+    in_specs = [q_spec, half_spec(0), half_spec(1), pl.BlockSpec((row_tile,), lambda bi, x, s: (x % n_rt,)),
+                pl.BlockSpec((1,), lambda bi, x, s: (0,)),
+                seq_major, seq_major, head(k4.shape[2:]), head(k4_scale_bits.shape[2:]), head(v4.shape[2:]),
+                head(v4_scale_bits.shape[2:]),
+                pl.BlockSpec((None, None, order.shape[2]), lambda bi, x, s: (bi, x // n_rt, 0))]
+    out_specs = [pl.BlockSpec((None, None, None, row_tile, d), lambda bi, x, s: (bi, x // n_rt, s, x % n_rt, 0)),
+                 pl.BlockSpec((None, None, None, row_tile), lambda bi, x, s: (bi, x // n_rt, s, x % n_rt)),
+                 pl.BlockSpec((None, None, None, row_tile), lambda bi, x, s: (bi, x // n_rt, s, x % n_rt))]
+    f32 = jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, splits, r_pad, d), f32),
+                 jax.ShapeDtypeStruct((b, hkv, splits, r_pad), f32), jax.ShapeDtypeStruct((b, hkv, splits, r_pad), f32)]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv * n_rt, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(config.decode_warps, config.decode_stages),
+        interpret=interpret,
+        name="thrift_decode",
+    )(q_rows, qf_rows, qf_rows, positions, n_high, k16, v16, k4, k4_scale_bits, v4, v4_scale_bits, order)

@@ -1,0 +1,116 @@
+"""ThriftAttention block selection: one fused kernel scores q̄_i·k̄_j and keeps the top k per query block.
+
+shared/SPEC.md §3.1; the rule is :func:`lowbit_jax.thrift_reference.selection_reference`'s (its twin). A
+program owns ``select_rows`` query blocks of one (batch, head). Sort and top_k do not lower to Triton, so
+the k-th largest score of each row is found by bisection on its bits: the float32 scores are mapped to
+int32 keys in the same order (``bits ^ ((bits >> 31) & 0x7fffffff)``, with ±0 as one key), and the
+threshold t is built bit by bit from the top, keeping a bit where at least k keys are still ≥ t (32 count
+passes over the row). The selected blocks are those above t, then as many of those equal to t as are
+still missing, lowest index first (a running cumsum): exactly "the k largest, ties to the lower index".
+The scores are recomputed from q̄ and k̄ (a float32 product on the tensor cores' IEEE path) in each pass
+when a row spans several ``select_chunk`` chunks, and computed once otherwise; the (Nqb × Nkb) score
+matrix is never written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._triton import compiler_params, pl
+
+DOT_NT = (((1,), (1,)), ((), ()))
+INT_MIN = -(2**31)
+
+
+def _ordered_keys(scores: jax.Array) -> jax.Array:
+    """int32 keys in the order of the float32 scores (non-NaN), +0 and −0 mapped to one key."""
+    bits = lax.bitcast_convert_type(scores, jnp.int32)
+    keys = bits ^ (lax.shift_right_arithmetic(bits, 31) & 0x7FFFFFFF)
+    return jnp.where(scores == 0.0, 0, keys)
+
+
+def _select_kernel(qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_len, sk_len, causal, k, n_qblocks):
+    i0 = pl.program_id(0) * rows
+    qblk = i0 + jnp.arange(rows, dtype=jnp.int32)
+    n_kb = pl.cdiv(sk_len, block)
+    if causal:  # key blocks holding a key the block's last real row sees (bottom-right aligned)
+        last = jnp.minimum((qblk + 1) * block, sq_len) - 1 + (sk_len - sq_len)
+        counts = jnp.clip(jnp.floor_divide(last, block) + 1, 0, n_kb)
+    else:
+        counts = jnp.full((rows,), n_kb, jnp.int32)
+    counts = jnp.where(qblk < n_qblocks, counts, 0)
+    want = jnp.minimum(counts, k)
+    qm = qm_ref[...]
+
+    def keys_of(c):
+        km = km_ref[pl.ds(c * chunk, chunk), :]
+        scores = lax.dot_general(qm, km, DOT_NT, preferred_element_type=jnp.float32)
+        cols = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        return jnp.where(cols[None, :] < counts[:, None], _ordered_keys(scores), INT_MIN)
+
+    cached = keys_of(0) if n_chunks == 1 else None
+    chunk_keys = (lambda c: cached) if n_chunks == 1 else keys_of  # noqa: E731
+
+    def count(pred):
+        """Σ over the row's chunks of pred(keys) — (rows,) int32."""
+        def body(c, total):
+            return total + jnp.sum(pred(chunk_keys(c)).astype(jnp.int32), axis=1)
+        return lax.fori_loop(0, n_chunks, body, jnp.zeros((rows,), jnp.int32))
+
+    t = jnp.where(count(lambda key: key >= 0) >= want, 0, INT_MIN)
+
+    def bit(b, t):
+        cand = t | lax.shift_left(jnp.int32(1), 30 - b)
+        return jnp.where(count(lambda key: key >= cand[:, None]) >= want, cand, t)
+
+    t = lax.fori_loop(0, 31, bit, t)
+    need = want - count(lambda key: key > t[:, None])  # keys equal to t still to take, lowest index first
+
+    def write(c, ties_before):
+        key = chunk_keys(c)
+        eq = key == t[:, None]
+        rank = jnp.cumsum(eq.astype(jnp.int32), axis=1) + ties_before[:, None]
+        take = (key > t[:, None]) | (eq & (rank <= need[:, None]))
+        out_ref[:, pl.ds(c * chunk, chunk)] = take.astype(out_ref.dtype)
+        return ties_before + jnp.sum(eq.astype(jnp.int32), axis=1)
+
+    lax.fori_loop(0, n_chunks, write, jnp.zeros((rows,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "sq_len", "sk_len", "causal", "k", "rows", "chunk",
+                                             "num_warps", "interpret"))
+def thrift_select(q_mean: jax.Array, k_mean: jax.Array, *, block: int, sq_len: int, sk_len: int, causal: bool,
+                  k: int, rows: int, chunk: int, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+    """The 16-bit key blocks of every query block.
+
+    Args:
+      q_mean: (B, Hq, Nqb_pad, D) float32 query-block means, Nqb_pad a multiple of ``rows`` (zero rows after
+        the real ``ceil(sq_len / block)``).
+      k_mean: (B, Hkv, Nkb_pad, D) float32 key-block means, Nkb_pad a multiple of ``chunk``.
+      block: the selection block; sq_len, sk_len, causal: real lengths and the bottom-right mask.
+      k: blocks per query block (:func:`lowbit_jax.thrift_reference.topk_count`; rows with fewer valid
+        blocks take them all).
+      rows, chunk: query blocks per program, key blocks per scoring step (powers of two ≥ 16).
+    Returns:
+      int8 (B, Hq, Nqb_pad, Nkb_pad): 1 where the pair runs in 16-bit.
+    """
+    b, hq, nq_pad, d = q_mean.shape
+    hkv, nk_pad = k_mean.shape[1], k_mean.shape[2]
+    group = hq // hkv
+    kernel = functools.partial(_select_kernel, rows=rows, chunk=chunk, n_chunks=nk_pad // chunk, block=block,
+                               sq_len=sq_len, sk_len=sk_len, causal=causal, k=k, n_qblocks=-(-sq_len // block))
+    return pl.pallas_call(
+        kernel,
+        grid=(nq_pad // rows, b, hq),
+        in_specs=[pl.BlockSpec((None, None, rows, d), lambda i, bi, hi: (bi, hi, i, 0)),
+                  pl.BlockSpec((None, None, nk_pad, d), lambda i, bi, hi: (bi, hi // group, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, rows, nk_pad), lambda i, bi, hi: (bi, hi, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hq, nq_pad, nk_pad), jnp.int8),
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="thrift_select",
+    )(q_mean, k_mean)

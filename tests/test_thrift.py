@@ -1,0 +1,408 @@
+"""ThriftAttention: selection kernel ↔ reference ↔ brute force; prefill and decode kernels (interpret on
+CPU) ↔ xla twins ↔ exact attention; the KV cache's 4-bit parts ↔ the NVFP4 quantizer."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowbit_jax as lb
+from attention_base import INTERPRET, AttentionTestBase, cotangent, exact_attention_f64, make_qkv, metrics
+from lowbit_jax import thrift as thrift_mod
+from lowbit_jax.formats import nvfp4
+from lowbit_jax.thrift_reference import (
+    block_means,
+    dequantized_cache,
+    prefill_reference,
+    topk_count,
+    valid_key_blocks,
+)
+
+SMALL = lb.ThriftConfig(block=32, quant_block=32, decode_splits=4)
+
+
+def thrift(q, k, v, impl, **options):
+    options.setdefault("config", SMALL)
+    return lb.thrift_attention(q, k, v, implementation=impl, interpret=INTERPRET if impl == "pallas" else False,
+                               **options)
+
+
+# ----------------------------------------------------------------------------- the selection rule
+
+
+def test_topk_count_rule():
+    full = np.full(10, 10)
+    assert topk_count(0.0, full, False) == 0
+    assert topk_count(0.05, full, False) == 1  # max(1, round(0.5)) with half up
+    assert topk_count(0.25, full, False) == 3  # round(2.5) half up
+    assert topk_count(1.0, full, False) == 10
+    counts = valid_key_blocks(320, 320, 32, True)  # 10 query blocks, 1..10 valid key blocks
+    np.testing.assert_array_equal(counts, np.arange(1, 11))
+    for f in (0.05, 0.1, 0.25, 0.5):
+        k = topk_count(f, counts, True)
+        got = np.minimum(k, counts).sum()
+        others = [abs(np.minimum(j, counts).sum() - f * counts.sum()) for j in range(1, 11)]
+        assert abs(got - f * counts.sum()) == min(others) and k >= 1
+    assert topk_count(1.0, counts, True) == 10 and topk_count(0.0, counts, True) == 0
+
+
+def test_valid_key_blocks_bottom_right():
+    # chunked prefill: 64 queries at the end of 200 keys, blocks of 32
+    np.testing.assert_array_equal(valid_key_blocks(64, 200, 32, True), [6, 7])
+    # Sq > Sk: the first query blocks see no key at all
+    np.testing.assert_array_equal(valid_key_blocks(100, 40, 32, True), [0, 1, 2, 2])
+    np.testing.assert_array_equal(valid_key_blocks(100, 40, 32, False), [2, 2, 2, 2])
+
+
+def brute_force_selection(q, k, block, causal, budget):
+    """Selection by numpy from the SPEC's words: block means, scores, the top k by a stable sort."""
+    qm = np.asarray(block_means(q, block), np.float64)
+    km = np.asarray(block_means(k, block), np.float64)
+    km = np.repeat(km, q.shape[2] // k.shape[2], axis=1)
+    scores = np.einsum("bhqd,bhkd->bhqk", qm, km)
+    counts = valid_key_blocks(q.shape[1], k.shape[1], block, causal)
+    kk = topk_count(budget, counts, causal)
+    out = np.zeros(scores.shape, bool)
+    for idx in np.ndindex(*scores.shape[:3]):
+        n = counts[idx[2]]
+        order = np.argsort(-scores[idx][:n], kind="stable")[: min(kk, n)]
+        out[idx + (order,)] = True
+    return out
+
+
+SELECT_CASES = [  # (B, Sq, Sk, Hq, Hkv, D, causal): ragged, but every block's row count a power of two
+    (1, 100, 80, 4, 2, 64, True),
+    (2, 96, 296, 2, 1, 32, False),
+    (1, 200, 200, 2, 2, 128, True),
+]
+
+
+@pytest.mark.parametrize("case", SELECT_CASES)
+@pytest.mark.parametrize("budget", [0.0, 0.1, 0.3, 1.0])
+def test_selection_kernel_equals_reference_on_exact_scores(case, budget):
+    """Integer-valued q, k (small range, many exact ties): every score is exact in float32 whatever the
+    summation order, so the kernel's bisection must give the reference's top-k bit for bit, ties to the
+    lower index included; both equal the numpy brute force."""
+    b, sq, sk, hq, hkv, d, causal = case
+    rng = np.random.default_rng(sq + sk + d)
+    block = SMALL.block
+    # small integers times the block size: each block's mean (its row count a power of two) is exact, and so
+    # is every score
+    q = jnp.asarray(rng.integers(-2, 3, (b, sq, hq, d)) * block, jnp.float32)
+    k = jnp.asarray(rng.integers(-1, 2, (b, sk, hkv, d)) * block, jnp.float32)
+    opts = dict(causal=causal, budget=budget, config=SMALL)
+    got = lb.thrift_select(q, k, implementation="pallas", interpret=INTERPRET, **opts)
+    ref = lb.thrift_select(q, k, implementation="xla", **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(ref), brute_force_selection(q, k, block, causal, budget))
+
+
+def test_selection_kernel_several_chunks():
+    """Rows longer than one scoring chunk (select_chunk=16, 35 key blocks): the recomputed chunks and the
+    running tie count across chunks give the brute-force selection (exact integer scores, many ties)."""
+    cfg = lb.ThriftConfig(block=32, select_chunk=16)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.integers(-1, 2, (1, 64, 2, 64)) * 32, jnp.float32)
+    k = jnp.asarray(rng.integers(-1, 2, (1, 1104, 1, 64)) * 32, jnp.float32)
+    for causal in (False, True):
+        for budget in (0.1, 0.5):
+            kw = dict(causal=causal, budget=budget, config=cfg)
+            got = lb.thrift_select(q, k, implementation="pallas", interpret=INTERPRET, **kw)
+            np.testing.assert_array_equal(np.asarray(got), brute_force_selection(q, k, 32, causal, budget))
+
+
+def test_selection_on_random_inputs():
+    q, k, _ = make_qkv(1, 256, 512, 4, 2, 64, dtype=jnp.bfloat16, seed=2)
+    for causal in (False, True):
+        kw = dict(causal=causal, budget=0.25, config=SMALL)
+        got = np.asarray(lb.thrift_select(q, k, implementation="pallas", interpret=INTERPRET, **kw))
+        ref = np.asarray(lb.thrift_select(q, k, implementation="xla", **kw))
+        np.testing.assert_array_equal(got, ref)
+        counts = valid_key_blocks(256, 512, 32, causal)
+        want = np.minimum(topk_count(0.25, counts, causal), counts)
+        np.testing.assert_array_equal(ref.sum(-1), np.broadcast_to(want, ref.shape[:3]))
+        if causal:  # never beyond the diagonal
+            cols = np.arange(ref.shape[-1])
+            assert not np.any(ref & (cols[None, :] >= counts[:, None]))
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+class ThriftXla(AttentionTestBase):
+    implementation = "xla"
+    min_cos = 0.98  # FP4 for most blocks: the Attn-QAT-level accuracy on N(0,1)
+    max_rel_l1 = 0.2
+
+    def run(self, q, k, v, **options):
+        return thrift(q, k, v, self.implementation, **options)
+
+
+class TestThriftXla(ThriftXla):
+    @pytest.mark.parametrize("case", AttentionTestBase.AWKWARD_CASES)
+    def test_close_to_exact(self, case):
+        self.check_awkward_case(case)
+
+    def test_empty_rows_are_zero(self):
+        q, k, v = make_qkv(1, 80, 30, 2, 2, 64, seed=7)
+        out = self.run(q, k, v, causal=True, budget=0.5)
+        np.testing.assert_array_equal(np.asarray(out[:, :50], np.float32), 0.0)
+        assert np.all(np.abs(np.asarray(out[:, 50:], np.float32)).sum(-1) > 0)
+
+    @pytest.mark.parametrize("case", AttentionTestBase.AWKWARD_CASES[:2])
+    def test_full_budget_is_16bit_attention(self, case):
+        b, sq, sk, hq, hkv, d, causal = case
+        q, k, v = make_qkv(b, sq, sk, hq, hkv, d, seed=11)
+        self.assert_close_to_exact(self.run(q, k, v, causal=causal, budget=1.0), q, k, v, causal=causal,
+                                   min_cos=0.99999, max_rel_l1=0.006)
+
+
+class TestThriftPallas(TestThriftXla):
+    implementation = "pallas"
+
+
+PREFILL_CASES = [case + (budget,) for case, budget in zip(AttentionTestBase.AWKWARD_CASES, (0.0, 0.1, 1.0, 0.3))]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_kernel_matches_xla(case):
+    b, sq, sk, hq, hkv, d, causal, budget = case
+    dtype = jnp.float16 if budget == 0.1 else jnp.bfloat16
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + sk)
+    got = thrift(q, k, v, "pallas", causal=causal, budget=budget)
+    ref = thrift(q, k, v, "xla", causal=causal, budget=budget)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert metrics(got, ref)[1] < 2e-3  # same quantization and selection; accumulation order only
+
+
+def test_operand_pass_matches_reference():
+    from lowbit_jax.thrift_reference import fake_quant_operand
+    from pallas_kernels.fake_quant import thrift_operands
+
+    _, k, _ = make_qkv(2, 8, 90, 2, 2, 64, seed=4)
+    for along in ("channels", "tokens"):
+        got = thrift_operands(k, seq_pad=128, block=32, along=along, out_dtype=jnp.bfloat16, interpret=INTERPRET)
+        ref = fake_quant_operand(k, seq_pad=128, along=along, dtype=jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+    # the tokens variant groups 16 consecutive tokens per channel: one group's scale from its own amax
+    vt = np.asarray(ref[1, 0, 0, :16, 0], np.float32)
+    raw = np.asarray(k[0, :16, 0, 0], np.float32)
+    np.testing.assert_array_equal(vt, np.asarray(nvfp4.fake_quant(jnp.asarray(raw)), np.float32))
+
+
+def test_uniform_fp4_single_block_matches_the_spec_formula():
+    """f = 0 with all keys in one block (a single online-softmax step): O = FQ(P)·Ṽ / Σ P with Q̃, K̃ = φ
+    per token along D, Ṽ = φ per 16 tokens, P relative to the row max — written here from the public
+    quantizer on whole arrays, independently of the kernels' tiling."""
+    q, k, v = make_qkv(1, 40, 48, 2, 1, 64, dtype=jnp.bfloat16, seed=9)
+    cfg = lb.ThriftConfig(block=64, quant_block=64)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    qt, kt = nvfp4.fake_quant(f32(q), axis=-1), nvfp4.fake_quant(f32(k), axis=-1)
+    vt = nvfp4.fake_quant(f32(v), axis=1)  # 48 tokens: three groups of 16
+    s = jnp.einsum("bqhd,bkhd->bhqk", qt, jnp.repeat(kt, 2, axis=2)) * 64**-0.5
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    pq = nvfp4.fake_quant(p, axis=-1)
+    want = jnp.einsum("bhqk,bkhd->bqhd", pq.astype(jnp.bfloat16).astype(jnp.float32), jnp.repeat(vt, 2, axis=2))
+    want = want / jnp.swapaxes(jnp.sum(p, axis=-1), 1, 2)[..., None]
+    for impl in ("xla", "pallas"):
+        got = thrift(q, k, v, impl, budget=0.0, config=cfg)
+        assert metrics(got, want)[1] < 4e-3, impl  # exp vs exp2 and bf16 output rounding only
+
+
+def heavy_hitter_inputs(seed, s=512, heads=2, d=64, hot=3, block=32):
+    """Keys whose few 'hot' blocks align with the queries: most of the attention mass sits there."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, s, heads, d))
+    k = rng.standard_normal((1, s, heads, d))
+    v = rng.standard_normal((1, s, heads, d))
+    u = rng.standard_normal(d)
+    q += 0.6 * u
+    for blk in rng.choice(s // block, hot, replace=False):
+        k[0, blk * block:(blk + 1) * block] += 0.6 * u
+    return tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+
+
+def test_selection_beats_random_blocks():
+    """The point of the method: at the same budget, the selected blocks cut the FP4 error far more than
+    a random choice of blocks (and f = 1 removes it)."""
+    q, k, v = heavy_hitter_inputs(0)
+    exact = exact_attention_f64(q, k, v)
+    err = lambda o: float(np.linalg.norm(np.asarray(o, np.float64) - exact) / np.linalg.norm(exact))  # noqa: E731
+    e0, e10, e100 = (err(thrift(q, k, v, "xla", budget=f)) for f in (0.0, 0.1, 1.0))
+    opts = thrift_mod.resolve_thrift_options(q, k, v, budget=0.1, implementation="xla", config=SMALL)
+    kk, vv = thrift_mod.operands(k, v, opts)
+    sel = thrift_mod._selection(q, k, opts)
+    rng = np.random.default_rng(1)
+    random_sel = jnp.asarray(np.stack([rng.permutation(np.asarray(row)) for row in sel.reshape(-1, sel.shape[-1])])
+                             .reshape(sel.shape))
+    e_rand = err(prefill_reference(q, kk, vv, random_sel, sq_len=512, sk_len=512, causal=False, scale=64**-0.5,
+                                   config=SMALL, out_dtype=q.dtype))
+    assert e100 < 0.01 < e10 < e0
+    assert e10 < 0.6 * e_rand, (e10, e_rand, e0)
+
+
+def test_gradient_is_exact_attentions():
+    q, k, v = make_qkv(1, 70, 90, 4, 2, 64, dtype=jnp.float32, seed=3)
+    loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent(q)))  # noqa: E731
+    g = jax.jit(jax.grad(loss(functools.partial(thrift, impl="pallas", causal=True, budget=0.1)), argnums=(0, 1, 2)))
+    g_ref = jax.grad(loss(functools.partial(lb.reference_attention, causal=True)), argnums=(0, 1, 2))
+    for a, r in zip(g(q, k, v), g_ref(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_under_vmap_and_jit():
+    q, k, v = make_qkv(2, 64, 96, 2, 1, 32, seed=8)
+    fn = jax.jit(jax.vmap(lambda q, k, v: thrift(q[None], k[None], v[None], "pallas", budget=0.25)[0]))
+    got = fn(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(thrift(q, k, v, "pallas", budget=0.25), np.float32))
+
+
+# ----------------------------------------------------------------------------- the cache and decode
+
+
+def test_cache_parts_are_the_nvfp4_of_the_16bit_values():
+    """Appending in steps of 1, 5 and 70 tokens (partial V groups re-quantized) gives the same 4-bit cache
+    as one bulk append, and both equal φ of the 16-bit values; k̄ of complete blocks are the block means."""
+    _, k, v = make_qkv(1, 4, 110, 2, 2, 64, seed=12)
+    bulk = lb.ThriftKVCache.create(1, 160, 2, 64, block=32).append(k, v)
+    steps = lb.ThriftKVCache.create(1, 160, 2, 64, block=32)
+    for a, b in ((0, 1), (1, 6), (6, 76), (76, 110)):
+        steps = jax.jit(lambda c, kn, vn: c.append(kn, vn))(steps, k[:, a:b], v[:, a:b])
+    for name in ("k", "v", "k4", "v4", "k4_scale", "v4_scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(steps, name), np.float32),
+                                      np.asarray(getattr(bulk, name), np.float32), err_msg=name)
+    assert int(steps.length) == 110
+    kf, vf = dequantized_cache(bulk.k4, bulk.k4_scale, bulk.v4, bulk.v4_scale, 32)
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 50), (0, 0), (0, 0)))  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(kf), np.asarray(jnp.swapaxes(nvfp4.fake_quant(pad(k), axis=-1), 1, 2)))
+    np.testing.assert_array_equal(np.asarray(vf), np.asarray(jnp.swapaxes(nvfp4.fake_quant(pad(v), axis=1), 1, 2)))
+    np.testing.assert_allclose(np.asarray(bulk.k_mean[:, :, :3]), np.asarray(block_means(k, 32)[:, :, :3]),
+                               rtol=1e-6, atol=1e-7)
+    assert bulk.nbytes()["4bit"] * 2 == pytest.approx(0.5625 * bulk.nbytes()["16bit"])
+
+
+def filled_cache(k, v, n, block=32, max_len=256):
+    return lb.ThriftKVCache.create(k.shape[0], max_len, k.shape[2], k.shape[3], dtype=k.dtype,
+                                   block=block).append(k[:, :n], v[:, :n])
+
+
+DECODE_CASES = [  # (B, filled before, T new, Hq, Hkv, D, budget)
+    (2, 150, 1, 4, 2, 64, 0.3),
+    (1, 77, 3, 8, 2, 128, 0.0),
+    (1, 77, 3, 8, 2, 128, 1.0),
+    (1, 30, 2, 2, 2, 64, 0.5),  # no complete block before the new tokens
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_kernel_matches_xla(case):
+    b, n, t, hq, hkv, d, budget = case
+    q, k, v = make_qkv(b, n + t, n + t, hq, hkv, d, seed=n + t)
+    cache = filled_cache(k, v, n).append(k[:, n:], v[:, n:])
+    kw = dict(budget=budget, config=SMALL)
+    got = lb.thrift_decode(q[:, n:], cache, implementation="pallas", interpret=INTERPRET, **kw)
+    ref = lb.thrift_decode(q[:, n:], cache, implementation="xla", **kw)
+    assert got.shape == (b, t, hq, d) and got.dtype == q.dtype
+    assert metrics(got, ref)[1] < 2e-3
+    exact = exact_attention_f64(q[:, n:], k, v, causal=True)
+    assert metrics(ref, exact)[0] > 0.975  # FP4 for most keys at the least
+
+
+def test_decode_with_one_split_is_the_prefill_last_row_at_zero_budget():
+    """Uniform FP4 decode of the last token, one split, equals the causal prefill's last row (same Q̃, K̃,
+    Ṽ, the same key blocks in the same order): the cache layout and the prefill operands agree."""
+    q, k, v = make_qkv(1, 150, 150, 4, 2, 64, seed=21)
+    cfg = lb.ThriftConfig(block=32, quant_block=32, decode_splits=1)
+    cache = filled_cache(k, v, 150)
+    for impl in ("xla", "pallas"):
+        dec = lb.thrift_decode(q[:, -1:], cache, budget=0.0, config=cfg, implementation=impl, interpret=INTERPRET)
+        pre = thrift(q, k, v, impl, causal=True, budget=0.0, config=cfg)[:, -1:]
+        assert metrics(dec, pre)[1] < 2e-3, impl
+
+
+def test_decode_full_budget_on_whole_blocks_is_16bit():
+    """f = 1 with the cache filled to whole blocks: every block 16-bit whatever the splits (4 of them)."""
+    q, k, v = make_qkv(1, 128, 128, 4, 1, 64, seed=22)
+    cache = filled_cache(k, v, 128)
+    exact = exact_attention_f64(q[:, -1:], k, v, causal=True)
+    for impl in ("xla", "pallas"):
+        got = lb.thrift_decode(q[:, -1:], cache, budget=1.0, config=SMALL, implementation=impl, interpret=INTERPRET)
+        cos, rel = metrics(got, exact)
+        assert cos > 0.99999 and rel < 0.006, (impl, cos, rel)
+
+
+def test_decode_selection_is_the_top_blocks_by_max_over_heads():
+    from lowbit_jax.thrift_reference import decode_selection
+
+    q, k, v = make_qkv(1, 200, 200, 4, 2, 64, seed=23)
+    cache = filled_cache(k, v, 200)
+    sel = np.asarray(decode_selection(q[:, -2:], cache.k_mean, cache.length, budget=0.5, block=32))
+    rows = np.asarray(q[:, -2:], np.float64).reshape(1, 2, 2, 2, 64)  # (B, T, Hkv, G, D)
+    km = np.asarray(block_means(k, 32), np.float64)[:, :, :6]  # 6 complete blocks of 32 in 200 tokens
+    scores = np.einsum("bthgd,bhkd->bhtgk", rows, km).max(axis=(2, 3))
+    for h in range(2):
+        want = np.zeros(cache.k_mean.shape[2], bool)
+        want[np.argsort(-scores[0, h], kind="stable")[:3]] = True  # round(0.5 · 6)
+        np.testing.assert_array_equal(sel[0, h], want)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(budget=1.5), ValueError, "budget must be in"),
+    (dict(budget=-0.1), ValueError, "budget must be in"),
+    (dict(budget="all"), TypeError, "budget must be a number"),
+    (dict(budget=True), TypeError, "budget must be a number"),
+    (dict(config=lb.QatConfig()), TypeError, "config must be a ThriftConfig"),
+    (dict(scale=0.0), ValueError, "scale must be finite and positive"),
+    (dict(implementation="cuda"), ValueError, "implementation must be one of"),
+])
+def test_bad_options(kwargs, err, match):
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 64)
+    with pytest.raises(err, match=match):
+        lb.thrift_attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes_and_configs():
+    q, k, v = make_qkv(1, 8, 8, 3, 2, 64)
+    with pytest.raises(ValueError, match="multiple of the number of k/v heads"):
+        lb.thrift_attention(q, k, v)
+    with pytest.raises(ValueError, match="rank 4"):
+        lb.thrift_select(q[0], k)
+    with pytest.raises(ValueError, match="ThriftConfig.block"):
+        lb.ThriftConfig(block=16)
+    with pytest.raises(ValueError, match="power of two"):
+        lb.ThriftConfig(decode_splits=3)
+    with pytest.raises(ValueError, match="select_rows"):
+        lb.ThriftConfig(select_rows=8)
+
+
+def test_bad_cache_and_decode_arguments():
+    cache = lb.ThriftKVCache.create(1, 64, 2, 64, block=32)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        lb.ThriftKVCache.create(1, 64, 2, 48)
+    with pytest.raises(ValueError, match="block must be"):
+        lb.ThriftKVCache.create(1, 64, 2, 64, block=48)
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        lb.ThriftKVCache.create(1, 0, 2, 64)
+    with pytest.raises(TypeError, match="dtype must be"):
+        lb.ThriftKVCache.create(1, 64, 2, 64, dtype=jnp.int8)
+    with pytest.raises(ValueError, match="kv_heads/head_dim"):
+        cache.append(jnp.zeros((1, 2, 4, 64)), jnp.zeros((1, 2, 4, 64)))
+    with pytest.raises(ValueError, match="appending 65 tokens"):
+        cache.append(jnp.zeros((1, 65, 2, 64)), jnp.zeros((1, 65, 2, 64)))
+    cache = cache.append(jnp.ones((1, 3, 2, 64)), jnp.ones((1, 3, 2, 64)))
+    with pytest.raises(TypeError, match="cache must be a ThriftKVCache"):
+        lb.thrift_decode(jnp.zeros((1, 1, 2, 64)), {"k": 0})
+    with pytest.raises(ValueError, match="multiple of the cache's kv heads"):
+        lb.thrift_decode(jnp.zeros((1, 1, 3, 64)), cache)
+    with pytest.raises(ValueError, match="must match the cache's"):
+        lb.thrift_decode(jnp.zeros((1, 1, 2, 128)), cache)
+    with pytest.raises(ValueError, match="must equal the cache's block"):
+        lb.thrift_decode(jnp.zeros((1, 1, 2, 64)), cache, config=lb.ThriftConfig(block=64))
+    with pytest.raises(ValueError, match="at most 1024 query rows"):
+        lb.thrift_decode(jnp.zeros((1, 1025, 2, 64)), cache, config=SMALL)
