@@ -6,8 +6,11 @@
 * "sage"  — :func:`lowbit_jax.sage_attention` (INT8 forward + SageBwd backward);
 * "qat_fp4" — :func:`lowbit_jax.qat_attention` (NVFP4 fake quantization, Attn-QAT
   backward; ``attention_options={"naive_backward": True}`` for the ablation);
-* "thrift" — reserved for ThriftAttention (not in this release: constructing it
-  raises a ValueError saying so).
+* "thrift" — :func:`lowbit_jax.thrift_attention` (training-free FP4/16-bit mixed precision for
+  inference; ``attention_options={"budget": 0.1}`` sets the 16-bit budget). Its KV cache is a
+  :class:`lowbit_jax.ThriftKVCache` (16-bit + NVFP4 + block means) and decoding runs
+  :func:`lowbit_jax.thrift_decode`. Its gradient is exact attention's (straight-through); the training
+  loop refuses it (train with another method, then serve with this one).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import lowbit_jax as lb
 from pallas_kernels._triton import on_gpu
 
 METHODS = ("dense", "sage", "qat_fp4", "thrift")
-AVAILABLE_METHODS = ("dense", "sage", "qat_fp4")
+AVAILABLE_METHODS = METHODS
 
 
 def check_method(method: str) -> None:
@@ -116,22 +119,35 @@ class Attention(nnx.Module):
             o = dense_attention(q, k, v, causal=self.causal)
         elif self.method == "qat_fp4":
             o = lb.qat_attention(q, k, v, causal=self.causal, **self.attention_options)
+        elif self.method == "thrift":
+            o = lb.thrift_attention(q, k, v, causal=self.causal, **self.attention_options)
         else:
             o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k, **self.attention_options)
         return self.o_proj(o.reshape(b, s, -1))
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> dict:
-        """Empty KV cache: k, v (B, max_len, Hkv, D) and the filled length."""
+    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> dict | lb.ThriftKVCache:
+        """Empty KV cache: for "thrift" a :class:`lowbit_jax.ThriftKVCache` (its block from the options'
+        ``config``), else a dict of k, v (B, max_len, Hkv, D) and the filled length."""
+        if self.method == "thrift":
+            config = self.attention_options.get("config") or lb.ThriftConfig()
+            return lb.ThriftKVCache.create(batch, max_len, self.num_kv_heads, self.head_dim, dtype=dtype,
+                                           block=config.block)
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
 
-    def decode(self, x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    def decode(self, x: jax.Array, cache: dict | lb.ThriftKVCache) -> tuple[jax.Array, dict | lb.ThriftKVCache]:
         """Attend T new tokens (B, T, dim) to the cache plus themselves; returns (y, new cache).
 
-        Uses 16-bit attention over the cache for every method (ThriftAttention's
-        4-bit decode kernel will plug in here).
+        "thrift": the tokens are appended to its 16-bit and 4-bit caches and :func:`lowbit_jax.thrift_decode`
+        reads the selected blocks from the first and the rest from the second. Every other method attends
+        in 16-bit over the cache.
         """
         b, t, _ = x.shape
+        if self.method == "thrift":
+            q, k, v = self._qkv(x, cache.length + jnp.arange(t))
+            cache = cache.append(k, v)
+            o = lb.thrift_decode(q, cache, **self.attention_options)
+            return self.o_proj(o.reshape(b, t, -1)), cache
         start = cache["length"]
         q, k, v = self._qkv(x, start + jnp.arange(t))
         kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, start, 0, 0))

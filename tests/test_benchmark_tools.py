@@ -205,3 +205,24 @@ def test_training_ratios_pair_each_method_with_the_dense_run_of_its_remat():
              "qat_fp4@dots": [1.0, 1.0]}
     got = ratios_to_dense(times)
     assert got == {"dense": [1.0, 1.0], "sage": [0.5, 1.0], "dense@block": [1.0, 1.0], "sage@block": [0.5, 1.0]}
+
+
+def test_thrift_decode_bytes_and_results_table():
+    """benchmarks/thrift.py counts 2 bytes per value for a 16-bit block and 0.5625 for a 4-bit one, and
+    render_results renders the committed thrift.json (its gap-recovered column from the run's own errors)."""
+    import numpy as np
+
+    import lowbit_jax as lb
+    from benchmarks import thrift
+    from benchmarks.render_results import _load, render_thrift
+
+    cache = lb.ThriftKVCache.create(1, 256, 2, 64, block=64)
+    sel = np.zeros((1, 2, 4), bool)
+    sel[0, 0, 1] = True
+    got = thrift.decode_bytes(cache, sel)
+    assert got["bf16"] == 2 * 2 * 256 * 64 * 2
+    assert got["thrift"] == 2 * 64 * 64 * 2 + 7 * 2 * 64 * 64 * 0.5625  # K and V: one 16-bit block, seven 4-bit
+    data = _load("thrift")
+    text = "\n".join(render_thrift(data))
+    heavy = [r for r in data["accuracy"] if r["inputs"] == "heavy" and r["budget"] == 0.05][0]
+    assert f"{heavy['gap_recovered']:.1%}" in text and "ThriftAttention" in text

@@ -10,7 +10,7 @@ import models
 from models.attention import Attention, rope
 
 
-@pytest.mark.parametrize("method", ["dense", "sage", "qat_fp4"])
+@pytest.mark.parametrize("method", ["dense", "sage", "qat_fp4", "thrift"])
 def test_output_shapes(method):
     cfg = models.model_config("tiny", method=method)
     model = models.TransformerLM(cfg, rngs=nnx.Rngs(0))
@@ -167,11 +167,46 @@ def test_kv_cache_decode_matches_full_forward(method):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=2e-4, rtol=2e-4)
 
 
+def test_thrift_model_decodes_through_its_4bit_cache():
+    """method="thrift": the cache is a ThriftKVCache. A 64-token prompt decoded in one call gives the logits of
+    the full-sequence forward at budget 0 with one decode split (the same FP4 numerics row by row: whole V
+    groups of 16 tokens); the tokens decoded one by one after it stay close to the full forward (there a V
+    group was still partial when a token read it: prefill quantizes V with the later tokens of its group)
+    and, at the default options, close to the dense model."""
+    import lowbit_jax as lb
+
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 80), 0, 256)
+    cfg = models.model_config("tiny", method="thrift", dtype="float32")
+    one_split = {"budget": 0.0, "config": lb.ThriftConfig(block=32, quant_block=32, decode_splits=1)}
+    cos = lambda a, b: float(np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+
+    def decoded(options):
+        model = models.TransformerLM(cfg, rngs=nnx.Rngs(0), attention_options=options)
+        cache = model.init_cache(2)
+        assert isinstance(cache[0], lb.ThriftKVCache)
+        assert cache[0].block == (options.get("config") or lb.ThriftConfig()).block
+        prompt, cache = model.decode(tokens[:, :64], cache)
+        steps = []
+        for t in range(64, 80):
+            logits, cache = jax.jit(lambda c, tok: model.decode(tok, c))(cache, tokens[:, t:t + 1])
+            steps.append(logits)
+        assert int(cache[0].length) == 80
+        return model, np.asarray(prompt), np.asarray(jnp.concatenate(steps, axis=1))
+
+    model, prompt, steps = decoded(one_split)
+    np.testing.assert_allclose(prompt, np.asarray(model(tokens[:, :64])), atol=2e-4, rtol=2e-4)
+    assert cos(steps, np.asarray(model(tokens))[:, 64:]) > 0.995
+    _, prompt, steps = decoded({})
+    dense = models.TransformerLM(models.model_config("tiny", method="dense", dtype="float32"), rngs=nnx.Rngs(0))
+    # random init: FP4 error is large next to tiny logits (as for qat_fp4 above); 80 tokens hold one complete
+    # 64-token block, whose budget share rounds to 0: all 4-bit here
+    assert cos(np.concatenate([prompt, steps], axis=1), np.asarray(dense(tokens))) > 0.9
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
         (dict(method="flash"), "attention method must be one of"),
-        (dict(method="thrift"), "not available in this release"),
         (dict(num_heads=3), "num_heads"),
         (dict(num_kv_heads=3, num_heads=4, dim=256), "num_heads"),
         (dict(dim=96, num_heads=2), "head dim"),

@@ -168,6 +168,7 @@ def test_remat_lowers_the_train_steps_temporary_memory():
         (dict(method="dense", ds_scale="row"), ValueError, "needs method='sage'"),
         (dict(ds_scale="token"), ValueError, "ds_scale must be one of"),
         (dict(remat="full"), ValueError, "remat must be one of"),
+        (dict(method="thrift"), ValueError, "training-free"),
     ],
 )
 def test_bad_training_config(tmp_path, overrides, err, match):
@@ -193,5 +194,10 @@ def test_cli_pretrain_qat_generate(tmp_path, capsys):
                               "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("import ") and len(out.rstrip("\n")) >= len("import ") + 5
+    assert generate_cli.main(["--from", str(run), "--prompt", "import ", "--tokens", "20", "--temperature", "0",
+                              "--method", "thrift", "--budget", "0.25"]) == 0  # a dense-trained model, served in FP4
+    out = capsys.readouterr().out
+    assert out.startswith("import ") and len(out.rstrip("\n")) >= len("import ") + 5
+    assert generate_cli.main(["--from", str(run), "--method", "thrift", "--budget", "2"]) == 2
     assert qat.main(["--method", "sage"]) == 2
     assert generate_cli.main(["--from", str(tmp_path / "missing")]) == 2

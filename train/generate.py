@@ -1,6 +1,8 @@
 """Sample text from a checkpoint: ``python -m train.generate --from runs/demo --prompt "def " --tokens 200``.
 
-Prefills the prompt, then decodes token by token through the model's KV cache.
+Prefills the prompt, then decodes token by token through the model's KV cache. ``--method`` serves the
+checkpoint with another attention method than it was trained with, e.g. ``--method thrift --budget 0.1``
+(ThriftAttention over a 16-bit + 4-bit KV cache).
 """
 
 from __future__ import annotations
@@ -11,17 +13,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowbit_jax.thrift import check_budget
 from models import ModelConfig, TransformerLM
 from train.checkpoint import read_config, resolve_dir
 from train.data import ByteTokenizer
 from train.loop import TrainConfig, load_params, make_optimizer
 
 
-def load_model(checkpoint: str) -> TransformerLM:
-    """A TransformerLM with the parameters of a training checkpoint directory."""
+def load_model(checkpoint: str, *, method: str | None = None, attention_options: dict | None = None) -> TransformerLM:
+    """A TransformerLM with the parameters of a training checkpoint directory.
+
+    Args:
+      checkpoint: a run directory or its checkpoints/ folder.
+      method: serve with this attention method instead of the trained one (the parameters are the same).
+      attention_options: keyword options of the attention function (e.g. ``{"budget": 0.1}`` for thrift).
+    """
     path = resolve_dir(checkpoint)
     saved = read_config(path)
-    model = TransformerLM(ModelConfig(**saved["model"]), rngs=nnx.Rngs(0))
+    fields = dict(saved["model"], **({"method": method} if method else {}))
+    model = TransformerLM(ModelConfig(**fields), rngs=nnx.Rngs(0), attention_options=attention_options)
     graphdef, params = nnx.split(model)
     tx, _ = make_optimizer(TrainConfig(**saved["train"]))
     opt_like = tx.init(params)
@@ -69,9 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", default=None, help="attention method to serve with (default: the trained one)")
+    parser.add_argument("--budget", type=float, default=None, help="thrift: fraction of block pairs in 16-bit")
     args = parser.parse_args(argv)
     try:
-        model = load_model(args.checkpoint)
+        options = None
+        if args.budget is not None:
+            if (args.method or "") != "thrift":
+                raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
+            options = {"budget": check_budget(args.budget)}
+        model = load_model(args.checkpoint, method=args.method, attention_options=options)
         print(generate(model, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                        seed=args.seed))
     except (FileNotFoundError, ValueError) as e:

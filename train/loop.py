@@ -105,6 +105,9 @@ def build(cfg: TrainConfig) -> dict:
       ``train_step(params, opt_state, batch (accum, global batch, seq + 1) int32) -> (params, opt_state,
       {"loss", "grad_norm"})`` (jitted, data parallel over ``mesh``) and ``eval_fn(params, batch) -> loss``.
     """
+    if cfg.method == "thrift":
+        raise ValueError("method 'thrift' is training-free (inference only): train with dense, sage or qat_fp4, "
+                         "then sample with `python -m train.generate --from RUN --method thrift`")
     mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
                         remat=cfg.remat)
     if cfg.seq > mcfg.max_len:
