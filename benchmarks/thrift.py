@@ -1,0 +1,321 @@
+"""ThriftAttention benchmark on the GPU: prefill and decode time vs cuDNN / XLA bf16, accuracy vs exact.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=. python benchmarks/thrift.py                 # every section
+    PYTHONPATH=. python benchmarks/thrift.py --smoke         # tiny shapes, interpret mode (checks the script)
+    PYTHONPATH=. python benchmarks/thrift.py --sections decode accuracy
+
+Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D128):
+* ``checks``: compiled kernels vs the xla twin on awkward shapes (selection bit-exact, prefill and decode
+  rel-L1);
+* ``accuracy``: rel-L2 of O vs exact fp32 at S16384 causal for budgets 0 (uniform NVFP4), 0.05, 0.10, 0.25, 1
+  (16-bit) on N(0,1) inputs and on "heavy-hitter" inputs (a few key blocks aligned with the queries, plus
+  the first block: where attention concentrates), and the share of the FP4→16-bit gap each budget
+  recovers, ``(err_f0 − err_f) / (err_f0 − err_f1)`` (SPEC's anchors: 89.1% at 5% on real models);
+* ``prefill``: the whole op (selection kernel, operand pass, prefill kernel) and its parts vs cuDNN bf16
+  flash attention and JAX's Pallas-Triton ``mha`` (bf16), causal and not, per budget (4·B·H·S²·D FLOPs,
+  halved if causal);
+* ``decode``: one new token per sequence over a full cache (B8 S8192 and B2 S131072): the Thrift decode
+  (selection + split-KV kernel + combine) per budget and split count, vs XLA bf16 attention over the 16-bit
+  cache; the K/V bytes each reads and the bandwidth that makes; error vs exact;
+* ``sweep``: the prefill kernel's warps and stages at f = 0.05.
+Writes benchmarks/results/thrift.json (and $OUT/thrift.json).
+"""
+
+from __future__ import annotations
+
+import os
+
+# The xla twins round their 16-bit intermediates (P before P·V) as the kernels do only if XLA may not keep
+# them in float32 (on the GPU it may by default: the twin then measured 1.4e-3 rel-L1 from the kernels with
+# GQA, closer to exact attention than any 16-bit kernel).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+
+import argparse
+import dataclasses
+import functools
+import sys
+import warnings
+
+import jax  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit_jax as lb
+from benchmarks.common import attention_flops, environment, time_fn, write_json
+from lowbit_jax import thrift as thrift_mod
+from lowbit_jax.thrift_reference import decode_selection
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+SECTIONS = ("checks", "accuracy", "prefill", "decode", "sweep")
+BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
+PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
+DECODE_SHAPES = [(8, 32, 8, 8192, 128), (2, 32, 8, 131072, 128)]
+#: (budget, decode_splits, decode_splits_high); the first is the library default (its kernel is timed alone too)
+DECODE_VARIANTS = [(0.05, 32, 8), (0.05, 16, 4), (0.05, 64, 16), (0.25, 32, 8), (1.0, 32, 8), (1.0, 16, 32),
+                   (0.0, 32, 8)]
+SMOKE = dict(prefill=[(1, 4, 2, 256, 64, True)], decode=[(1, 4, 2, 256, 64)], accuracy=(1, 4, 2, 512, 64))
+
+
+def inputs(key, b, hq, hkv, s, d, heavy: bool, dtype=jnp.bfloat16):
+    """q (B, S, Hq, D), k, v (B, S, Hkv, D): N(0,1), or with heavy hitters — a direction u shared by every
+    query and by the keys of the first block and of 1% of the other blocks (at least 2) of each kv head."""
+    kq, kk, kv, ku, kb = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (b, s, hq, d), jnp.float32)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32)
+    if heavy:
+        u = jax.random.normal(ku, (d,), jnp.float32)
+        nb = s // 64
+        hot = np.zeros(nb, bool)
+        hot[0] = True
+        hot[np.asarray(jax.random.choice(kb, nb - 1, (max(2, nb // 100),), replace=False)) + 1] = True
+        q = q + 0.6 * u
+        k = k + 0.6 * u * jnp.repeat(jnp.asarray(hot, jnp.float32), 64)[None, :, None, None]
+    return tuple(x.astype(dtype) for x in (q, k, v))
+
+
+def exact_attention(q, k, v, causal, heads_per_chunk=8):
+    """fp32 exact attention, a few query heads at a time (the (S × S) scores of one chunk fit)."""
+    group = q.shape[2] // k.shape[2]
+    step = max(group, heads_per_chunk // group * group)
+    outs = []
+    for h0 in range(0, q.shape[2], step):
+        kv = slice(h0 // group, (h0 + step) // group)
+        outs.append(jax.jit(functools.partial(lb.reference_attention, causal=causal))(
+            q[:, :, h0:h0 + step].astype(jnp.float32), k[:, :, kv].astype(jnp.float32),
+            v[:, :, kv].astype(jnp.float32)))
+    return jnp.concatenate(outs, axis=2)
+
+
+def check_kernels(log, smoke):
+    impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
+    rows = []
+    cases = [(2, 100, 77, 4, 2, 64, True, 0.25), (1, 300, 700, 8, 2, 128, True, 0.05),
+             (1, 1000, 1000, 4, 4, 128, False, 0.1), (2, 129, 257, 8, 1, 64, False, 1.0)]
+    for b, sq, sk, hq, hkv, d, causal, f in cases[:1] if smoke else cases:
+        q, k, v = inputs(jax.random.PRNGKey(sq + sk), b, hq, hkv, max(sq, sk), d, heavy=False)
+        q, k, v = q[:, :sq], k[:, :sk], v[:, :sk]
+        kw = dict(causal=causal, budget=f)
+        row = dict(kind="prefill", case=(b, sq, sk, hq, hkv, d, causal, f))
+        try:
+            sel_p = lb.thrift_select(q, k, **kw, **impl)
+            o_p = lb.thrift_attention(q, k, v, **kw, **impl)
+        except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"  prefill kernels FAILED {row['case']}: {row['error']}")
+            rows.append(row)
+            continue
+        sel_x = lb.thrift_select(q, k, **kw, implementation="xla")
+        o_x = lb.thrift_attention(q, k, v, **kw, implementation="xla")
+        row.update(selection_mismatches=int(jnp.sum(sel_p != sel_x)), o=lb.error_metrics(o_p, o_x))
+        rows.append(row)
+        log(f"  prefill {row['case']}: selection mismatches {row['selection_mismatches']}, "
+            f"O rel-L1 vs xla {row['o']['rel_l1']:.1e}")
+    for b, n, t, hq, hkv, d, f in [(2, 1000, 1, 8, 2, 128, 0.1), (1, 333, 4, 32, 8, 64, 0.25)][:1 if smoke else 2]:
+        q, k, v = inputs(jax.random.PRNGKey(n), b, hq, hkv, n + t, d, heavy=False)
+        cache = lb.ThriftKVCache.create(b, n + t + 64, hkv, d).append(k[:, :n], v[:, :n])
+        cache = cache.append(k[:, n:], v[:, n:])
+        row = dict(kind="decode", case=(b, n, t, hq, hkv, d, f))
+        try:
+            o_p = lb.thrift_decode(q[:, n:], cache, budget=f, **impl)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"  decode kernel FAILED {row['case']}: {row['error']}")
+            rows.append(row)
+            continue
+        o_x = lb.thrift_decode(q[:, n:], cache, budget=f, implementation="xla")
+        row["o"] = lb.error_metrics(o_p, o_x)
+        rows.append(row)
+        log(f"  decode {row['case']}: O rel-L1 vs xla {row['o']['rel_l1']:.1e}")
+    return rows
+
+
+def accuracy(log, smoke):
+    b, hq, hkv, s, d = SMOKE["accuracy"] if smoke else (1, 32, 8, 16384, 128)
+    impl = dict(implementation="pallas", interpret=True) if smoke else {}
+    rows = []
+    for heavy in (False, True):
+        q, k, v = inputs(jax.random.PRNGKey(21), b, hq, hkv, s, d, heavy=heavy)
+        exact = exact_attention(q, k, v, True)
+        errs = {}
+        for f in BUDGETS:
+            o = lb.thrift_attention(q, k, v, causal=True, budget=f, **impl)
+            errs[f] = lb.error_metrics(o, exact)
+        gap = errs[0.0]["rel_l2"] - errs[1.0]["rel_l2"]
+        for f in BUDGETS:
+            recovered = (errs[0.0]["rel_l2"] - errs[f]["rel_l2"]) / gap if gap > 0 else None
+            rows.append(dict(b=b, hq=hq, hkv=hkv, s=s, d=d, causal=True, inputs="heavy" if heavy else "normal",
+                             budget=f, metrics=errs[f], gap_recovered=recovered))
+            log(f"  accuracy {'heavy' if heavy else 'normal':6s} f={f:.2f}: rel-L2 {errs[f]['rel_l2']:.4f} "
+                f"cos {errs[f]['cos_sim']:.5f}" + (f" gap recovered {recovered:.1%}" if recovered is not None else ""))
+    return rows
+
+
+def prefill(log, smoke):
+    rows = []
+    impl = dict(implementation="pallas", interpret=True) if smoke else {}
+    for b, hq, hkv, s, d, causal in SMOKE["prefill"] if smoke else PREFILL_SHAPES:
+        q, k, v = inputs(jax.random.PRNGKey(3), b, hq, hkv, s, d, heavy=False)
+        flops = attention_flops(b, hq, s, s, d, causal)
+        iters = 3 if smoke else 10
+        row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal, ms={}, parts_ms={}, errors={})
+        if not smoke:
+            cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"))
+            row["ms"]["cudnn_bf16"] = time_fn(cudnn, q, k, v, warmup=2, iters=iters, batches=3)
+            try:  # JAX's own Pallas-Triton flash attention (MHA only: K and V repeated to the query heads)
+                from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+                mha = jax.jit(functools.partial(pallas_attention.mha, segment_ids=None, sm_scale=d**-0.5,
+                                                causal=causal))
+                kr, vr = (jnp.repeat(x, hq // hkv, axis=2) for x in (k, v))
+                row["ms"]["pallas_mha_bf16"] = time_fn(mha, q, kr, vr, warmup=2, iters=iters, batches=3)
+            except Exception as e:  # noqa: BLE001
+                row["errors"]["pallas_mha_bf16"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for f in BUDGETS:
+            name = f"thrift_f{f:g}"
+            try:
+                fn = jax.jit(functools.partial(lb.thrift_attention, causal=causal, budget=f, **impl))
+                row["ms"][name] = time_fn(fn, q, k, v, warmup=1, iters=iters, batches=3)
+                if f == 0.05:
+                    row["parts_ms"] = prefill_parts(q, k, v, causal, f, impl, iters)
+            except Exception as e:  # noqa: BLE001
+                row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"  {name} failed: {row['errors'][name]}")
+        row["tflops"] = {m: flops / t / 1e9 for m, t in row["ms"].items()}
+        base = row["ms"].get("cudnn_bf16")
+        row["vs_cudnn_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
+        rows.append(row)
+        log(f"  prefill B{b} H{hq}/{hkv} S{s} D{d} causal={causal}: " + " ".join(
+            f"{m} {t:.2f} ms" for m, t in row["ms"].items()) + " | parts at f=0.05: " + " ".join(
+            f"{m} {t:.2f}" for m, t in row["parts_ms"].items()))
+    return rows
+
+
+def prefill_sweep(log, smoke):
+    """The prefill's launch parameters (``block`` is part of the numerics and stays 64) at f = 0.05."""
+    b, hq, hkv, s, d, causal = SMOKE["prefill"][0] if smoke else PREFILL_SHAPES[0]
+    q, k, v = inputs(jax.random.PRNGKey(3), b, hq, hkv, s, d, heavy=False)
+    impl = dict(implementation="pallas", interpret=True) if smoke else {}
+    rows = []
+    for warps, stages in [(4, 2)] if smoke else [(4, 2), (4, 3), (8, 2), (8, 3), (4, 1)]:
+        cfg = lb.ThriftConfig(num_warps=warps, num_stages=stages)
+        fn = jax.jit(functools.partial(lb.thrift_attention, causal=causal, budget=0.05, config=cfg, **impl))
+        try:
+            ms = time_fn(fn, q, k, v, warmup=1, iters=3 if smoke else 10, batches=3)
+        except Exception as e:  # noqa: BLE001
+            log(f"  sweep w{warps} s{stages} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(dict(b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal, num_warps=warps, num_stages=stages, ms=ms))
+        log(f"  prefill sweep B{b} S{s} causal={causal} w{warps} s{stages}: {ms:.2f} ms")
+    return rows
+
+
+def prefill_parts(q, k, v, causal, budget, impl, iters):
+    """Time of the selection kernel, the operand pass and the prefill kernel alone (ms)."""
+    opts = thrift_mod.resolve_thrift_options(q, k, v, causal=causal, budget=budget, **impl)
+    sel = jax.jit(lambda q, k: thrift_mod._selection(q, k, opts))
+    ops = jax.jit(lambda k, v: thrift_mod.operands(k, v, opts))
+    kk, vv = ops(k, v)
+    order = thrift_mod.prefill_order(sel(q, k), opts)
+    from pallas_kernels.thrift_prefill import thrift_prefill
+    kern = functools.partial(thrift_prefill, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=causal, scale=opts.scale,
+                             k=opts.topk, config=opts.config, interpret=opts.interpret)
+    return {"select": time_fn(sel, q, k, warmup=1, iters=iters, batches=3),
+            "operands": time_fn(ops, k, v, warmup=1, iters=iters, batches=3),
+            "prefill_kernel": time_fn(kern, q, kk, vv, order, warmup=1, iters=iters, batches=3)}
+
+
+def decode_bytes(cache: lb.ThriftKVCache, selected: np.ndarray) -> dict[str, float]:
+    """K and V bytes one decode step reads: 16-bit for the selected blocks, 4-bit (codes + scales) else."""
+    b, hkv, nkb = selected.shape
+    d, blk = cache.head_dim, cache.block
+    per16 = 2 * blk * d * cache.k.dtype.itemsize
+    per4 = 2 * (blk * d // 2 + blk * d // 16)
+    n16 = int(selected.sum())
+    return {"thrift": n16 * per16 + (b * hkv * nkb - n16) * per4, "bf16": b * hkv * nkb * per16}
+
+
+def decode(log, smoke):
+    rows = []
+    impl = dict(implementation="pallas", interpret=True) if smoke else {}
+    for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
+        q, k, v = inputs(jax.random.PRNGKey(5), b, hq, hkv, s, d, heavy=True)
+        cache = jax.jit(lambda c, k, v: c.append(k, v))(lb.ThriftKVCache.create(b, s, hkv, d), k, v)
+        qt = q[:, -1:]
+        iters = 3 if smoke else 20
+        row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, ms={}, kernel_ms={}, bytes={}, errors={},
+                   cache_bytes=cache.nbytes())
+        exact = exact_attention(qt, k, v, True)
+        row["error_vs_exact"] = {}
+        if not smoke:
+            xla = jax.jit(lambda q, kc, vc: jax.nn.dot_product_attention(q, kc, vc, is_causal=False))
+            row["ms"]["xla_bf16"] = time_fn(xla, qt, cache.k, cache.v, warmup=2, iters=iters, batches=3)
+            row["bytes"]["xla_bf16"] = 2 * cache.k.size * cache.k.dtype.itemsize
+            row["error_vs_exact"]["xla_bf16"] = lb.error_metrics(xla(qt, cache.k, cache.v), exact)
+        for f, splits, high in DECODE_VARIANTS:
+            name = f"thrift_f{f:g}_s{splits}_h{high}"
+            cfg = dataclasses.replace(lb.ThriftConfig(), decode_splits=splits if not smoke else 2,
+                                      decode_splits_high=high if not smoke else 2)
+            try:
+                fn = jax.jit(functools.partial(lb.thrift_decode, budget=f, config=cfg, **impl))
+                o = fn(qt, cache)
+                row["ms"][name] = time_fn(fn, qt, cache, warmup=1, iters=iters, batches=3)
+                sel = np.asarray(decode_selection(qt, cache.k_mean, cache.length, budget=f, block=cfg.block))
+                row["bytes"][name] = decode_bytes(cache, sel)["thrift"]
+                row["error_vs_exact"][name] = lb.error_metrics(o, exact)
+                if (f, splits, high) == DECODE_VARIANTS[0]:
+                    row["kernel_ms"][name] = decode_kernel_ms(qt, cache, f, cfg, impl, iters)
+            except Exception as e:  # noqa: BLE001
+                row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"  {name} failed: {row['errors'][name]}")
+        row["gbps"] = {m: row["bytes"][m] / t / 1e6 for m, t in row["ms"].items() if m in row["bytes"]}
+        base = row["ms"].get("xla_bf16")
+        row["vs_xla_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
+        rows.append(row)
+        log(f"  decode B{b} H{hq}/{hkv} S{s} D{d}: " + " ".join(
+            f"{m} {t:.3f} ms ({row['gbps'].get(m, 0):.0f} GB/s, rel-L2 {row['error_vs_exact'][m]['rel_l2']:.4f})"
+            for m, t in row["ms"].items()) + " | kernel " + " ".join(
+            f"{m} {t:.3f}" for m, t in row["kernel_ms"].items()))
+    return rows
+
+
+def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
+    """The split-KV kernel alone (selection, row layout and combine done outside the timing)."""
+    from pallas_kernels.thrift_decode import thrift_decode
+
+    t, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    r_pad, row_tile = thrift_mod._decode_layout(t * (hq // cache.num_kv_heads))
+    sel = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=cfg.block)
+    args = thrift_mod.decode_kernel_args(q, cache, sel, r_pad)
+    fn = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile,
+                           interpret=impl.get("interpret", False))
+    return time_fn(fn, *args, warmup=1, iters=iters, batches=3)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode; runs anywhere")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu" and not args.smoke:
+        print("benchmarks/thrift.py needs a GPU (or --smoke)")
+        return 2
+    name = "thrift_smoke" if args.smoke else "thrift"
+    payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/thrift.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    log(f"# {payload['env']}")
+    runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, decode=decode, sweep=prefill_sweep)
+    for section in args.sections:
+        log(f"## {section}")
+        payload[section] = runners[section](log, args.smoke)
+        write_json(name, payload)
+    for p in write_json(name, payload):
+        log(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
