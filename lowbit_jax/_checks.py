@@ -30,7 +30,8 @@ class AttentionShape(NamedTuple):
     dtype: jnp.dtype
 
 
-def _check_array(name: str, x) -> None:
+def check_array(name: str, x) -> None:
+    """A rank-4 (batch, seq, heads, head_dim) array of a supported float dtype, else TypeError/ValueError."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
     if x.ndim != 4:
@@ -42,7 +43,7 @@ def _check_array(name: str, x) -> None:
 def check_qkv(q, k, v) -> AttentionShape:
     """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return the sizes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_array(name, x)
+        check_array(name, x)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, sq, hq, d = q.shape

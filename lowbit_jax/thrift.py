@@ -57,7 +57,7 @@ from pallas_kernels import fake_quant as fake_quant_kernels
 from pallas_kernels import thrift_decode as thrift_decode_kernels
 from pallas_kernels import thrift_prefill as thrift_prefill_kernels
 from pallas_kernels import thrift_select as thrift_select_kernels
-from pallas_kernels.configs import ThriftConfig
+from pallas_kernels.configs import ThriftConfig, next_pow2
 
 #: most query rows (query heads of a kv group × new tokens) one :func:`thrift_decode` call takes
 MAX_DECODE_ROWS = 1024
@@ -117,10 +117,6 @@ def resolve_thrift_options(q, k, v, *, causal=False, scale=None, budget=0.05, im
 # ----------------------------------------------------------------------------- selection
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _selection(q: jax.Array, k: jax.Array, opts: ThriftOptions) -> jax.Array:
     """The 16-bit pairs: bool (B, Hq, Nqb, Nkb) (xla) or int8 (B, Hq, Nqb_pad, Nkb_pad) (pallas)."""
     cfg = opts.config
@@ -128,7 +124,7 @@ def _selection(q: jax.Array, k: jax.Array, opts: ThriftOptions) -> jax.Array:
     if opts.implementation != "pallas":
         counts = valid_key_blocks(opts.seq_q, opts.seq_k, cfg.block, opts.causal)
         return selection_reference(qm, km, counts, opts.topk)
-    chunk = min(cfg.select_chunk, max(16, _next_pow2(km.shape[2])))
+    chunk = min(cfg.select_chunk, max(16, next_pow2(km.shape[2])))
     pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, padded(x.shape[2], n) - x.shape[2]), (0, 0)))  # noqa: E731
     return thrift_select_kernels.thrift_select(
         pad(qm, cfg.select_rows), pad(km, chunk), block=cfg.block, sq_len=opts.seq_q, sk_len=opts.seq_k,
@@ -231,7 +227,7 @@ def prefill_order(selected: jax.Array, opts: ThriftOptions) -> jax.Array:
     counts = valid_key_blocks(opts.seq_q, opts.seq_k, opts.config.block, opts.causal)
     counts = np.pad(counts, (0, selected.shape[2] - counts.size))  # padded query blocks: none
     nkb = -(-opts.seq_k // opts.config.block)
-    width = _next_pow2(nkb)  # the kernel loads a row of the order whole (a power of two)
+    width = next_pow2(nkb)  # the kernel loads a row of the order whole (a power of two)
     high = jnp.pad(selected[..., :nkb] != 0, ((0, 0), (0, 0), (0, 0), (0, width - nkb)))
     return block_order(high, counts)
 
@@ -261,7 +257,7 @@ _thrift_attention.defvjp(_thrift_fwd, _thrift_bwd)
 def _decode_layout(rows: int) -> tuple[int, int]:
     """(padded rows, rows per program) of a decode call with ``rows`` = group × tokens."""
     if rows <= 64:
-        r = max(16, _next_pow2(rows))
+        r = max(16, next_pow2(rows))
         return r, r
     return padded(rows, 64), 64
 
@@ -285,7 +281,7 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
     """
     if not isinstance(cache, ThriftKVCache):
         raise TypeError(f"cache must be a ThriftKVCache, got {type(cache).__name__}")
-    _checks._check_array("q", q)
+    _checks.check_array("q", q)
     b, t, hq, d = q.shape
     if (b, d) != (cache.k.shape[0], cache.head_dim):
         raise ValueError(f"q's batch and head_dim {(b, d)} must match the cache's {(cache.k.shape[0], cache.head_dim)}")
@@ -327,7 +323,7 @@ def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, selected: jax.Array, 
     rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
     nkb = selected.shape[-1]
     n_blocks = (cache.length + cache.block - 1) // cache.block
-    order = block_order(jnp.pad(selected, ((0, 0), (0, 0), (0, _next_pow2(nkb) - nkb))), n_blocks)
+    order = block_order(jnp.pad(selected, ((0, 0), (0, 0), (0, next_pow2(nkb) - nkb))), n_blocks)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16),
             row_positions(cache.length, t, group, r_pad), jnp.sum(selected[0, 0]).astype(jnp.int32)[None],

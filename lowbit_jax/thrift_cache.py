@@ -120,6 +120,10 @@ class ThriftKVCache:
         t = k_new.shape[1]
         if not 1 <= t <= self.max_len:
             raise ValueError(f"appending {t} tokens to a cache of max_len {self.max_len}")
+        return _append(self, k_new, v_new)
+
+    def _append(self, k_new: jax.Array, v_new: jax.Array) -> "ThriftKVCache":
+        t = k_new.shape[1]
         start = self.length
         k = jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), (0, start, 0, 0))
         v = jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), (0, start, 0, 0))
@@ -145,3 +149,6 @@ class ThriftKVCache:
         k_mean = jax.lax.dynamic_update_slice(self.k_mean, means, (0, 0, w0 // blk, 0))
         return dataclasses.replace(self, k=k, v=v, k4=k4, k4_scale=k4_scale, v4=v4, v4_scale=v4_scale,
                                    k_mean=k_mean, length=start + t)
+
+
+_append = jax.jit(ThriftKVCache._append)  # one compiled update per (cache, T) shape, also when called eagerly

@@ -150,15 +150,16 @@ class SageFwdConfig:
 
     def fitted(self, seq_q: int, seq_k: int) -> "SageFwdConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
-        bq = max(16, min(self.block_q, _next_pow2(seq_q)))
-        bk = max(32, min(self.block_k, _next_pow2(seq_k)))
+        bq = max(16, min(self.block_q, next_pow2(seq_q)))
+        bk = max(32, min(self.block_k, next_pow2(seq_k)))
         if (bq, bk) == (self.block_q, self.block_k):
             return self
         return dataclasses.replace(self, block_q=bq, block_k=bk, bwd_block_q=min(self.bwd_block_q, bq),
                                    bwd_block_k=min(self.bwd_block_k, bk), dq_block_k=min(self.dq_block_k, bk))
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -292,9 +293,9 @@ class QatConfig:
 
     def fitted(self, seq_q: int, seq_k: int) -> "QatConfig":
         """Shrink tiles for short sequences (never below 16 rows / 32 keys)."""
-        fq = lambda b: max(16, min(b, _next_pow2(seq_q)))  # noqa: E731
-        fk = lambda b: max(32, min(b, _next_pow2(seq_k)))  # noqa: E731
-        fs = lambda b: max(16, min(b, _next_pow2(max(seq_q, seq_k))))  # noqa: E731
+        fq = lambda b: max(16, min(b, next_pow2(seq_q)))  # noqa: E731
+        fk = lambda b: max(32, min(b, next_pow2(seq_k)))  # noqa: E731
+        fs = lambda b: max(16, min(b, next_pow2(max(seq_q, seq_k))))  # noqa: E731
         return dataclasses.replace(self, block_q=fq(self.block_q), block_k=fk(self.block_k),
                                    bwd_block_q=fq(self.bwd_block_q), bwd_block_k=fk(self.bwd_block_k),
                                    quant_block=fs(self.quant_block))
