@@ -26,16 +26,12 @@ import lowbit_jax as lb
 from pallas_kernels._triton import on_gpu
 
 METHODS = ("dense", "sage", "qat_fp4", "thrift")
-AVAILABLE_METHODS = METHODS
 
 
 def check_method(method: str) -> None:
-    """Raise ``ValueError`` unless ``method`` is one of :data:`METHODS` and available in this release."""
+    """Raise ``ValueError`` unless ``method`` is one of :data:`METHODS`."""
     if method not in METHODS:
         raise ValueError(f"attention method must be one of {METHODS}, got {method!r}")
-    if method not in AVAILABLE_METHODS:
-        raise ValueError(f"attention method {method!r} is not available in this release (available: "
-                         f"{AVAILABLE_METHODS})")
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
