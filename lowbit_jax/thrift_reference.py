@@ -41,11 +41,9 @@ from lowbit_jax.formats import int8, nvfp4
 from lowbit_jax.qat_reference import head_major, mma_dtype
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.online_softmax import online_softmax_step
-from pallas_kernels.tile_ranges import visible
+from pallas_kernels.tile_ranges import selectable_key_blocks, visible
 
 LOG2E = math.log2(math.e)
-#: ``along`` of :func:`fake_quant_operand`: the axis of the NVFP4 groups
-ALONG = ("channels", "tokens")
 
 
 # ----------------------------------------------------------------------------- selection
@@ -73,11 +71,9 @@ def valid_key_blocks(sq: int, sk: int, block: int, causal: bool) -> np.ndarray:
 
     Non-causal every key block; causal (bottom-right) those holding a key the block's last real row sees.
     """
-    nqb, nkb = -(-sq // block), -(-sk // block)
-    if not causal:
-        return np.full(nqb, nkb, np.int64)
-    last = np.minimum((np.arange(nqb) + 1) * block, sq) - 1 + (sk - sq)  # last key the block's last row sees
-    return np.clip(np.floor_divide(last, block) + 1, 0, nkb).astype(np.int64)
+    starts = block * np.arange(-(-sq // block))
+    return np.asarray(selectable_key_blocks(starts, block=block, sq_len=sq, sk_len=sk, causal=causal, xp=np),
+                      np.int64)
 
 
 def topk_count(budget: float, counts: np.ndarray, causal: bool) -> int:
@@ -116,9 +112,14 @@ def selection_reference(q_mean: jax.Array, k_mean: jax.Array, counts: np.ndarray
     scores = jnp.einsum("bhqd,bhkd->bhqk", q_mean, km, precision=jax.lax.Precision.HIGHEST)
     cols = jnp.arange(km.shape[2])
     valid = cols[None, :] < jnp.asarray(counts)[:, None]  # (Nqb, Nkb)
+    return _top_blocks(scores, valid, jnp.minimum(k, jnp.asarray(counts))[:, None])
+
+
+def _top_blocks(scores: jax.Array, valid: jax.Array, take: jax.Array) -> jax.Array:
+    """bool, scores' shape: the ``take`` highest-scoring ``valid`` blocks along the last axis, ties to the lower
+    index (the rule both selections follow; ``take`` broadcasts against ``scores.shape[:-1] + (1,)``)."""
     order = jnp.argsort(jnp.where(valid, -scores, jnp.inf), axis=-1, stable=True)
     rank = jnp.argsort(order, axis=-1)  # position of each block in the descending order
-    take = jnp.minimum(k, jnp.asarray(counts))[:, None]
     return (rank < take) & valid
 
 
@@ -270,11 +271,8 @@ def decode_selection(q: jax.Array, k_mean: jax.Array, length: jax.Array, *, budg
     rows = decode_rows(q.astype(jnp.float32), hkv, q.shape[1] * (q.shape[2] // hkv))
     scores = jnp.max(jnp.einsum("bhrd,bhkd->bhrk", rows, k_mean, precision=jax.lax.Precision.HIGHEST), axis=2)
     n_complete = length // block
-    valid = jnp.arange(nkb) < n_complete
-    order = jnp.argsort(jnp.where(valid, -scores, jnp.inf), axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)
     take = jnp.floor(budget * n_complete.astype(jnp.float32) + 0.5).astype(jnp.int32)
-    return (rank < jnp.minimum(take, n_complete)) & valid
+    return _top_blocks(scores, jnp.arange(nkb) < n_complete, jnp.minimum(take, n_complete))
 
 
 def split_bounds(count: jax.Array, splits: int) -> jax.Array:
@@ -365,7 +363,7 @@ def decode_reference(q: jax.Array, k16: jax.Array, v16: jax.Array, k4: jax.Array
 
 
 __all__ = [
-    "ALONG", "block_means", "block_order", "combine_splits", "decode_outputs", "decode_reference", "decode_rows",
+    "block_means", "block_order", "combine_splits", "decode_outputs", "decode_reference", "decode_rows",
     "decode_selection", "dequantized_cache", "fake_quant_operand", "prefill_reference", "row_positions",
     "selection_reference", "split_bounds", "topk_count", "valid_key_blocks",
 ]

@@ -27,7 +27,7 @@ from lowbit_jax.formats import int8, nvfp4
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.online_softmax import online_softmax_step
-from pallas_kernels.tile_ranges import key_tile_range, visible
+from pallas_kernels.tile_ranges import key_tile_range, selectable_key_blocks, visible
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))
@@ -46,11 +46,7 @@ def _prefill_kernel(q_ref, kk_ref, vv_ref, order_ref, o_ref, *, block, sq_len, s
     q16, qfq = qf.astype(dtype), nvfp4.fake_quant_last(qf).astype(dtype)
     rows = q_start + jnp.arange(block, dtype=jnp.int32)
     n_kb = pl.cdiv(sk_len, block)
-    if causal:  # the selection's valid blocks: those holding a key the block's last real row sees
-        last = jnp.minimum(q_start + block, sq_len) - 1 + (sk_len - sq_len)
-        n_valid = jnp.clip(jnp.floor_divide(last, block) + 1, 0, n_kb)
-    else:
-        n_valid = n_kb
+    n_valid = selectable_key_blocks(q_start, block=block, sq_len=sq_len, sk_len=sk_len, causal=causal)
     n_high = jnp.minimum(n_valid, k)
     n_low = n_valid - n_high
     n_unmasked, _ = key_tile_range(q_start, block_q=block, block_k=block, sq_len=sq_len, sk_len=sk_len,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl
+from pallas_kernels.tile_ranges import selectable_key_blocks
 
 DOT_NT = (((1,), (1,)), ((), ()))
 INT_MIN = -(2**31)
@@ -36,12 +37,7 @@ def _ordered_keys(scores: jax.Array) -> jax.Array:
 def _select_kernel(qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_len, sk_len, causal, k, n_qblocks):
     i0 = pl.program_id(0) * rows
     qblk = i0 + jnp.arange(rows, dtype=jnp.int32)
-    n_kb = pl.cdiv(sk_len, block)
-    if causal:  # key blocks holding a key the block's last real row sees (bottom-right aligned)
-        last = jnp.minimum((qblk + 1) * block, sq_len) - 1 + (sk_len - sq_len)
-        counts = jnp.clip(jnp.floor_divide(last, block) + 1, 0, n_kb)
-    else:
-        counts = jnp.full((rows,), n_kb, jnp.int32)
+    counts = selectable_key_blocks(qblk * block, block=block, sq_len=sq_len, sk_len=sk_len, causal=causal)
     counts = jnp.where(qblk < n_qblocks, counts, 0)
     want = jnp.minimum(counts, k)
     qm = qm_ref[...]

@@ -53,3 +53,17 @@ def query_tile_range(k_start, *, block_q: int, block_k: int, sq_len: int, sk_len
     i_first = jnp.clip((k_start - offset) // block_q, 0, n_qblocks)
     i_unmasked = jnp.clip(pl.cdiv(k_start + block_k - 1 - offset, block_q), i_first, n_qblocks)
     return i_first, i_unmasked
+
+
+def selectable_key_blocks(q_start, *, block: int, sq_len: int, sk_len: int, causal: bool, xp=jnp):
+    """Key blocks (of ``block`` keys) a query block starting at ``q_start`` may select in ThriftAttention: all of
+    them, or if causal (bottom-right aligned) those holding a key the block's last real row sees, a prefix count.
+
+    ``q_start`` may be a scalar or an array of block starts; ``xp`` is ``jnp`` in kernels and references, ``numpy``
+    where the count must be static (the budget's k).
+    """
+    n_kb = -(-sk_len // block)
+    if not causal:
+        return xp.full(xp.shape(q_start), n_kb, xp.int32) if xp.ndim(q_start) else n_kb
+    last = xp.minimum(q_start + block, sq_len) - 1 + (sk_len - sq_len)  # the last key the block's last row sees
+    return xp.clip(xp.floor_divide(last, block) + 1, 0, n_kb)
