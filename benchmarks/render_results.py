@@ -432,6 +432,12 @@ def render_breakdown(data: dict) -> list[str]:
 def render_thrift(data: dict) -> list[str]:
     """ThriftAttention: kernel checks, accuracy (gap recovered), prefill and decode timings."""
     lines = ["## ThriftAttention (FP4/16-bit mixed precision, inference)", ""] + _command_block(data)
+    later = {}
+    for section, prov in data.get("provenance", {}).items():
+        if prov["env"]["date"] != data["env"]["date"] and section in data:
+            later.setdefault((prov["env"]["date"], prov["command"].strip()), []).append(section)
+    for (date, command), sections in sorted(later.items()):
+        lines += [f"Sections {', '.join(sections)} from another run ({date}): `{command}`.", ""]
     checks = data.get("checks", [])
     if checks:
         worst = max(r["o"]["rel_l1"] for r in checks if "o" in r)
@@ -486,8 +492,21 @@ def render_thrift(data: dict) -> list[str]:
                   "block means).", ""]
     sweep = data.get("sweep", [])
     if sweep:
-        lines += ["Prefill launch sweep at f = 0.05 (B1 S16384 causal): " + ", ".join(
-            f"w{r['num_warps']} s{r['num_stages']} {r['ms']:.2f} ms" for r in sweep) + ".", ""]
+        pre_sweep = [r for r in sweep if r.get("kind", "prefill") == "prefill"]
+        dec_sweep = [r for r in sweep if r.get("kind") == "decode"]
+        if pre_sweep:
+            lines += ["Prefill launch sweep at f = 0.05 (B1 S16384 causal): " + ", ".join(
+                f"w{r['num_warps']} s{r['num_stages']} {r['ms']:.2f} ms" for r in pre_sweep) + ".", ""]
+        if dec_sweep:
+            launches = list(dict.fromkeys((r["warps"], r["stages"]) for r in dec_sweep))
+            cases = list(dict.fromkeys((r["b"], r["s"], r["budget"]) for r in dec_sweep))
+            ms = {(r["b"], r["s"], r["budget"], r["warps"], r["stages"]): r["kernel_ms"] for r in dec_sweep}
+            lines += ["Decode kernel launch sweep (kernel alone, ms; warps w, stages s):", "",
+                      "| shape | f | " + " | ".join(f"w{w} s{s}" for w, s in launches) + " |",
+                      "| --- | --- |" + " --- |" * len(launches)]
+            lines += [f"| B{b} S{s} | {f:g} | " + " | ".join(
+                f"{ms[(b, s, f, w, st)]:.3f}" if (b, s, f, w, st) in ms else "–" for w, st in launches) + " |"
+                for b, s, f in cases] + [""]
     return lines + _superseded(data)
 
 

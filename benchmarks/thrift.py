@@ -18,7 +18,7 @@ Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D1
 * ``decode``: one new token per sequence over a full cache (B8 S8192 and B2 S131072): the Thrift decode
   (selection + split-KV kernel + combine) per budget and split count, vs XLA bf16 attention over the 16-bit
   cache; the K/V bytes each reads and the bandwidth that makes; error vs exact;
-* ``sweep``: the prefill kernel's warps and stages at f = 0.05.
+* ``sweep``: the prefill kernel's and the decode kernel's warps and stages at f = 0.05.
 Writes benchmarks/results/thrift.json (and $OUT/thrift.json).
 """
 
@@ -34,6 +34,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_exces
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import warnings
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import attention_flops, environment, time_fn, write_json
+from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax.thrift_reference import decode_selection
 
@@ -209,6 +210,31 @@ def prefill_sweep(log, smoke):
             continue
         rows.append(dict(b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal, num_warps=warps, num_stages=stages, ms=ms))
         log(f"  prefill sweep B{b} S{s} causal={causal} w{warps} s{stages}: {ms:.2f} ms")
+    return rows + decode_sweep(log, smoke)
+
+
+def decode_sweep(log, smoke):
+    """The decode kernel's launch parameters (its split counts are numerics), kernel alone, at f = 0.05 (95% of
+    the blocks 4-bit), 0.25 and 1 (all 16-bit)."""
+    impl = dict(implementation="pallas", interpret=True) if smoke else {}
+    launches = [(2, 2)] if smoke else [(2, 2), (4, 2), (2, 3), (4, 3), (1, 2)]
+    rows = []
+    for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
+        q, k, v = inputs(jax.random.PRNGKey(5), b, hq, hkv, s, d, heavy=True)
+        cache = jax.jit(lambda c, k, v: c.append(k, v))(lb.ThriftKVCache.create(b, s, hkv, d), k, v)
+        for budget in (0.05,) if smoke else (0.05, 0.25, 1.0):
+            for warps, stages in launches:
+                cfg = lb.ThriftConfig(decode_warps=warps, decode_stages=stages)
+                if smoke:
+                    cfg = dataclasses.replace(cfg, decode_splits=2, decode_splits_high=2)
+                try:
+                    ms = decode_kernel_ms(q[:, -1:], cache, budget, cfg, impl, 3 if smoke else 20)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  decode sweep f={budget} w{warps} s{stages} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rows.append(dict(kind="decode", budget=budget, b=b, hq=hq, hkv=hkv, s=s, d=d, warps=warps,
+                                 stages=stages, kernel_ms=ms))
+                log(f"  decode sweep B{b} S{s} f={budget} w{warps} s{stages}: kernel {ms:.3f} ms")
     return rows
 
 
@@ -294,6 +320,21 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
     return time_fn(fn, *args, warmup=1, iters=iters, batches=3)
 
 
+def keep_other_sections(payload: dict, path, run: list[str]) -> dict:
+    """A run of some ``--sections`` keeps the other sections of the results file, each with the provenance
+    (env, command) of the run that measured it (``payload["provenance"]``)."""
+    mine = dict(env=payload["env"], command=payload["command"])
+    provenance = {section: mine for section in run}
+    if path.exists():
+        previous = json.loads(path.read_text())
+        for section in SECTIONS:
+            if section not in run and section in previous:
+                payload[section] = previous[section]
+                provenance[section] = previous.get("provenance", {}).get(
+                    section, dict(env=previous["env"], command=previous["command"]))
+    return dict(payload, provenance=provenance)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode; runs anywhere")
@@ -305,6 +346,7 @@ def main(argv=None) -> int:
     name = "thrift_smoke" if args.smoke else "thrift"
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/thrift.py " + " ".join(
         argv if argv is not None else sys.argv[1:]))
+    payload = keep_other_sections(payload, RESULTS_DIR / f"{name}.json", args.sections)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {payload['env']}")
     runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, decode=decode, sweep=prefill_sweep)

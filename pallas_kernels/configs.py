@@ -347,7 +347,9 @@ class ThriftConfig:
     # 0.158 / 0.572 ms at B8 S8192 / B2 S131072, (32, 8) 0.151 / 0.554, (64, 16) 0.169 / 0.480
     decode_splits: int = 32
     decode_splits_high: int = 8
-    decode_warps: int = 4
+    # kernel alone at f = 0.05, B8 S8192 / B2 S131072: w2 s2 0.112 / 0.346 ms, w4 s2 0.120 / 0.494, w2 s3 0.130 /
+    # 0.587, w1 s2 0.145 / 0.659 (NOTES, 24th session; two kernels with their own launches were slower)
+    decode_warps: int = 2
     decode_stages: int = 2
 
     def __post_init__(self) -> None:

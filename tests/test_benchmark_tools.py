@@ -226,3 +226,26 @@ def test_thrift_decode_bytes_and_results_table():
     text = "\n".join(render_thrift(data))
     heavy = [r for r in data["accuracy"] if r["inputs"] == "heavy" and r["budget"] == 0.05][0]
     assert f"{heavy['gap_recovered']:.1%}" in text and "ThriftAttention" in text
+
+
+def test_thrift_partial_run_keeps_the_other_sections(tmp_path):
+    """``benchmarks/thrift.py --sections decode`` keeps the results file's other sections with the provenance of
+    the run that measured them, and RESULTS.md names that run."""
+    import json
+
+    from benchmarks import thrift
+    from benchmarks.render_results import render_thrift
+
+    old_env = dict(device="H200", jax="0.11.2", date="2026-01-01 00:00:00")
+    path = tmp_path / "thrift.json"
+    path.write_text(json.dumps(dict(env=old_env, command="old", checks=[], decode=["stale"], sweep=[])))
+    new_env = dict(old_env, date="2026-02-02 00:00:00")
+    got = thrift.keep_other_sections(dict(env=new_env, command="new --sections decode"), path, ["decode"])
+    assert "decode" not in got and got["checks"] == [] and got["sweep"] == []  # decode comes from the new run
+    assert got["provenance"]["decode"]["command"] == "new --sections decode"
+    assert got["provenance"]["sweep"] == dict(env=old_env, command="old")
+    again = thrift.keep_other_sections(dict(env=new_env, command="newer", decode=[]), path.with_name("none.json"),
+                                       ["decode"])
+    assert set(again["provenance"]) == {"decode"}  # no previous file: only what ran
+    text = "\n".join(render_thrift(dict(got, decode=[])))
+    assert "Sections checks, sweep from another run (2026-01-01 00:00:00): `old`" in text

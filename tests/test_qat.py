@@ -72,9 +72,9 @@ MOSAIC_CASES = [  # (B, Sq, Sk, Hq, Hkv, D, causal, naive, dtype): Sq ≤ Sk whe
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES)
-def test_mosaic_kernels_match_triton_and_xla(case, monkeypatch):
+def test_mosaic_kernels_match_xla(case, monkeypatch):
     """fwd_backend = bwd_backend = "mosaic" (Mosaic GPU interpreter on the CPU): O and the gradients equal
-    the Triton kernels' and the xla twin's up to accumulation order."""
+    the xla twin's up to accumulation order (the Triton kernels are held to the same twin by the base tests)."""
     from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
 
     calls = []
@@ -87,11 +87,10 @@ def test_mosaic_kernels_match_triton_and_xla(case, monkeypatch):
     opts = dict(causal=causal, naive_backward=naive)
     g_m = grads(q, k, v, do, implementation="pallas", interpret=True, config=MOSAIC, **opts)
     assert sorted(set(calls)) == ["qat_attention_bwd_mosaic", "qat_attention_fwd_mosaic"], calls
-    g_t = grads(q, k, v, do, implementation="pallas", interpret=True, config=lb.QatConfig(), **opts)
     g_x = grads(q, k, v, do, implementation="xla", config=lb.QatConfig(), **opts)
-    for name, a, t, x in zip(("o", "dq", "dk", "dv"), g_m, g_t, g_x):
+    for name, a, x in zip(("o", "dq", "dk", "dv"), g_m, g_x):
         assert a.shape == x.shape and a.dtype == x.dtype == dtype
-        assert metrics(a, t)[1] < 2e-3 and metrics(a, x)[1] < 2e-3, name
+        assert metrics(a, x)[1] < 2e-3, name
     o_only = lb.qat_attention(q, k, v, causal=causal, implementation="pallas", interpret=True, config=MOSAIC)
     np.testing.assert_array_equal(np.asarray(o_only, np.float32), np.asarray(g_m[0], np.float32))
 
@@ -116,8 +115,8 @@ def test_mosaic_forward_pingpong_same_values():
     assert metrics(outs[1][0], x)[1] < 2e-3
 
 
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 128, False), (2, 130, 200, 4, 2, 64, True),
-                                  (2, 128, 256, 8, 2, 128, True)])
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 128, False), (1, 130, 200, 4, 2, 64, True),
+                                  (1, 128, 256, 4, 2, 128, True)])
 def test_mosaic_fused_dq_same_gradients(case):
     """QatConfig.dq_kernel="fused" (dS·K̃ reduce-added into a float32 dQ by the dK/dV kernel; in the
     interpreter a per-block workspace, summed) gives the separate dQ kernel's gradients (ragged Sq,

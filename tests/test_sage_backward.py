@@ -160,7 +160,7 @@ MOSAIC = lb.SageFwdConfig(block_q=64, block_k=128, dkdv_backend="mosaic", dq_bac
                           fwd_backend="mosaic")
 MOSAIC_CASES = [
     # (B, Sq, Sk, Hq, Hkv, D, causal, dtype, granularity): the forward and both backward kernels on Mosaic
-    # (interpret on CPU), against the all-Triton kernels and the xla reference
+    # (interpret on CPU), against the xla reference
     (1, 128, 256, 4, 2, 64, False, jnp.bfloat16, "per_block"),  # GQA
     (1, 256, 128, 2, 2, 128, False, jnp.float16, "per_token"),
     # Sq = 192 is not a multiple of a 128-query CTA: the forward and dQ fall back to Triton
@@ -178,15 +178,11 @@ def test_mosaic_kernel_gradients_match_xla_backward(case):
     do = cotangent(q)
     kw = dict(qk_granularity=gran, config=MOSAIC, causal=causal)
     g_m = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
-    all_triton = dataclasses.replace(MOSAIC, dkdv_backend="triton", dq_backend="triton", fwd_backend="triton")
-    g_t = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, qk_granularity=gran, causal=causal,
-                config=all_triton)
-    g_x = grads(q, k, v, do, implementation="xla", **kw)
-    for name, m, t, x in zip(("o", "dq", "dk", "dv"), g_m, g_t, g_x):
+    g_x = grads(q, k, v, do, implementation="xla", **kw)  # the Triton kernels are held to it by the base tests
+    for name, m, x in zip(("o", "dq", "dk", "dv"), g_m, g_x):
         assert m.dtype == dtype and m.shape == x.shape
-        for other in (t, x):  # same quantization: accumulation order (and rare rounding ties) only
-            cos, rel = metrics(m, other)
-            assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
+        cos, rel = metrics(m, x)  # same quantization: accumulation order (and rare rounding ties) only
+        assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
 
 
 @pytest.mark.parametrize("dq_kernel, fwd_backend", [("fused", "triton"), ("separate", "triton"),
@@ -208,7 +204,7 @@ def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel, fwd_backen
         assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
 
 
-@pytest.mark.parametrize("case", [(1, 128, 256, 4, 2, 64, False), (2, 200, 384, 4, 2, 64, True),
+@pytest.mark.parametrize("case", [(1, 128, 256, 4, 2, 64, False), (1, 200, 384, 4, 2, 64, True),
                                   (1, 128, 256, 4, 2, 64, True), (1, 128, 256, 4, 2, 128, False),
                                   (1, 200, 256, 4, 2, 128, True)])
 def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
@@ -337,7 +333,7 @@ DS_ROW_CASES = [
     (1, 70, 130, 2, 1, 128, False, jnp.float32, "per_token", True,
      lb.SageFwdConfig(32, 64, bwd_block_q=32, bwd_block_k=32, dq_block_k=64, **ROW)),
     (1, 128, 256, 4, 2, 64, False, jnp.bfloat16, "per_block", False, dataclasses.replace(MOSAIC, **ROW)),
-    (1, 200, 384, 4, 2, 128, True, jnp.float16, "per_token", False, dataclasses.replace(MOSAIC, **ROW)),
+    (1, 200, 256, 4, 2, 128, True, jnp.float16, "per_token", False, dataclasses.replace(MOSAIC, **ROW)),
 ]
 
 
