@@ -437,7 +437,8 @@ def render_thrift(data: dict) -> list[str]:
         if prov["env"]["date"] != data["env"]["date"] and section in data:
             later.setdefault((prov["env"]["date"], prov["command"].strip()), []).append(section)
     for (date, command), sections in sorted(later.items()):
-        lines += [f"Sections {', '.join(sections)} from another run ({date}): `{command}`.", ""]
+        lines += [f"Section{'s' if len(sections) > 1 else ''} {', '.join(sections)} from another run ({date}): "
+                  f"`{command}`.", ""]
     checks = data.get("checks", [])
     if checks:
         worst = max(r["o"]["rel_l1"] for r in checks if "o" in r)
@@ -474,6 +475,12 @@ def render_thrift(data: dict) -> list[str]:
             lines.append(f"| B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}{' causal' if r['causal'] else ''} | "
                          + " | ".join(cells) + f" | {part} |")
         lines.append("")
+    for r in data.get("long", []):
+        ratio = r["ms"]["cudnn_bf16"] / r["ms"]["thrift_f0.05"] if "cudnn_bf16" in r["ms"] else 0
+        lines += [f"**Long prefill** B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}"
+                  f"{' causal' if r['causal'] else ''}, f = 0.05: " + ", ".join(
+                      f"{m} {t:.1f} ms (XLA temporaries {r['temp_mib'][m]:.0f} MiB)" for m, t in r["ms"].items())
+                  + f"; {ratio:.2f}× cuDNN; q, k, v take {r['args_mib']:.0f} MiB.", ""]
     dec = data.get("decode", [])
     if dec:
         lines += ["**Decode** (one new token per sequence over a full cache; ms, K/V bytes read per second, rel-L2 "

@@ -15,6 +15,7 @@ Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D1
 * ``prefill``: the whole op (selection kernel, operand pass, prefill kernel) and its parts vs cuDNN bf16
   flash attention and JAX's Pallas-Triton ``mha`` (bf16), causal and not, per budget (4·B·H·S²·D FLOPs,
   halved if causal);
+* ``long``: a 131k-token causal prefill at f = 0.05 vs cuDNN, time and XLA temporary memory;
 * ``decode``: one new token per sequence over a full cache (B8 S8192 and B2 S131072): the Thrift decode
   (selection + split-KV kernel + combine) per budget and split count, vs XLA bf16 attention over the 16-bit
   cache; the K/V bytes each reads and the bandwidth that makes; error vs exact;
@@ -49,9 +50,10 @@ from lowbit_jax.thrift_reference import decode_selection
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-SECTIONS = ("checks", "accuracy", "prefill", "decode", "sweep")
+SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep")
 BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
 PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
+LONG_SHAPES = [(1, 32, 8, 131072, 128, True)]
 DECODE_SHAPES = [(8, 32, 8, 8192, 128), (2, 32, 8, 131072, 128)]
 #: (budget, decode_splits, decode_splits_high); the first is the library default (its kernel is timed alone too)
 DECODE_VARIANTS = [(0.05, 32, 8), (0.05, 16, 4), (0.05, 64, 16), (0.25, 32, 8), (1.0, 32, 8), (1.0, 16, 32),
@@ -194,6 +196,32 @@ def prefill(log, smoke):
     return rows
 
 
+def temp_mib(fn, *args) -> float:
+    """XLA's temporary buffers of the compiled call (MiB): what it needs beyond its arguments and outputs."""
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
+def long_prefill(log, smoke):
+    """A 131k-token causal prefill at f = 0.05 against cuDNN: time and XLA temporary memory."""
+    rows = []
+    for b, hq, hkv, s, d, causal in SMOKE["prefill"] if smoke else LONG_SHAPES:
+        q, k, v = inputs(jax.random.PRNGKey(2), b, hq, hkv, s, d, heavy=False)
+        impl = dict(implementation="pallas", interpret=True) if smoke else {}
+        fns = {"thrift_f0.05": jax.jit(functools.partial(lb.thrift_attention, causal=causal, budget=0.05, **impl))}
+        if not smoke:
+            fns["cudnn_bf16"] = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                          implementation="cudnn"))
+        row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal, ms={}, temp_mib={},
+                   args_mib=sum(x.size * x.dtype.itemsize for x in (q, k, v)) / 2**20)
+        for name, fn in fns.items():
+            row["temp_mib"][name] = temp_mib(fn, q, k, v)
+            row["ms"][name] = time_fn(fn, q, k, v, warmup=1, iters=2, batches=2)
+        rows.append(row)
+        log(f"  long prefill B{b} H{hq}/{hkv} S{s} causal={causal}: " + " ".join(
+            f"{m} {t:.1f} ms (temp {row['temp_mib'][m]:.0f} MiB)" for m, t in row["ms"].items()))
+    return rows
+
+
 def prefill_sweep(log, smoke):
     """The prefill's launch parameters (``block`` is part of the numerics and stays 64) at f = 0.05."""
     b, hq, hkv, s, d, causal = SMOKE["prefill"][0] if smoke else PREFILL_SHAPES[0]
@@ -243,14 +271,14 @@ def prefill_parts(q, k, v, causal, budget, impl, iters):
     opts = thrift_mod.resolve_thrift_options(q, k, v, causal=causal, budget=budget, **impl)
     sel = jax.jit(lambda q, k: thrift_mod._selection(q, k, opts))
     ops = jax.jit(lambda k, v: thrift_mod.operands(k, v, opts))
-    kk, vv = ops(k, v)
+    operands = ops(k, v)
     order = thrift_mod.prefill_order(sel(q, k), opts)
     from pallas_kernels.thrift_prefill import thrift_prefill
     kern = functools.partial(thrift_prefill, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=causal, scale=opts.scale,
                              k=opts.topk, config=opts.config, interpret=opts.interpret)
     return {"select": time_fn(sel, q, k, warmup=1, iters=iters, batches=3),
             "operands": time_fn(ops, k, v, warmup=1, iters=iters, batches=3),
-            "prefill_kernel": time_fn(kern, q, kk, vv, order, warmup=1, iters=iters, batches=3)}
+            "prefill_kernel": time_fn(kern, q, *operands, order, warmup=1, iters=iters, batches=3)}
 
 
 def decode_bytes(cache: lb.ThriftKVCache, selected: np.ndarray) -> dict[str, float]:
@@ -349,7 +377,8 @@ def main(argv=None) -> int:
     payload = keep_other_sections(payload, RESULTS_DIR / f"{name}.json", args.sections)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {payload['env']}")
-    runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, decode=decode, sweep=prefill_sweep)
+    runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, long=long_prefill, decode=decode,
+                   sweep=prefill_sweep)
     for section in args.sections:
         log(f"## {section}")
         payload[section] = runners[section](log, args.smoke)

@@ -195,29 +195,38 @@ def thrift_attention(
     return _thrift_attention(q, k, v, opts)
 
 
-def operands(k: jax.Array, v: jax.Array, opts: ThriftOptions) -> tuple[jax.Array, jax.Array]:
-    """K and V with their NVFP4 copies: (2, B, Hkv, Sk_pad, D) each, by the implementation ``opts`` names."""
+def operands(k: jax.Array, v: jax.Array, opts: ThriftOptions) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The prefill's key and value operands, by the implementation ``opts`` names.
+
+    Returns:
+      (k, v, k̃, ṽ): k and v as given, (B, Sk_pad, Hkv, D), zero rows appended only where Sk is not a multiple
+      of the padding (so no copy otherwise: the kernel reads their 16-bit blocks in place); k̃, ṽ their NVFP4
+      fake quantization, (B, Hkv, Sk_pad, D) in the 16-bit operand dtype (groups of 16 channels for K, of 16
+      tokens for V).
+    """
     cfg = opts.config
     dt = mma_dtype(k.dtype)
     seq_pad = padded(opts.seq_k, cfg.pad)
+    pad = lambda x: x if seq_pad == x.shape[1] else jnp.pad(  # noqa: E731
+        x, ((0, 0), (0, seq_pad - x.shape[1]), (0, 0), (0, 0)))
     if opts.implementation != "pallas":
-        return (fake_quant_operand(k, seq_pad=seq_pad, along="channels", dtype=dt),
-                fake_quant_operand(v, seq_pad=seq_pad, along="tokens", dtype=dt))
-    run = lambda x, along: fake_quant_kernels.thrift_operands(  # noqa: E731
-        x, seq_pad=seq_pad, block=cfg.quant_block, along=along, out_dtype=dt, num_warps=cfg.quant_warps,
-        interpret=opts.interpret)
-    return run(k, "channels"), run(v, "tokens")
+        fq = lambda x, along: fake_quant_operand(x, seq_pad=seq_pad, along=along, dtype=dt)  # noqa: E731
+    else:
+        fq = lambda x, along: fake_quant_kernels.fp4_fake_quant_heads(  # noqa: E731
+            x, seq_pad=seq_pad, block=cfg.quant_block, out_dtype=dt, along=along, num_warps=cfg.quant_warps,
+            interpret=opts.interpret)
+    return pad(k), pad(v), fq(k, "channels"), fq(v, "tokens")
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
 def thrift_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: ThriftOptions) -> jax.Array:
     """The forward on validated inputs (selection, operand pass, attention); (B, Sq, Hq, D) in q's dtype."""
     sel = _selection(q, k, opts)
-    kk, vv = operands(k, v, opts)
+    ops = operands(k, v, opts)
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config)
     if opts.implementation != "pallas":
-        return prefill_reference(q, kk, vv, sel, out_dtype=q.dtype, **kw)
-    return thrift_prefill_kernels.thrift_prefill(q, kk, vv, prefill_order(sel, opts), k=opts.topk,
+        return prefill_reference(q, *ops, sel, out_dtype=q.dtype, **kw)
+    return thrift_prefill_kernels.thrift_prefill(q, *ops, prefill_order(sel, opts), k=opts.topk,
                                                  interpret=opts.interpret, **kw)
 
 

@@ -127,16 +127,15 @@ def _top_blocks(scores: jax.Array, valid: jax.Array, take: jax.Array) -> jax.Arr
 
 
 def fake_quant_operand(x: jax.Array, *, seq_pad: int, along: str, dtype) -> jax.Array:
-    """The prefill's two copies of K or V: (2, B, H, seq_pad, D) ``dtype``, [0] the 16-bit values and
-    [1] their NVFP4 fake quantization (groups of 16 along D for ``along="channels"``, 16 tokens per
-    channel for ``"tokens"``), head-major, zero rows appended (the twin of
-    :func:`pallas_kernels.fake_quant.thrift_operands`)."""
+    """The prefill's NVFP4 copy of K or V: (B, H, seq_pad, D) ``dtype``, the fake quantization in groups of
+    16 along D (``along="channels"``) or of 16 tokens per channel (``"tokens"``), head-major, zero rows
+    appended (the twin of :func:`pallas_kernels.fake_quant.fp4_fake_quant_heads`)."""
     xh = head_major(x.astype(jnp.float32), seq_pad)
     if along == "channels":
         fq = nvfp4.fake_quant_last(xh)
     else:
         fq = jnp.swapaxes(nvfp4.fake_quant_last(jnp.swapaxes(xh, 2, 3)), 2, 3)
-    return jnp.stack([xh.astype(dtype), fq.astype(dtype)])
+    return fq.astype(dtype)
 
 
 def block_order(selected: jax.Array, counts: jax.Array) -> jax.Array:
@@ -172,26 +171,31 @@ def _online_step(carry, s, update_fn):
     return acc * alpha[..., None] + update_fn(p), m_new, l_new
 
 
-def prefill_reference(q: jax.Array, kk: jax.Array, vv: jax.Array, selected: jax.Array, *, sq_len: int, sk_len: int,
-                      causal: bool, scale: float, config: ThriftConfig, out_dtype) -> jax.Array:
+def prefill_reference(q: jax.Array, k: jax.Array, v: jax.Array, kq: jax.Array, vq: jax.Array, selected: jax.Array,
+                      *, sq_len: int, sk_len: int, causal: bool, scale: float, config: ThriftConfig,
+                      out_dtype) -> jax.Array:
     """Twin of :func:`pallas_kernels.thrift_prefill.thrift_prefill`: the mixed-precision online softmax.
 
     Args:
       q: (B, Sq, Hq, D).
-      kk, vv: (2, B, Hkv, Sk_pad, D) from :func:`fake_quant_operand` (channels for K, tokens for V).
+      k, v: (B, Sk_pad, Hkv, D), zero rows after Sk (:func:`lowbit_jax.thrift.operands`); their 16-bit
+        blocks are ``k.astype(kq.dtype)``.
+      kq, vq: (B, Hkv, Sk_pad, D) from :func:`fake_quant_operand` (channels for K, tokens for V).
       selected: bool (B, Hq, Nqb, Nkb) (:func:`selection_reference` or the kernel's).
     Returns:
       (B, Sq, Hq, D) ``out_dtype``.
     """
-    dt = kk.dtype
+    dt = kq.dtype
     b, hq = q.shape[0], q.shape[2]
-    group = hq // kk.shape[2]
+    group = hq // kq.shape[1]
+    kk = (head_major(k, k.shape[1], dt), kq)
+    vv = (head_major(v, v.shape[1], dt), vq)
     bk = config.block
     nqb, nkb = selected.shape[2], selected.shape[3]
     sq_pad = nqb * bk
     qf = head_major(q.astype(jnp.float32), sq_pad)
     q16, qfq = qf.astype(dt), nvfp4.fake_quant_last(qf).astype(dt)
-    kk, vv = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (kk, vv))
+    kk, vv = ([jnp.repeat(x, group, axis=1) if group > 1 else x for x in pair] for pair in (kk, vv))
     c = scale * LOG2E
     rows = jnp.arange(sq_pad)[:, None]
     counts = jnp.asarray(valid_key_blocks(sq_len, sk_len, bk, causal))

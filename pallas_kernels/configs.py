@@ -325,8 +325,8 @@ class ThriftConfig:
         128; SPEC default 64). The decode cache's blocks (and its 4-bit V packing, two halves of whole FP4
         groups) use it too.
       num_warps, num_stages: the prefill kernel's Triton launch parameters.
-      quant_block, quant_warps: rows per program and warps of the fused operand pass (16-bit and
-        NVFP4-fake-quantized K, V, head-major).
+      quant_block, quant_warps: rows per program and warps of the operand pass (NVFP4-fake-quantized K, V,
+        head-major).
       select_rows: query blocks per program of the selection kernel (≥ 16: a tensor-core product).
       select_chunk: key blocks scored per step of the selection kernel (a power of two ≥ 16).
       select_warps: warps of the selection kernel.

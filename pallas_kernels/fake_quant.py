@@ -1,6 +1,7 @@
 """NVFP4 fake quantization (Attn-QAT's Q, K, V; ThriftAttention's K, V): one fused, memory-bound pass per tensor.
 
-Reads (B, S, H, D) rows, fake-quantizes each token in groups of 16 channels with
+Reads (B, S, H, D) rows, fake-quantizes each token in groups of 16 channels (or, for ThriftAttention's V,
+each channel in groups of 16 tokens) with
 :func:`lowbit_jax.formats.nvfp4.fake_quant_last` (the same function the
 reference uses) and writes the values head-major and zero-padded,
 (B, H, S_pad, D), in the 16-bit operand dtype of the attention kernels (exact:
@@ -23,26 +24,36 @@ from lowbit_jax.formats import nvfp4
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 
 
-def _fake_quant_kernel(x_ref, o_ref, *, block, seq_len, ragged):
+def _fake_quant_kernel(x_ref, o_ref, *, block, seq_len, ragged, along):
     valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
     x = load_rows(x_ref, valid).astype(jnp.float32)
-    o_ref[...] = nvfp4.fake_quant_last(x).astype(o_ref.dtype)
+    if along == "channels":
+        fq = nvfp4.fake_quant_last(x)
+    else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
+        fq = nvfp4.fake_quant_last(x.T).T
+    o_ref[...] = fq.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "out_dtype", "num_warps", "interpret"))
-def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, num_warps: int = 4,
-                         interpret: bool = False) -> jax.Array:
-    """FQ(x) per token along D, transposed to head-major and padded.
+@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "out_dtype", "along", "num_warps", "interpret"))
+def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, along: str = "channels",
+                         num_warps: int = 4, interpret: bool = False) -> jax.Array:
+    """FQ(x), transposed to head-major and padded.
 
     Args:
       x: (B, S, H, D), D a multiple of 16.
-      seq_pad: padded length, a multiple of ``block`` and ≥ S.
+      seq_pad: padded length, a multiple of ``block`` (itself a multiple of 16) and ≥ S.
       out_dtype: bfloat16 or float16.
+      along: "channels" (groups of 16 along D, per token: Attn-QAT's Q, K, V, ThriftAttention's K) or
+        "tokens" (16 consecutive tokens per channel, aligned to absolute positions: ThriftAttention's V,
+        whose product with P contracts over tokens; :func:`lowbit_jax.thrift_reference.fake_quant_operand`
+        is that twin).
     Returns:
       (B, H, seq_pad, D) out_dtype; rows ≥ S are zeros.
     """
+    if along not in ("channels", "tokens"):
+        raise ValueError(f"along must be 'channels' or 'tokens', got {along!r}")
     b, s, h, d = x.shape
-    kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s)
+    kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s, along=along)
     return pl.pallas_call(
         kernel,
         grid=(seq_pad // block, b, h),
@@ -54,42 +65,3 @@ def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, n
         name="fp4_fake_quant",
     )(x)
 
-
-def _thrift_operands_kernel(x_ref, o_ref, *, block, seq_len, ragged, along):
-    valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
-    x = load_rows(x_ref, valid).astype(jnp.float32)
-    if along == "channels":
-        fq = nvfp4.fake_quant_last(x)
-    else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
-        fq = nvfp4.fake_quant_last(x.T).T
-    o_ref[0] = x.astype(o_ref.dtype)
-    o_ref[1] = fq.astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "along", "out_dtype", "num_warps", "interpret"))
-def thrift_operands(x: jax.Array, *, seq_pad: int, block: int, along: str, out_dtype, num_warps: int = 4,
-                    interpret: bool = False) -> jax.Array:
-    """ThriftAttention's two copies of K or V in one pass: the 16-bit values and their NVFP4 fake quantization.
-
-    Args:
-      x: (B, S, H, D), D a multiple of 16.
-      seq_pad: padded length, a multiple of ``block`` (itself a multiple of 16) and ≥ S.
-      along: "channels" (groups of 16 along D: K) or "tokens" (16 consecutive tokens per channel, aligned
-        to absolute positions: V, whose product with P contracts over tokens).
-      out_dtype: bfloat16 or float16.
-    Returns:
-      (2, B, H, seq_pad, D) out_dtype: [0] x, [1] φ⁻¹(φ(x)); rows ≥ S are zeros
-      (:func:`lowbit_jax.thrift_reference.fake_quant_operand` is the twin).
-    """
-    b, s, h, d = x.shape
-    kernel = functools.partial(_thrift_operands_kernel, block=block, seq_len=s, ragged=seq_pad != s, along=along)
-    return pl.pallas_call(
-        kernel,
-        grid=(seq_pad // block, b, h),
-        in_specs=[pl.BlockSpec((None, block, None, d), lambda i, bi, hi: (bi, i, hi, 0))],
-        out_specs=pl.BlockSpec((2, None, None, block, d), lambda i, bi, hi: (0, bi, hi, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((2, b, h, seq_pad, d), out_dtype),
-        compiler_params=compiler_params(num_warps, 1),
-        interpret=interpret,
-        name="thrift_operands",
-    )(x)

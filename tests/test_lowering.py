@@ -190,7 +190,7 @@ def test_qat_forward_and_backward_lower_to_triton(case):
         assert name in text
 
 
-THRIFT_KERNELS = ("thrift_select", "thrift_operands", "thrift_prefill")
+THRIFT_KERNELS = ("thrift_select", "fp4_fake_quant", "thrift_prefill")
 THRIFT_CASES = [  # (Sq, Sk, Hq, Hkv, D, causal, budget, config)
     (16384, 16384, 8, 2, 128, True, 0.05, lb.ThriftConfig()),  # 256 key blocks: two scoring chunks
     (1000, 700, 4, 4, 64, False, 0.25, lb.ThriftConfig(block=32, quant_block=32, select_chunk=16)),

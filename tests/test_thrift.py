@@ -179,15 +179,18 @@ def test_prefill_kernel_matches_xla(case):
 
 def test_operand_pass_matches_reference():
     from lowbit_jax.thrift_reference import fake_quant_operand
-    from pallas_kernels.fake_quant import thrift_operands
+    from pallas_kernels.fake_quant import fp4_fake_quant_heads
 
     _, k, _ = make_qkv(2, 8, 90, 2, 2, 64, seed=4)
     for along in ("channels", "tokens"):
-        got = thrift_operands(k, seq_pad=128, block=32, along=along, out_dtype=jnp.bfloat16, interpret=INTERPRET)
+        got = fp4_fake_quant_heads(k, seq_pad=128, block=32, along=along, out_dtype=jnp.bfloat16,
+                                   interpret=INTERPRET)
         ref = fake_quant_operand(k, seq_pad=128, along=along, dtype=jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+    with pytest.raises(ValueError, match="along"):
+        fp4_fake_quant_heads(k, seq_pad=128, block=32, along="heads", out_dtype=jnp.bfloat16, interpret=INTERPRET)
     # the tokens variant groups 16 consecutive tokens per channel: one group's scale from its own amax
-    vt = np.asarray(ref[1, 0, 0, :16, 0], np.float32)
+    vt = np.asarray(ref[0, 0, :16, 0], np.float32)
     raw = np.asarray(k[0, :16, 0, 0], np.float32)
     np.testing.assert_array_equal(vt, np.asarray(nvfp4.fake_quant(jnp.asarray(raw)), np.float32))
 
@@ -232,12 +235,12 @@ def test_selection_beats_random_blocks():
     err = lambda o: float(np.linalg.norm(np.asarray(o, np.float64) - exact) / np.linalg.norm(exact))  # noqa: E731
     e0, e10, e100 = (err(thrift(q, k, v, "xla", budget=f)) for f in (0.0, 0.1, 1.0))
     opts = thrift_mod.resolve_thrift_options(q, k, v, budget=0.1, implementation="xla", config=SMALL)
-    kk, vv = thrift_mod.operands(k, v, opts)
+    ops = thrift_mod.operands(k, v, opts)
     sel = thrift_mod._selection(q, k, opts)
     rng = np.random.default_rng(1)
     random_sel = jnp.asarray(np.stack([rng.permutation(np.asarray(row)) for row in sel.reshape(-1, sel.shape[-1])])
                              .reshape(sel.shape))
-    e_rand = err(prefill_reference(q, kk, vv, random_sel, sq_len=512, sk_len=512, causal=False, scale=64**-0.5,
+    e_rand = err(prefill_reference(q, *ops, random_sel, sq_len=512, sk_len=512, causal=False, scale=64**-0.5,
                                    config=SMALL, out_dtype=q.dtype))
     assert e100 < 0.01 < e10 < e0
     assert e10 < 0.6 * e_rand, (e10, e_rand, e0)
