@@ -119,8 +119,10 @@ def _top_blocks(scores: jax.Array, valid: jax.Array, take: jax.Array) -> jax.Arr
     """bool, scores' shape: the ``take`` highest-scoring ``valid`` blocks along the last axis, ties to the lower
     index (the rule both selections follow; ``take`` broadcasts against ``scores.shape[:-1] + (1,)``)."""
     order = jnp.argsort(jnp.where(valid, -scores, jnp.inf), axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)  # position of each block in the descending order
-    return (rank < take) & valid
+    n = order.shape[-1]
+    rank = jnp.put_along_axis(jnp.zeros_like(order), order, jnp.broadcast_to(jnp.arange(n, dtype=order.dtype),
+                                                                             order.shape), axis=-1, inplace=False)
+    return (rank < take) & valid  # rank: each block's position in the descending order (one sort, one scatter)
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -149,9 +151,15 @@ def block_order(selected: jax.Array, counts: jax.Array) -> jax.Array:
       ascending), then the invalid ones.
     """
     nkb = selected.shape[-1]
-    j = jnp.arange(nkb, dtype=jnp.int32)
-    key = jnp.where(j >= jnp.asarray(counts)[..., None], 2 * nkb + j, jnp.where(selected, nkb + j, j))
-    return jnp.argsort(key, axis=-1).astype(jnp.int16)
+    j = jnp.arange(nkb, dtype=jnp.int16)
+    valid = j < jnp.asarray(counts)[..., None]
+    low, high = valid & ~selected, valid & selected
+    rank = lambda m: jnp.cumsum(m, axis=-1, dtype=jnp.int16) - 1  # noqa: E731  (position among its kind)
+    n_low = jnp.sum(low, axis=-1, keepdims=True, dtype=jnp.int16)
+    # no sort: each block's position is a prefix count (the invalid ones are the suffix, already in place)
+    position = jnp.where(low, rank(low), jnp.where(high, n_low + rank(high), j))
+    return jnp.put_along_axis(jnp.zeros_like(position), position, jnp.broadcast_to(j, position.shape), axis=-1,
+                              inplace=False)
 
 
 def _exact_dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -409,3 +409,27 @@ def test_bad_cache_and_decode_arguments():
         lb.thrift_decode(jnp.zeros((1, 1, 2, 64)), cache, config=lb.ThriftConfig(block=64))
     with pytest.raises(ValueError, match="at most 1024 query rows"):
         lb.thrift_decode(jnp.zeros((1, 1025, 2, 64)), cache, config=SMALL)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 17), (2, 64), (1, 4, 300)])
+def test_block_order_and_top_blocks_match_sorting(shape):
+    """block_order (prefix counts and a scatter, no sort) is numpy's stable sort of the keys "4-bit valid, then
+    16-bit valid, then invalid, each ascending"; _top_blocks (one sort, an inverse permutation by a scatter)
+    keeps the ``take`` best valid blocks, ties to the lower index (integer scores: many ties)."""
+    from lowbit_jax.thrift_reference import _top_blocks, block_order
+
+    rng = np.random.default_rng(sum(shape))
+    nkb = shape[-1]
+    sel = rng.random(shape) < 0.3
+    counts = rng.integers(0, nkb + 1, shape[:-1])
+    got = np.asarray(block_order(jnp.asarray(sel), jnp.asarray(counts)))
+    j = np.arange(nkb)
+    key = np.where(j >= counts[..., None], 2 * nkb + j, np.where(sel, nkb + j, j))
+    assert got.dtype == np.int16
+    np.testing.assert_array_equal(got, np.argsort(key, axis=-1, kind="stable"))
+    scores = rng.integers(0, 4, shape).astype(np.float32)
+    valid = j < counts[..., None]
+    take = rng.integers(0, nkb + 1, shape[:-1])[..., None]
+    rank = np.argsort(np.argsort(np.where(valid, -scores, np.inf), axis=-1, kind="stable"), axis=-1)
+    np.testing.assert_array_equal(np.asarray(_top_blocks(jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(take))),
+                                  (rank < take) & valid)
