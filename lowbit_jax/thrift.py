@@ -41,6 +41,7 @@ from lowbit_jax.thrift_cache import ThriftKVCache
 from lowbit_jax.thrift_reference import (
     block_means,
     block_order,
+    check_key_blocks,
     combine_splits,
     decode_outputs,
     decode_reference,
@@ -108,6 +109,7 @@ def resolve_thrift_options(q, k, v, *, causal=False, scale=None, budget=0.05, im
     budget = check_budget(budget)
     impl = _checks.check_implementation(implementation, interpret)
     config = _check_config(config)
+    check_key_blocks(shape.seq_k, config.block, "the key length")
     counts = valid_key_blocks(shape.seq_q, shape.seq_k, config.block, causal)
     return ThriftOptions(causal=causal, scale=scale, budget=budget, topk=topk_count(budget, counts, causal),
                          implementation=impl, interpret=interpret, config=config, seq_q=shape.seq_q,

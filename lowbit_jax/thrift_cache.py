@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit_jax.formats import nvfp4
+from lowbit_jax.thrift_reference import check_key_blocks
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -71,6 +72,7 @@ class ThriftKVCache:
             raise ValueError(f"block must be 32, 64 or 128, got {block!r}")
         if not any(np.dtype(dtype) == np.dtype(d) for d in _DTYPES):
             raise TypeError(f"dtype must be bfloat16, float16 or float32, got {np.dtype(dtype).name}")
+        check_key_blocks(max_len, block, "max_len")
         s = -(-max_len // block) * block
         b, h, d = batch, num_kv_heads, head_dim
         e4m3 = jnp.float8_e4m3fn

@@ -140,11 +140,22 @@ def fake_quant_operand(x: jax.Array, *, seq_pad: int, along: str, dtype) -> jax.
     return fq.astype(dtype)
 
 
+#: most key blocks per sequence: the block orders are int16
+MAX_KEY_BLOCKS = 2**15
+
+
+def check_key_blocks(seq_len: int, block: int, name: str) -> None:
+    """ValueError unless ``seq_len`` tokens make at most :data:`MAX_KEY_BLOCKS` blocks of ``block``."""
+    if -(-seq_len // block) > MAX_KEY_BLOCKS:
+        raise ValueError(f"{name} ({seq_len}) makes more than {MAX_KEY_BLOCKS} key blocks of {block} tokens; "
+                         f"ThriftAttention takes at most {MAX_KEY_BLOCKS * block} (use a larger ThriftConfig.block)")
+
+
 def block_order(selected: jax.Array, counts: jax.Array) -> jax.Array:
     """The order a kernel visits key blocks in: the 4-bit blocks, then the 16-bit ones, each ascending.
 
     Args:
-      selected: bool (..., Nkb), True for a 16-bit block.
+      selected: bool (..., Nkb), True for a 16-bit block; Nkb ≤ :data:`MAX_KEY_BLOCKS`.
       counts: int, broadcastable to ``selected.shape[:-1]``: the valid prefix of blocks per row.
     Returns:
       int16 (..., Nkb): block indices — first the valid unselected ones, then the selected ones (each

@@ -64,4 +64,3 @@ def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, a
         interpret=interpret,
         name="fp4_fake_quant",
     )(x)
-

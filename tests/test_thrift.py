@@ -382,6 +382,9 @@ def test_bad_shapes_and_configs():
         lb.ThriftConfig(decode_splits=3)
     with pytest.raises(ValueError, match="select_rows"):
         lb.ThriftConfig(select_rows=8)
+    long_kv = jax.ShapeDtypeStruct((1, 2**15 * 32 + 1, 1, 64), jnp.bfloat16)  # never allocated: checked first
+    with pytest.raises(ValueError, match="more than 32768 key blocks"):
+        thrift_mod.resolve_thrift_options(q[:, :, :1], long_kv, long_kv, config=lb.ThriftConfig(block=32))
 
 
 def test_bad_cache_and_decode_arguments():
@@ -394,6 +397,8 @@ def test_bad_cache_and_decode_arguments():
         lb.ThriftKVCache.create(1, 0, 2, 64)
     with pytest.raises(TypeError, match="dtype must be"):
         lb.ThriftKVCache.create(1, 64, 2, 64, dtype=jnp.int8)
+    with pytest.raises(ValueError, match="max_len .* more than 32768 key blocks"):
+        lb.ThriftKVCache.create(1, 2**15 * 32 + 1, 2, 64, block=32)
     with pytest.raises(ValueError, match="kv_heads/head_dim"):
         cache.append(jnp.zeros((1, 2, 4, 64)), jnp.zeros((1, 2, 4, 64)))
     with pytest.raises(ValueError, match="appending 65 tokens"):
