@@ -498,22 +498,24 @@ def render_thrift(data: dict) -> list[str]:
                        if alone else "") + f"Cache: the 4-bit part adds {b4 / b16:.1%} to the 16-bit one (plus the "
                   "block means).", ""]
     sweep = data.get("sweep", [])
-    if sweep:
-        pre_sweep = [r for r in sweep if r.get("kind", "prefill") == "prefill"]
-        dec_sweep = [r for r in sweep if r.get("kind") == "decode"]
-        if pre_sweep:
-            lines += ["Prefill launch sweep at f = 0.05 (B1 S16384 causal): " + ", ".join(
-                f"w{r['num_warps']} s{r['num_stages']} {r['ms']:.2f} ms" for r in pre_sweep) + ".", ""]
-        if dec_sweep:
-            launches = list(dict.fromkeys((r["warps"], r["stages"]) for r in dec_sweep))
-            cases = list(dict.fromkeys((r["b"], r["s"], r["budget"]) for r in dec_sweep))
-            ms = {(r["b"], r["s"], r["budget"], r["warps"], r["stages"]): r["kernel_ms"] for r in dec_sweep}
-            lines += ["Decode kernel launch sweep (kernel alone, ms; warps w, stages s):", "",
-                      "| shape | f | " + " | ".join(f"w{w} s{s}" for w, s in launches) + " |",
-                      "| --- | --- |" + " --- |" * len(launches)]
-            lines += [f"| B{b} S{s} | {f:g} | " + " | ".join(
-                f"{ms[(b, s, f, w, st)]:.3f}" if (b, s, f, w, st) in ms else "–" for w, st in launches) + " |"
-                for b, s, f in cases] + [""]
+    pre_sweep = [r for r in sweep if r.get("kind", "prefill") == "prefill"]
+    # runs before decode_sweep was its own section kept the decode rows in "sweep" (one token each)
+    dec_sweep = data.get("decode_sweep") or [r for r in sweep if r.get("kind") == "decode"]
+    if pre_sweep:
+        lines += ["Prefill launch sweep at f = 0.05 (B1 S16384 causal): " + ", ".join(
+            f"w{r['num_warps']} s{r['num_stages']} {r['ms']:.2f} ms" for r in pre_sweep) + ".", ""]
+    if dec_sweep:
+        launches = list(dict.fromkeys((r["warps"], r["stages"]) for r in dec_sweep))
+        case = lambda r: (r["b"], r["s"], r.get("tokens", 1), r["budget"])  # noqa: E731
+        cases = list(dict.fromkeys(map(case, dec_sweep)))
+        ms = {case(r) + (r["warps"], r["stages"]): r["kernel_ms"] for r in dec_sweep}
+        lines += ["Decode kernel launch sweep (kernel alone, ms; T new tokens × a group of 4 heads = the query "
+                  "rows; warps w, stages s):", "",
+                  "| shape | T | f | " + " | ".join(f"w{w} s{s}" for w, s in launches) + " |",
+                  "| --- | --- | --- |" + " --- |" * len(launches)]
+        lines += [f"| B{b} S{s} | {t} | {f:g} | " + " | ".join(
+            f"{ms[(b, s, t, f, w, st)]:.3f}" if (b, s, t, f, w, st) in ms else "–" for w, st in launches) + " |"
+            for b, s, t, f in cases] + [""]
     return lines + _superseded(data)
 
 

@@ -19,7 +19,8 @@ Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D1
 * ``decode``: one new token per sequence over a full cache (B8 S8192 and B2 S131072): the Thrift decode
   (selection + split-KV kernel + combine) per budget and split count, vs XLA bf16 attention over the 16-bit
   cache; the K/V bytes each reads and the bandwidth that makes; error vs exact;
-* ``sweep``: the prefill kernel's and the decode kernel's warps and stages at f = 0.05.
+* ``sweep``: the prefill kernel's warps and stages at f = 0.05;
+* ``decode_sweep``: the decode kernel's warps and stages per budget and per query rows per program.
 Writes benchmarks/results/thrift.json (and $OUT/thrift.json).
 """
 
@@ -50,7 +51,7 @@ from lowbit_jax.thrift_reference import decode_selection
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep")
+SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep", "decode_sweep")
 BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
 PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
 LONG_SHAPES = [(1, 32, 8, 131072, 128, True)]
@@ -238,31 +239,39 @@ def prefill_sweep(log, smoke):
             continue
         rows.append(dict(b=b, hq=hq, hkv=hkv, s=s, d=d, causal=causal, num_warps=warps, num_stages=stages, ms=ms))
         log(f"  prefill sweep B{b} S{s} causal={causal} w{warps} s{stages}: {ms:.2f} ms")
-    return rows + decode_sweep(log, smoke)
+    return rows
+
+
+#: (new tokens, budget) cases of the decode launch sweep: one token at three budgets (16-row tiles with a
+#: group of 4), 16 tokens (64-row tiles)
+DECODE_SWEEP = [(1, 0.05), (1, 0.25), (1, 1.0), (16, 0.05)]
 
 
 def decode_sweep(log, smoke):
-    """The decode kernel's launch parameters (its split counts are numerics), kernel alone, at f = 0.05 (95% of
-    the blocks 4-bit), 0.25 and 1 (all 16-bit)."""
+    """The decode kernel's launch parameters (its split counts are numerics), kernel alone, per query rows per
+    program and budget (f = 0.05: 95% of the blocks 4-bit; f = 1: all 16-bit)."""
     impl = dict(implementation="pallas", interpret=True) if smoke else {}
     launches = [(2, 2)] if smoke else [(2, 2), (4, 2), (2, 3), (4, 3), (1, 2)]
     rows = []
     for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
         q, k, v = inputs(jax.random.PRNGKey(5), b, hq, hkv, s, d, heavy=True)
         cache = jax.jit(lambda c, k, v: c.append(k, v))(lb.ThriftKVCache.create(b, s, hkv, d), k, v)
-        for budget in (0.05,) if smoke else (0.05, 0.25, 1.0):
+        for tokens, budget in DECODE_SWEEP[:1] if smoke else DECODE_SWEEP:
+            row_tile = thrift_mod._decode_layout(tokens * hq // hkv)[1]
             for warps, stages in launches:
                 cfg = lb.ThriftConfig(decode_warps=warps, decode_stages=stages)
                 if smoke:
                     cfg = dataclasses.replace(cfg, decode_splits=2, decode_splits_high=2)
                 try:
-                    ms = decode_kernel_ms(q[:, -1:], cache, budget, cfg, impl, 3 if smoke else 20)
+                    ms = decode_kernel_ms(q[:, -tokens:], cache, budget, cfg, impl, 3 if smoke else 20)
                 except Exception as e:  # noqa: BLE001
-                    log(f"  decode sweep f={budget} w{warps} s{stages} failed: {type(e).__name__}: {str(e)[:200]}")
+                    log(f"  decode sweep T{tokens} f={budget} w{warps} s{stages} failed: {type(e).__name__}: "
+                        f"{str(e)[:200]}")
                     continue
-                rows.append(dict(kind="decode", budget=budget, b=b, hq=hq, hkv=hkv, s=s, d=d, warps=warps,
-                                 stages=stages, kernel_ms=ms))
-                log(f"  decode sweep B{b} S{s} f={budget} w{warps} s{stages}: kernel {ms:.3f} ms")
+                rows.append(dict(kind="decode", budget=budget, tokens=tokens, row_tile=row_tile, b=b, hq=hq,
+                                 hkv=hkv, s=s, d=d, warps=warps, stages=stages, kernel_ms=ms))
+                log(f"  decode sweep B{b} S{s} T{tokens} (rows {row_tile}) f={budget} w{warps} s{stages}: "
+                    f"kernel {ms:.3f} ms")
     return rows
 
 
@@ -378,7 +387,7 @@ def main(argv=None) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {payload['env']}")
     runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, long=long_prefill, decode=decode,
-                   sweep=prefill_sweep)
+                   sweep=prefill_sweep, decode_sweep=decode_sweep)
     for section in args.sections:
         log(f"## {section}")
         payload[section] = runners[section](log, args.smoke)

@@ -332,7 +332,8 @@ class ThriftConfig:
       select_warps: warps of the selection kernel.
       decode_splits: runs of 4-bit key blocks of the split-KV decode kernel (flash-decoding), combined at the
         end with the ``decode_splits_high`` runs of 16-bit blocks (which change only the summation order).
-      decode_warps, decode_stages: the decode kernel's launch parameters.
+      decode_warps, decode_stages: the decode kernel's launch parameters; ``None`` (default) picks them by its
+        query rows per program (:meth:`decode_launch`).
     """
 
     block: int = 64
@@ -347,15 +348,15 @@ class ThriftConfig:
     # 0.158 / 0.572 ms at B8 S8192 / B2 S131072, (32, 8) 0.151 / 0.554, (64, 16) 0.169 / 0.480
     decode_splits: int = 32
     decode_splits_high: int = 8
-    # kernel alone at f = 0.05, B8 S8192 / B2 S131072: w2 s2 0.112 / 0.346 ms, w4 s2 0.120 / 0.494, w2 s3 0.130 /
-    # 0.587, w1 s2 0.145 / 0.659 (NOTES, 24th session; two kernels with their own launches were slower)
-    decode_warps: int = 2
-    decode_stages: int = 2
+    decode_warps: int | None = None
+    decode_stages: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block", "num_warps", "quant_block", "quant_warps", "select_rows", "select_chunk",
                      "select_warps", "decode_splits", "decode_splits_high", "decode_warps"):
             value = getattr(self, name)
+            if value is None and name == "decode_warps":  # None: by the rows per program (decode_launch)
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or not _is_pow2(value):
                 raise ValueError(f"ThriftConfig.{name} must be a power of two, got {value!r}")
         if not 32 <= self.block <= 128:
@@ -366,8 +367,20 @@ class ThriftConfig:
         if self.select_rows < 16 or self.select_chunk < 16:
             raise ValueError(f"ThriftConfig.select_rows and select_chunk must be >= 16, got {self.select_rows}, "
                              f"{self.select_chunk}")
-        if self.num_stages < 1 or self.decode_stages < 1:
-            raise ValueError(f"ThriftConfig stages must be >= 1, got {self.num_stages}, {self.decode_stages}")
+        stages = 1 if self.decode_stages is None else self.decode_stages  # None: by the rows per program
+        for name, value in (("num_stages", self.num_stages), ("decode_stages", stages)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ThriftConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+    def decode_launch(self, row_tile: int) -> tuple[int, int]:
+        """(warps, stages) of the decode kernel for ``row_tile`` query rows per program: the fields where set,
+        else the H200's best by rows (kernel alone, f = 0.05, B8 S8192 / B2 S131072, ms; NOTES, 24th session):
+        16 rows (one to four tokens of a group of 4) w2 s2 0.108 / 0.346 against w4 s2 0.120 / 0.501; 64 rows
+        (16 or more tokens) w4 s3 0.191 / 0.632 against w2 s2 0.462 / 1.543. 32 rows were not measured and take
+        the 64-row launch. Launch parameters are not numerics."""
+        warps, stages = (2, 2) if row_tile <= 16 else (4, 3)
+        return (warps if self.decode_warps is None else self.decode_warps,
+                stages if self.decode_stages is None else self.decode_stages)
 
     @property
     def pad(self) -> int:

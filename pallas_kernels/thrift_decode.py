@@ -163,7 +163,7 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params(config.decode_warps, config.decode_stages),
+        compiler_params=compiler_params(*config.decode_launch(row_tile)),
         interpret=interpret,
         name="thrift_decode",
     )(q_rows, qf_rows, qf_rows, positions, n_high, k16, v16, k4, k4_scale_bits, v4, v4_scale_bits, order)

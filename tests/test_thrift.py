@@ -382,6 +382,10 @@ def test_bad_shapes_and_configs():
         lb.ThriftConfig(decode_splits=3)
     with pytest.raises(ValueError, match="select_rows"):
         lb.ThriftConfig(select_rows=8)
+    with pytest.raises(ValueError, match="decode_stages must be an integer >= 1"):
+        lb.ThriftConfig(decode_stages=0)
+    with pytest.raises(ValueError, match="decode_warps must be a power of two"):
+        lb.ThriftConfig(decode_warps=3)
     long_kv = jax.ShapeDtypeStruct((1, 2**15 * 32 + 1, 1, 64), jnp.bfloat16)  # never allocated: checked first
     with pytest.raises(ValueError, match="more than 32768 key blocks"):
         thrift_mod.resolve_thrift_options(q[:, :, :1], long_kv, long_kv, config=lb.ThriftConfig(block=32))
@@ -438,3 +442,14 @@ def test_block_order_and_top_blocks_match_sorting(shape):
     rank = np.argsort(np.argsort(np.where(valid, -scores, np.inf), axis=-1, kind="stable"), axis=-1)
     np.testing.assert_array_equal(np.asarray(_top_blocks(jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(take))),
                                   (rank < take) & valid)
+
+
+def test_decode_launch_by_rows_per_program():
+    """ThriftConfig.decode_launch: unset warps/stages follow the query rows per program (two warps for a
+    16-row tile, four warps and three stages for wider ones, as measured on the H200); set ones win, each
+    on its own; thrift_decode passes its row tile (1 token × 4 heads → 16 rows, 40 tokens × 4 → 64)."""
+    cfg = lb.ThriftConfig()
+    assert cfg.decode_launch(16) == (2, 2) and cfg.decode_launch(64) == (4, 3)
+    assert lb.ThriftConfig(decode_warps=8).decode_launch(16) == (8, 2)
+    assert lb.ThriftConfig(decode_stages=1).decode_launch(64) == (4, 1)
+    assert thrift_mod._decode_layout(1 * 4)[1] == 16 and thrift_mod._decode_layout(40 * 4)[1] == 64
