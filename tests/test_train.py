@@ -110,7 +110,8 @@ def test_two_processes_train_and_resume_as_one(tmp_path):
     cfg = dict(FAST, steps=4, eval_every=2, ckpt_every=2, method="sage")
     train(TrainConfig(out=str(tmp_path / "one"), **cfg), log=lambda *_: None)
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # conftest's others
+    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags]),
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_RUNS, json.dumps(dict(
         cfg, out=str(tmp_path / "two"), coordinator=f"localhost:{port}", num_processes=2, process_id=i))],
