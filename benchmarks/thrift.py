@@ -242,6 +242,14 @@ def prefill_sweep(log, smoke):
     return rows
 
 
+def decode_inputs(b, hq, hkv, s, d):
+    """Heavy-hitter q, k, v (:func:`inputs`) and a :class:`lowbit_jax.ThriftKVCache` full of k, v: the decode
+    section's and the decode sweep's inputs."""
+    q, k, v = inputs(jax.random.PRNGKey(5), b, hq, hkv, s, d, heavy=True)
+    cache = jax.jit(lambda c, k, v: c.append(k, v))(lb.ThriftKVCache.create(b, s, hkv, d), k, v)
+    return q, k, v, cache
+
+
 #: (new tokens, budget) cases of the decode launch sweep: one token at three budgets (16-row tiles with a
 #: group of 4), 16 tokens (64-row tiles)
 DECODE_SWEEP = [(1, 0.05), (1, 0.25), (1, 1.0), (16, 0.05)]
@@ -254,8 +262,7 @@ def decode_sweep(log, smoke):
     launches = [(2, 2)] if smoke else [(2, 2), (4, 2), (2, 3), (4, 3), (1, 2)]
     rows = []
     for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
-        q, k, v = inputs(jax.random.PRNGKey(5), b, hq, hkv, s, d, heavy=True)
-        cache = jax.jit(lambda c, k, v: c.append(k, v))(lb.ThriftKVCache.create(b, s, hkv, d), k, v)
+        q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
         for tokens, budget in DECODE_SWEEP[:1] if smoke else DECODE_SWEEP:
             row_tile = thrift_mod._decode_layout(tokens * hq // hkv)[1]
             for warps, stages in launches:
@@ -304,8 +311,7 @@ def decode(log, smoke):
     rows = []
     impl = dict(implementation="pallas", interpret=True) if smoke else {}
     for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
-        q, k, v = inputs(jax.random.PRNGKey(5), b, hq, hkv, s, d, heavy=True)
-        cache = jax.jit(lambda c, k, v: c.append(k, v))(lb.ThriftKVCache.create(b, s, hkv, d), k, v)
+        q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
         qt = q[:, -1:]
         iters = 3 if smoke else 20
         row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, ms={}, kernel_ms={}, bytes={}, errors={},

@@ -119,10 +119,14 @@ def _top_blocks(scores: jax.Array, valid: jax.Array, take: jax.Array) -> jax.Arr
     """bool, scores' shape: the ``take`` highest-scoring ``valid`` blocks along the last axis, ties to the lower
     index (the rule both selections follow; ``take`` broadcasts against ``scores.shape[:-1] + (1,)``)."""
     order = jnp.argsort(jnp.where(valid, -scores, jnp.inf), axis=-1, stable=True)
-    n = order.shape[-1]
-    rank = jnp.put_along_axis(jnp.zeros_like(order), order, jnp.broadcast_to(jnp.arange(n, dtype=order.dtype),
-                                                                             order.shape), axis=-1, inplace=False)
-    return (rank < take) & valid  # rank: each block's position in the descending order (one sort, one scatter)
+    rank = _inverse_permutation(order)  # each block's position in the descending order (one sort, one scatter)
+    return (rank < take) & valid
+
+
+def _inverse_permutation(perm: jax.Array) -> jax.Array:
+    """The inverse of permutations along the last axis, by one scatter: ``out[..., perm[..., i]] = i``."""
+    i = jnp.broadcast_to(jnp.arange(perm.shape[-1], dtype=perm.dtype), perm.shape)
+    return jnp.put_along_axis(jnp.zeros_like(perm), perm, i, axis=-1, inplace=False)
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -169,8 +173,7 @@ def block_order(selected: jax.Array, counts: jax.Array) -> jax.Array:
     n_low = jnp.sum(low, axis=-1, keepdims=True, dtype=jnp.int16)
     # no sort: each block's position is a prefix count (the invalid ones are the suffix, already in place)
     position = jnp.where(low, rank(low), jnp.where(high, n_low + rank(high), j))
-    return jnp.put_along_axis(jnp.zeros_like(position), position, jnp.broadcast_to(j, position.shape), axis=-1,
-                              inplace=False)
+    return _inverse_permutation(position)
 
 
 def _exact_dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
