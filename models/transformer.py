@@ -48,6 +48,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1:
+            raise ValueError(f"max_len must be a positive integer, got {self.max_len!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
         if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:

@@ -249,3 +249,33 @@ def test_thrift_partial_run_keeps_the_other_sections(tmp_path):
     assert set(again["provenance"]) == {"decode"}  # no previous file: only what ran
     text = "\n".join(render_thrift(dict(got, decode=[])))
     assert "Sections checks, sweep from another run (2026-01-01 00:00:00): `old`" in text
+
+
+def test_thrift_quality_gap_and_paired_error_and_table():
+    """benchmarks/thrift_quality.py: Δ vs dense is the mean of the per-window differences with their standard error,
+    the gap recovered is (L(0) − L(f)) / (L(0) − L(1)); render_results renders the committed run."""
+    import numpy as np
+
+    from benchmarks.render_results import _load, render_thrift_quality
+    from benchmarks.thrift_quality import compare, gap_recovered
+
+    def res(windows, budget, buckets):
+        loss = float(np.mean(windows))
+        return dict(window_loss=windows, loss=loss, bits_per_byte=loss / np.log(2), bucket_loss=buckets,
+                    budget=budget, seconds=1.0)
+
+    results = {"dense": res([1.0, 2.0, 3.0], None, [2.0, 2.0]),
+               "thrift f=1": res([1.0, 2.0, 3.1], 1.0, [2.0, 2.1]),
+               "thrift f=0.5": res([1.5, 2.0, 3.4], 0.5, [2.2, 2.4]),
+               "thrift f=0": res([2.0, 3.0, 3.6], 0.0, [2.5, 3.0])}
+    rows = {r["variant"]: r for r in compare(results, (1.0, 0.5, 0.0))}
+    np.testing.assert_allclose(rows["thrift f=0.5"]["delta"], 0.3)
+    np.testing.assert_allclose(rows["thrift f=0.5"]["delta_stderr"], np.std([0.5, 0.0, 0.4], ddof=1) / np.sqrt(3))
+    l0, l1, lf = np.mean([2.0, 3.0, 3.6]), np.mean([1.0, 2.0, 3.1]), np.mean([1.5, 2.0, 3.4])
+    np.testing.assert_allclose(rows["thrift f=0.5"]["gap_recovered"], (l0 - lf) / (l0 - l1))
+    assert rows["thrift f=0"]["gap_recovered"] == 0.0 and rows["thrift f=1"]["gap_recovered"] == 1.0
+    assert "gap_recovered" not in rows["dense"] and gap_recovered(1.0, 2.0, 2.0) is None
+    data = _load("thrift_quality")
+    text = "\n".join(render_thrift_quality(data))
+    f05 = [r for r in data["rows"] if r["variant"] == "thrift f=0.05"][0]
+    assert f"| thrift f=0.05 | {f05['loss']:.4f} |" in text and f"{f05['gap_recovered']:.1%}" in text

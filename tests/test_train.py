@@ -202,3 +202,39 @@ def test_cli_pretrain_qat_generate(tmp_path, capsys):
     assert generate_cli.main(["--from", str(run), "--method", "thrift", "--budget", "2"]) == 2
     assert qat.main(["--method", "sage"]) == 2
     assert generate_cli.main(["--from", str(tmp_path / "missing")]) == 2
+
+
+def test_evaluate_scores_a_checkpoint_with_another_method(tmp_path, capsys):
+    """train.evaluate: the run's validation windows, per-token losses equal to the training loop's eval loss, the
+    bucket summary, a dense-trained run served with thrift beyond the preset's max_len (TrainConfig.max_len)."""
+    from train import evaluate
+    from train.generate import load_model
+
+    run = tmp_path / "run"
+    cfg = TrainConfig(out=str(run), **{**FAST, "steps": 2, "method": "dense", "max_len": 512})
+    train(cfg, log=lambda *_: None)
+    assert read_config(str(run))["model"]["max_len"] == 512  # the preset's is 256
+    _, val = train_val_split(load_corpus(None, 2**20))
+    windows = evaluate.validation_windows(str(run), 32, 4)
+    assert windows.shape == (4, 33) and windows.dtype == np.int32
+    np.testing.assert_array_equal(windows.reshape(-1), val[:132])
+    model = load_model(str(run))
+    losses = evaluate.token_losses(model, windows, batch=3)  # 4 windows: a last call of one
+    assert losses.shape == (4, 32) and np.all(np.isfinite(losses)) and losses.min() > 0
+    b = build(TrainConfig(**{**cfg.__dict__, "devices": 1}).resolved())  # the loop's eval loss, one device
+    expected = float(b["eval_fn"](nnx.split(model)[1], jnp.asarray(windows)[None]))
+    np.testing.assert_allclose(losses.mean(), expected, rtol=2e-3)
+    summary = evaluate.summarize(losses, buckets=4)
+    np.testing.assert_allclose(summary["bucket_loss"], losses.reshape(4, 4, 8).mean(axis=(0, 2)), rtol=1e-12)
+    np.testing.assert_allclose(summary["bits_per_byte"], losses.mean() / np.log(2), rtol=1e-12)
+    assert summary["tokens"] == 128 and len(summary["window_loss"]) == 4
+    capsys.readouterr()
+    assert evaluate.main(["--from", str(run), "--method", "thrift", "--budget", "0.25", "--seq", "300",
+                          "--windows", "2", "--batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 600 and np.isfinite(out["loss"]) and len(out["bucket_loss"]) == 4
+    assert evaluate.main(["--from", str(run), "--budget", "0.25"]) == 2  # a thrift option without thrift
+    assert evaluate.main(["--from", str(run), "--windows", "100000"]) == 2
+    assert "validation split" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        train(TrainConfig(out=str(tmp_path / "bad"), **{**FAST, "max_len": 0}), log=lambda *_: None)

@@ -41,6 +41,7 @@ class TrainConfig:
     smooth_k: bool = True
     dtype: str = "bfloat16"  # compute dtype of the model (parameters stay float32)
     remat: str = "none"  # per block: none | block (recompute the block in the backward) | dots (keep matmul outputs)
+    max_len: int | None = None  # the model's longest sequence (default: the preset's)
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
     naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
     ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (faster, more accurate)
@@ -108,10 +109,12 @@ def build(cfg: TrainConfig) -> dict:
     if cfg.method == "thrift":
         raise ValueError("method 'thrift' is training-free (inference only): train with dense, sage or qat_fp4, "
                          "then sample with `python -m train.generate --from RUN --method thrift`")
+    longest = {} if cfg.max_len is None else {"max_len": cfg.max_len}
     mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
-                        remat=cfg.remat)
+                        remat=cfg.remat, **longest)
     if cfg.seq > mcfg.max_len:
-        raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for preset {cfg.preset!r}")
+        raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for preset "
+                         f"{cfg.preset!r}; set max_len to train longer sequences")
     mesh = make_mesh(cfg.devices)
     if cfg.batch % mesh.size:
         raise ValueError(f"batch ({cfg.batch}) must be divisible by the number of devices ({mesh.size})")
