@@ -586,11 +586,15 @@ def main() -> None:
                 ("breakdown", render_breakdown),
                 ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation),
-                ("thrift", render_thrift), ("thrift_quality", render_thrift_quality)]
+                ("thrift", render_thrift)]
     for name, render in sections:
         data = _load(name)
         if data is not None:
             lines += render(data)
+    for path in sorted((HERE / "results").glob("thrift_quality*.json")):  # the current code's run first
+        if not path.name.endswith("_smoke.json"):
+            data = json.loads(path.read_text())
+            lines += render_thrift_quality(data) + _superseded(data) + ([""] if data.get("superseded") else [])
     runs = [json.loads(p.read_text()) for p in sorted((HERE / "results").glob("qat_training*.json"))
             if not p.name.endswith("_smoke.json")]
     if runs:

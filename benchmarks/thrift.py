@@ -47,14 +47,14 @@ import numpy as np
 import lowbit_jax as lb
 from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
 from lowbit_jax import thrift as thrift_mod
-from lowbit_jax.thrift_reference import decode_selection
+from lowbit_jax.thrift_reference import decode_selection, valid_key_blocks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep", "decode_sweep")
 BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
 PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
-LONG_SHAPES = [(1, 32, 8, 131072, 128, True)]
+LONG_SHAPES = [(1, 32, 8, 131072, 128, True), (1, 32, 8, 262144, 128, True)]
 DECODE_SHAPES = [(8, 32, 8, 8192, 128), (2, 32, 8, 131072, 128)]
 #: (budget, decode_splits, decode_splits_high); the first is the library default (its kernel is timed alone too)
 DECODE_VARIANTS = [(0.05, 32, 8), (0.05, 16, 4), (0.05, 64, 16), (0.25, 32, 8), (1.0, 32, 8), (1.0, 16, 32),
@@ -96,13 +96,16 @@ def exact_attention(q, k, v, causal, heads_per_chunk=8):
 def check_kernels(log, smoke):
     impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
     rows = []
-    cases = [(2, 100, 77, 4, 2, 64, True, 0.25), (1, 300, 700, 8, 2, 128, True, 0.05),
-             (1, 1000, 1000, 4, 4, 128, False, 0.1), (2, 129, 257, 8, 1, 64, False, 1.0)]
-    for b, sq, sk, hq, hkv, d, causal, f in cases[:1] if smoke else cases:
+    # the last element: ThriftConfig.prefill_chunk (None: the default; 16: several chunks and a remainder)
+    cases = [(2, 100, 77, 4, 2, 64, True, 0.25, None), (1, 300, 700, 8, 2, 128, True, 0.05, None),
+             (1, 1000, 1000, 4, 4, 128, False, 0.1, None), (2, 129, 257, 8, 1, 64, False, 1.0, None),
+             (1, 3000, 3000, 8, 2, 128, True, 0.05, 16), (2, 2100, 1500, 4, 4, 64, False, 0.1, 16)]
+    for b, sq, sk, hq, hkv, d, causal, f, chunk in cases[:1] if smoke else cases:
         q, k, v = inputs(jax.random.PRNGKey(sq + sk), b, hq, hkv, max(sq, sk), d, heavy=False)
         q, k, v = q[:, :sq], k[:, :sk], v[:, :sk]
-        kw = dict(causal=causal, budget=f)
-        row = dict(kind="prefill", case=(b, sq, sk, hq, hkv, d, causal, f))
+        kw = dict(causal=causal, budget=f, config=lb.ThriftConfig(**({} if chunk is None else
+                                                                     {"prefill_chunk": chunk})))
+        row = dict(kind="prefill", case=(b, sq, sk, hq, hkv, d, causal, f) + (() if chunk is None else (chunk,)))
         try:
             sel_p = lb.thrift_select(q, k, **kw, **impl)
             o_p = lb.thrift_attention(q, k, v, **kw, **impl)
@@ -203,12 +206,15 @@ def temp_mib(fn, *args) -> float:
 
 
 def long_prefill(log, smoke):
-    """A 131k-token causal prefill at f = 0.05 against cuDNN: time and XLA temporary memory."""
+    """Causal prefills of 131k and 262k tokens at f = 0.05 against cuDNN: time and XLA temporary memory, with the
+    default ``prefill_chunk`` and with all query blocks in one call (``one_call``: the (S/64)² selection and order)."""
     rows = []
     for b, hq, hkv, s, d, causal in SMOKE["prefill"] if smoke else LONG_SHAPES:
         q, k, v = inputs(jax.random.PRNGKey(2), b, hq, hkv, s, d, heavy=False)
         impl = dict(implementation="pallas", interpret=True) if smoke else {}
-        fns = {"thrift_f0.05": jax.jit(functools.partial(lb.thrift_attention, causal=causal, budget=0.05, **impl))}
+        thrift = lambda **cfg: jax.jit(functools.partial(  # noqa: E731
+            lb.thrift_attention, causal=causal, budget=0.05, config=lb.ThriftConfig(**cfg), **impl))
+        fns = {"thrift_f0.05": thrift(), "thrift_f0.05_one_call": thrift(prefill_chunk=2**15)}
         if not smoke:
             fns["cudnn_bf16"] = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                                           implementation="cudnn"))
@@ -288,7 +294,9 @@ def prefill_parts(q, k, v, causal, budget, impl, iters):
     sel = jax.jit(lambda q, k: thrift_mod._selection(q, k, opts))
     ops = jax.jit(lambda k, v: thrift_mod.operands(k, v, opts))
     operands = ops(k, v)
-    order = thrift_mod.prefill_order(sel(q, k), opts)
+    selected = sel(q, k)
+    counts = valid_key_blocks(opts.seq_q, opts.seq_k, opts.config.block, causal)
+    order = thrift_mod.prefill_order(selected, np.pad(counts, (0, selected.shape[2] - counts.size)), opts)
     from pallas_kernels.thrift_prefill import thrift_prefill
     kern = functools.partial(thrift_prefill, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=causal, scale=opts.scale,
                              k=opts.topk, config=opts.config, interpret=opts.interpret)

@@ -126,11 +126,29 @@ def _selection(q: jax.Array, k: jax.Array, opts: ThriftOptions) -> jax.Array:
     if opts.implementation != "pallas":
         counts = valid_key_blocks(opts.seq_q, opts.seq_k, cfg.block, opts.causal)
         return selection_reference(qm, km, counts, opts.topk)
-    chunk = min(cfg.select_chunk, max(16, next_pow2(km.shape[2])))
-    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, padded(x.shape[2], n) - x.shape[2]), (0, 0)))  # noqa: E731
+    return _select_kernel(_pad_blocks(qm, padded(qm.shape[2], cfg.select_rows)), _select_keys(km, cfg), 0, opts)
+
+
+def _pad_blocks(x: jax.Array, n: int) -> jax.Array:
+    """(B, H, N, D) block means with zero rows appended up to ``n``."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)))
+
+
+def _select_keys(k_mean: jax.Array, cfg: ThriftConfig) -> jax.Array:
+    """Key-block means padded to the selection kernel's scoring chunk."""
+    return _pad_blocks(k_mean, padded(k_mean.shape[2], _select_chunk(k_mean.shape[2], cfg)))
+
+
+def _select_chunk(n_key_blocks: int, cfg: ThriftConfig) -> int:
+    return min(cfg.select_chunk, max(16, next_pow2(n_key_blocks)))
+
+
+def _select_kernel(q_mean: jax.Array, k_mean: jax.Array, first_block, opts: ThriftOptions) -> jax.Array:
+    """The selection kernel on query-block means from ``first_block`` on: int8 (B, Hq, Nq, Nkb_pad)."""
+    cfg = opts.config
     return thrift_select_kernels.thrift_select(
-        pad(qm, cfg.select_rows), pad(km, chunk), block=cfg.block, sq_len=opts.seq_q, sk_len=opts.seq_k,
-        causal=opts.causal, k=opts.topk, rows=cfg.select_rows, chunk=chunk, num_warps=cfg.select_warps,
+        q_mean, k_mean, first_block, block=cfg.block, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal,
+        k=opts.topk, rows=cfg.select_rows, chunk=_select_chunk(k_mean.shape[2], cfg), num_warps=cfg.select_warps,
         interpret=opts.interpret)
 
 
@@ -223,20 +241,52 @@ def operands(k: jax.Array, v: jax.Array, opts: ThriftOptions) -> tuple[jax.Array
 @functools.partial(jax.jit, static_argnames=("opts",))
 def thrift_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: ThriftOptions) -> jax.Array:
     """The forward on validated inputs (selection, operand pass, attention); (B, Sq, Hq, D) in q's dtype."""
-    sel = _selection(q, k, opts)
     ops = operands(k, v, opts)
-    kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config)
     if opts.implementation != "pallas":
-        return prefill_reference(q, *ops, sel, out_dtype=q.dtype, **kw)
-    return thrift_prefill_kernels.thrift_prefill(q, *ops, prefill_order(sel, opts), k=opts.topk,
-                                                 interpret=opts.interpret, **kw)
+        return prefill_reference(q, *ops, _selection(q, k, opts), sq_len=opts.seq_q, sk_len=opts.seq_k,
+                                 causal=opts.causal, scale=opts.scale, config=opts.config, out_dtype=q.dtype)
+    return _prefill_kernels(q, k, ops, opts)
 
 
-def prefill_order(selected: jax.Array, opts: ThriftOptions) -> jax.Array:
+def _prefill_kernels(q: jax.Array, k: jax.Array, ops: tuple, opts: ThriftOptions) -> jax.Array:
+    """Selection, block order and prefill kernel, ``config.prefill_chunk`` query blocks at a time.
+
+    The selection and order of a chunk are (chunk × Nkb), so a long prefill's scratch grows as S·chunk,
+    not S². Each chunk's result is what one call over all blocks gives (a query block's selection, order
+    and output depend on that block alone); the chunks run in a ``fori_loop`` (one compiled kernel for
+    all, the traced first block passed in) plus one call for the remainder.
+    """
+    cfg = opts.config
+    bk, chunk = cfg.block, cfg.prefill_chunk
+    nqb = -(-opts.seq_q // bk)
+    n_full, rest = divmod(nqb, chunk)
+    rows = lambda n: padded(n, cfg.select_rows)  # noqa: E731  (the selection kernel's rows per program)
+    qm = block_means(q, bk)
+    qm = _pad_blocks(qm, n_full * chunk + rows(rest))
+    km = _select_keys(block_means(k, bk), cfg)
+    counts = jnp.asarray(np.pad(valid_key_blocks(opts.seq_q, opts.seq_k, bk, opts.causal), (0, qm.shape[2] - nqb)))
+    q_rows = q if opts.seq_q == nqb * bk else jnp.pad(q, ((0, 0), (0, nqb * bk - opts.seq_q), (0, 0), (0, 0)))
+    kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, k=opts.topk,
+              config=cfg, interpret=opts.interpret)
+
+    def part(first, n, out):
+        """Query blocks [first, first + n): select, order, attend (into ``out`` where given)."""
+        sel = _select_kernel(jax.lax.dynamic_slice_in_dim(qm, first, rows(n), axis=2), km, first, opts)
+        order = prefill_order(sel, jax.lax.dynamic_slice_in_dim(counts, first, rows(n)), opts)
+        return thrift_prefill_kernels.thrift_prefill(q_rows, *ops, order, first, out, n_blocks=n, **kw)
+
+    if n_full + (rest > 0) == 1:
+        o = part(0, nqb, None)
+    else:
+        o = jax.lax.fori_loop(0, n_full, lambda c, o: part(c * chunk, chunk, o), jnp.zeros_like(q_rows))
+        o = part(n_full * chunk, rest, o) if rest else o
+    return o if o.shape[1] == opts.seq_q else o[:, :opts.seq_q]
+
+
+def prefill_order(selected: jax.Array, counts: jax.Array, opts: ThriftOptions) -> jax.Array:
     """The prefill kernel's key-block order (:func:`lowbit_jax.thrift_reference.block_order`) from the selection
-    kernel's int8 (B, Hq, Nqb_pad, Nkb_pad): int16 (B, Hq, Nqb_pad, next power of two ≥ Nkb)."""
-    counts = valid_key_blocks(opts.seq_q, opts.seq_k, opts.config.block, opts.causal)
-    counts = np.pad(counts, (0, selected.shape[2] - counts.size))  # padded query blocks: none
+    kernel's int8 (B, Hq, Nq, Nkb_pad) and the valid key blocks of those query blocks, int (Nq,): int16 (B, Hq,
+    Nq, next power of two ≥ Nkb)."""
     nkb = -(-opts.seq_k // opts.config.block)
     width = next_pow2(nkb)  # the kernel loads a row of the order whole (a power of two)
     high = jnp.pad(selected[..., :nkb] != 0, ((0, 0), (0, 0), (0, 0), (0, width - nkb)))

@@ -330,6 +330,9 @@ class ThriftConfig:
       select_rows: query blocks per program of the selection kernel (≥ 16: a tensor-core product).
       select_chunk: key blocks scored per step of the selection kernel (a power of two ≥ 16).
       select_warps: warps of the selection kernel.
+      prefill_chunk: query blocks per selection + prefill call of a long prefill (a power of two, a multiple of
+        ``select_rows``): the selection and the block order live one chunk at a time, (chunk × key blocks)
+        instead of (query blocks × key blocks). Not numerics: every chunking gives the same output.
       decode_splits: runs of 4-bit key blocks of the split-KV decode kernel (flash-decoding), combined at the
         end with the ``decode_splits_high`` runs of 16-bit blocks (which change only the summation order).
       decode_warps, decode_stages: the decode kernel's launch parameters; ``None`` (default) picks them by its
@@ -344,6 +347,7 @@ class ThriftConfig:
     select_rows: int = 16
     select_chunk: int = 128
     select_warps: int = 4
+    prefill_chunk: int = 256
     # H200, one new token over a full cache, f = 0.05 (benchmarks/RESULTS.md, "ThriftAttention decode"): (16, 4)
     # 0.158 / 0.572 ms at B8 S8192 / B2 S131072, (32, 8) 0.151 / 0.554, (64, 16) 0.169 / 0.480
     decode_splits: int = 32
@@ -353,7 +357,7 @@ class ThriftConfig:
 
     def __post_init__(self) -> None:
         for name in ("block", "num_warps", "quant_block", "quant_warps", "select_rows", "select_chunk",
-                     "select_warps", "decode_splits", "decode_splits_high", "decode_warps"):
+                     "select_warps", "prefill_chunk", "decode_splits", "decode_splits_high", "decode_warps"):
             value = getattr(self, name)
             if value is None and name == "decode_warps":  # None: by the rows per program (decode_launch)
                 continue
@@ -367,6 +371,9 @@ class ThriftConfig:
         if self.select_rows < 16 or self.select_chunk < 16:
             raise ValueError(f"ThriftConfig.select_rows and select_chunk must be >= 16, got {self.select_rows}, "
                              f"{self.select_chunk}")
+        if self.prefill_chunk < self.select_rows:
+            raise ValueError(f"ThriftConfig.prefill_chunk ({self.prefill_chunk}) must be a multiple of select_rows "
+                             f"({self.select_rows})")
         stages = 1 if self.decode_stages is None else self.decode_stages  # None: by the rows per program
         for name, value in (("num_stages", self.num_stages), ("decode_stages", stages)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -11,7 +11,10 @@ S16384 D128 causal against 9.7 ms with a branch per block; cuDNN 3.7 ms). Q̃ is
 program in registers; the 16-bit blocks are read from K and V in place (no copy), K̃ and Ṽ come from one
 fused pass each (:func:`pallas_kernels.fake_quant.fp4_fake_quant_heads`) as 16-bit arrays. The H200 has no
 FP4 tensor cores: the FP4 path runs bf16 MMAs on exactly representable values and adds FQ(P) in registers,
-so on this card the prefill is slower than 16-bit attention (benchmarks/RESULTS.md).
+so on this card the prefill is slower than 16-bit attention (benchmarks/RESULTS.md). A call covers
+``n_blocks`` query blocks from a traced ``first_block`` and can update an output in place, so that
+:mod:`lowbit_jax.thrift` runs a long prefill in chunks of ``ThriftConfig.prefill_chunk`` blocks (one compiled
+kernel for every chunk) and only a chunk's selection and block order exist at a time.
 """
 
 from __future__ import annotations
@@ -34,15 +37,16 @@ DOT_NT = (((1,), (1,)), ((), ()))
 DOT_NN = (((1,), (0,)), ((), ()))
 
 
-def _prefill_kernel(q_ref, k_ref, v_ref, kq_ref, vq_ref, order_ref, o_ref, *, block, sq_len, sk_len, causal,
-                    score_scale, n_qblocks, k, dtype):
+def _prefill_kernel(first_ref, q_ref, k_ref, v_ref, kq_ref, vq_ref, order_ref, *out_refs, block, sq_len, sk_len,
+                    causal, score_scale, n_programs, k, dtype):
+    o_ref = out_refs[-1]  # (an aliased accumulator input comes before it)
     qi = pl.program_id(0)
     if causal:  # heaviest query blocks first
-        qi = n_qblocks - 1 - qi
-    q_start = qi * block
+        qi = n_programs - 1 - qi
+    q_start = pl.multiple_of((first_ref[0] + qi) * block, block)
     ragged = sq_len % block != 0
     valid = row_mask(q_start, block, sq_len) if ragged else None
-    qf = load_rows(q_ref, valid).astype(jnp.float32)
+    qf = load_rows(q_ref.at[pl.ds(q_start, block), :], valid).astype(jnp.float32)
     q16, qfq = qf.astype(dtype), nvfp4.fake_quant_last(qf).astype(dtype)
     rows = q_start + jnp.arange(block, dtype=jnp.int32)
     n_kb = pl.cdiv(sk_len, block)
@@ -78,48 +82,64 @@ def _prefill_kernel(q_ref, k_ref, v_ref, kq_ref, vq_ref, order_ref, o_ref, *, bl
     if k > 0:
         carry = lax.fori_loop(n_low, n_valid, functools.partial(step, masked=True, high=True), carry)
     acc, _, l = carry
-    store_rows(o_ref, (acc * int8.reciprocal_or_zero(l)[:, None]).astype(o_ref.dtype), valid)
+    store_rows(o_ref.at[pl.ds(q_start, block), :], (acc * int8.reciprocal_or_zero(l)[:, None]).astype(o_ref.dtype),
+               valid)
 
 
-@functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "k", "config", "interpret"))
-def thrift_prefill(q: jax.Array, k16: jax.Array, v16: jax.Array, kq: jax.Array, vq: jax.Array, order: jax.Array, *,
+@functools.partial(jax.jit, static_argnames=("n_blocks", "sq_len", "sk_len", "causal", "scale", "k", "config",
+                                             "interpret"))
+def thrift_prefill(q: jax.Array, k16: jax.Array, v16: jax.Array, kq: jax.Array, vq: jax.Array, order: jax.Array,
+                   first_block: jax.Array | int = 0, out: jax.Array | None = None, *, n_blocks: int | None = None,
                    sq_len: int, sk_len: int, causal: bool, scale: float, k: int, config: ThriftConfig,
                    interpret: bool = False) -> jax.Array:
-    """Mixed-precision attention forward.
+    """Mixed-precision attention forward of ``n_blocks`` query blocks from ``first_block`` on (default: all).
 
     Args:
-      q: (B, Sq, Hq, D) bf16/fp16/fp32.
+      q: (B, Sq_pad, Hq, D) bf16/fp16/fp32, Sq_pad a multiple of ``config.block`` (zero rows after ``sq_len``).
       k16, v16: (B, Sk_pad, Hkv, D) K and V as the caller gave them (rows ≥ Sk zero), read in place for the
         16-bit blocks and cast to kq's dtype in registers; Sk_pad a multiple of ``config.block``.
       kq, vq: (B, Hkv, Sk_pad, D) 16-bit K̃, Ṽ (:func:`pallas_kernels.fake_quant.fp4_fake_quant_heads`,
         "channels" for K and "tokens" for V).
-      order: int16 (B, Hq, Nqb_pad, Nkb_pad): each query block's key blocks, its 4-bit ones then its 16-bit ones
-        (:func:`lowbit_jax.thrift_reference.block_order` of the selection).
+      order: int16 (B, Hq, ≥ n_blocks, Nkb_pad): each of these query blocks' key blocks, its 4-bit ones then its
+        16-bit ones (:func:`lowbit_jax.thrift_reference.block_order` of the selection), row 0 for ``first_block``.
+      first_block: int32 scalar (may be traced: one compiled kernel serves every chunk of a long prefill).
+      out: (B, Sq_pad, Hq, D) q's dtype, updated in place (its other rows kept), or None for a new array whose
+        rows outside these blocks are undefined.
+      n_blocks: query blocks of this call (static), default all ``ceil(sq_len / block)``.
       sq_len, sk_len, causal: real lengths and the bottom-right aligned mask; scale: softmax scale.
       k: 16-bit blocks per query block (:func:`lowbit_jax.thrift_reference.topk_count`; fewer where a query
         block has fewer valid ones).
     Returns:
-      (B, Sq, Hq, D) in q's dtype; rows that see no key are zeros.
+      (B, Sq_pad, Hq, D) in q's dtype; rows that see no key are zeros.
     """
-    b, _, hq, d = q.shape
+    b, sq_pad, hq, d = q.shape
     hkv, sk_pad = kq.shape[1], kq.shape[2]
     group = hq // hkv
     bk = config.block
-    nqb = -(-sq_len // bk)
-    qblk = (lambda i: nqb - 1 - i) if causal else (lambda i: i)
-    seq_major = pl.BlockSpec((None, sk_pad, None, d), lambda i, bi, hi: (bi, 0, hi // group, 0))
+    n = -(-sq_len // bk) if n_blocks is None else n_blocks
+    qblk = (lambda i: n - 1 - i) if causal else (lambda i: i)
+    seq_major = lambda rows, heads: pl.BlockSpec((None, rows, None, d),  # noqa: E731
+                                                 lambda i, bi, hi: (bi, 0, heads(hi), 0))
     head_major = pl.BlockSpec((None, None, sk_pad, d), lambda i, bi, hi: (bi, hi // group, 0, 0))
-    row_spec = pl.BlockSpec((None, bk, None, d), lambda i, bi, hi: (bi, qblk(i), hi, 0))
     order_spec = pl.BlockSpec((None, None, None, order.shape[3]), lambda i, bi, hi: (bi, hi, qblk(i), 0))
+    first = jnp.asarray(first_block, jnp.int32).reshape(1)
     kernel = functools.partial(_prefill_kernel, block=bk, sq_len=sq_len, sk_len=sk_len, causal=causal,
-                               score_scale=scale * LOG2E, n_qblocks=nqb, k=k, dtype=kq.dtype)
+                               score_scale=scale * LOG2E, n_programs=n, k=k, dtype=kq.dtype)
+    q_spec, kv_spec = seq_major(sq_pad, lambda hi: hi), seq_major(sk_pad, lambda hi: hi // group)
+    in_specs = [pl.BlockSpec((1,), lambda i, bi, hi: (0,)), q_spec, kv_spec, kv_spec, head_major, head_major,
+                order_spec]
+    args = [first, q, k16, v16, kq, vq, order]
+    if out is not None:
+        in_specs.append(q_spec)
+        args.append(out)
     return pl.pallas_call(
         kernel,
-        grid=(nqb, b, hq),
-        in_specs=[row_spec, seq_major, seq_major, head_major, head_major, order_spec],
-        out_specs=row_spec,
+        grid=(n, b, hq),
+        in_specs=in_specs,
+        out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        input_output_aliases={} if out is None else {len(args) - 1: 0},
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="thrift_prefill",
-    )(q, k16, v16, kq, vq, order)
+    )(*args)

@@ -7,7 +7,7 @@ int32 keys in the same order (``bits ^ ((bits >> 31) & 0x7fffffff)``, with ±0 a
 threshold t is built bit by bit from the top, keeping a bit where at least k keys are still ≥ t (32 count
 passes over the row). The selected blocks are those above t, then as many of those equal to t as are
 still missing, lowest index first (a running cumsum): exactly "the k largest, ties to the lower index".
-The scores are recomputed from q̄ and k̄ (a float32 product on the tensor cores' IEEE path) in each pass
+The scores are recomputed from q̄ and k̄ (a float32-accurate product, :data:`SCORE_PRECISION`) in each pass
 when a row spans several ``select_chunk`` chunks, and computed once otherwise; the (Nqb × Nkb) score
 matrix is never written.
 """
@@ -25,6 +25,11 @@ from pallas_kernels.tile_ranges import selectable_key_blocks
 
 DOT_NT = (((1,), (1,)), ((), ()))
 INT_MIN = -(2**31)
+#: the score product on the GPU: three TF32 tensor-core products (float32-accurate). Triton's default for
+#: float32 operands, one TF32 product (10-bit inputs), flipped near-tied selections against the twin on the
+#: H200 (2 of 9024 pairs at S3000); IEEE float32 (no tensor cores) made the kernel 40x slower at S16384 (0.5 ->
+#: 21.8 ms). Interpret mode (CPU, where XLA has no TF32) computes the float32 product exactly.
+SCORE_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _ordered_keys(scores: jax.Array) -> jax.Array:
@@ -34,8 +39,9 @@ def _ordered_keys(scores: jax.Array) -> jax.Array:
     return jnp.where(scores == 0.0, 0, keys)
 
 
-def _select_kernel(qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_len, sk_len, causal, k, n_qblocks):
-    i0 = pl.program_id(0) * rows
+def _select_kernel(first_ref, qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_len, sk_len, causal, k,
+                   n_qblocks, precision):
+    i0 = first_ref[0] + pl.program_id(0) * rows
     qblk = i0 + jnp.arange(rows, dtype=jnp.int32)
     counts = selectable_key_blocks(qblk * block, block=block, sq_len=sq_len, sk_len=sk_len, causal=causal)
     counts = jnp.where(qblk < n_qblocks, counts, 0)
@@ -44,7 +50,7 @@ def _select_kernel(qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_
 
     def keys_of(c):
         km = km_ref[pl.ds(c * chunk, chunk), :]
-        scores = lax.dot_general(qm, km, DOT_NT, preferred_element_type=jnp.float32)
+        scores = lax.dot_general(qm, km, DOT_NT, precision=precision, preferred_element_type=jnp.float32)
         cols = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         return jnp.where(cols[None, :] < counts[:, None], _ordered_keys(scores), INT_MIN)
 
@@ -79,34 +85,38 @@ def _select_kernel(qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_
 
 @functools.partial(jax.jit, static_argnames=("block", "sq_len", "sk_len", "causal", "k", "rows", "chunk",
                                              "num_warps", "interpret"))
-def thrift_select(q_mean: jax.Array, k_mean: jax.Array, *, block: int, sq_len: int, sk_len: int, causal: bool,
-                  k: int, rows: int, chunk: int, num_warps: int = 4, interpret: bool = False) -> jax.Array:
-    """The 16-bit key blocks of every query block.
+def thrift_select(q_mean: jax.Array, k_mean: jax.Array, first_block: jax.Array | int = 0, *, block: int, sq_len: int,
+                  sk_len: int, causal: bool, k: int, rows: int, chunk: int, num_warps: int = 4,
+                  interpret: bool = False) -> jax.Array:
+    """The 16-bit key blocks of ``q_mean``'s query blocks.
 
     Args:
-      q_mean: (B, Hq, Nqb_pad, D) float32 query-block means, Nqb_pad a multiple of ``rows`` (zero rows after
-        the real ``ceil(sq_len / block)``).
+      q_mean: (B, Hq, Nq, D) float32 means of the query blocks from ``first_block`` on, Nq a multiple of
+        ``rows`` (rows past the real ``ceil(sq_len / block)`` blocks select nothing).
+      first_block: int32 scalar, the first row's query block (may be traced: one kernel for every chunk).
       k_mean: (B, Hkv, Nkb_pad, D) float32 key-block means, Nkb_pad a multiple of ``chunk``.
       block: the selection block; sq_len, sk_len, causal: real lengths and the bottom-right mask.
       k: blocks per query block (:func:`lowbit_jax.thrift_reference.topk_count`; rows with fewer valid
         blocks take them all).
       rows, chunk: query blocks per program, key blocks per scoring step (powers of two ≥ 16).
     Returns:
-      int8 (B, Hq, Nqb_pad, Nkb_pad): 1 where the pair runs in 16-bit.
+      int8 (B, Hq, Nq, Nkb_pad): 1 where the pair runs in 16-bit.
     """
     b, hq, nq_pad, d = q_mean.shape
     hkv, nk_pad = k_mean.shape[1], k_mean.shape[2]
     group = hq // hkv
     kernel = functools.partial(_select_kernel, rows=rows, chunk=chunk, n_chunks=nk_pad // chunk, block=block,
-                               sq_len=sq_len, sk_len=sk_len, causal=causal, k=k, n_qblocks=-(-sq_len // block))
+                               sq_len=sq_len, sk_len=sk_len, causal=causal, k=k, n_qblocks=-(-sq_len // block),
+                               precision=lax.Precision.HIGHEST if interpret else SCORE_PRECISION)
     return pl.pallas_call(
         kernel,
         grid=(nq_pad // rows, b, hq),
-        in_specs=[pl.BlockSpec((None, None, rows, d), lambda i, bi, hi: (bi, hi, i, 0)),
+        in_specs=[pl.BlockSpec((1,), lambda i, bi, hi: (0,)),
+                  pl.BlockSpec((None, None, rows, d), lambda i, bi, hi: (bi, hi, i, 0)),
                   pl.BlockSpec((None, None, nk_pad, d), lambda i, bi, hi: (bi, hi // group, 0, 0))],
         out_specs=pl.BlockSpec((None, None, rows, nk_pad), lambda i, bi, hi: (bi, hi, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, hq, nq_pad, nk_pad), jnp.int8),
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="thrift_select",
-    )(q_mean, k_mean)
+    )(jnp.asarray(first_block, jnp.int32).reshape(1), q_mean, k_mean)

@@ -1,6 +1,7 @@
 """ThriftAttention: selection kernel ↔ reference ↔ brute force; prefill and decode kernels (interpret on
 CPU) ↔ xla twins ↔ exact attention; the KV cache's 4-bit parts ↔ the NVFP4 quantizer."""
 
+import dataclasses
 import functools
 
 import jax
@@ -175,6 +176,18 @@ def test_prefill_kernel_matches_xla(case):
     ref = thrift(q, k, v, "xla", causal=causal, budget=budget)
     assert got.dtype == dtype and got.shape == q.shape
     assert metrics(got, ref)[1] < 2e-3  # same quantization and selection; accumulation order only
+
+
+def test_chunked_prefill_is_the_one_call_prefill():
+    """ThriftConfig.prefill_chunk changes no value: 35 query blocks of 32 in chunks of 16 (two chunks through the
+    fori_loop, with the first block traced, and a remainder of 3), causal with Sq < Sk, equal bit for bit to
+    one call over all blocks (and so to the twin, which other tests hold the one-call kernels to)."""
+    q, k, v = make_qkv(1, 1100, 1300, 2, 1, 64, seed=5)
+    kw = dict(causal=True, budget=0.1)
+    one = thrift(q, k, v, "pallas", **kw)
+    chunked = thrift(q, k, v, "pallas", config=dataclasses.replace(SMALL, prefill_chunk=16), **kw)
+    np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(one, np.float32))
+    assert metrics(one, thrift(q, k, v, "xla", **kw))[1] < 2e-3
 
 
 def test_operand_pass_matches_reference():
@@ -382,6 +395,10 @@ def test_bad_shapes_and_configs():
         lb.ThriftConfig(decode_splits=3)
     with pytest.raises(ValueError, match="select_rows"):
         lb.ThriftConfig(select_rows=8)
+    with pytest.raises(ValueError, match="prefill_chunk .* must be a multiple of select_rows"):
+        lb.ThriftConfig(prefill_chunk=8)
+    with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
+        lb.ThriftConfig(prefill_chunk=48)
     with pytest.raises(ValueError, match="decode_stages must be an integer >= 1"):
         lb.ThriftConfig(decode_stages=0)
     with pytest.raises(ValueError, match="decode_warps must be a power of two"):
