@@ -27,7 +27,7 @@ DOT_NT = (((1,), (1,)), ((), ()))
 INT_MIN = -(2**31)
 #: the score product on the GPU: three TF32 tensor-core products (float32-accurate). Triton's default for
 #: float32 operands, one TF32 product (10-bit inputs), flipped near-tied selections against the twin on the
-#: H200 (2 of 9024 pairs at S3000); IEEE float32 (no tensor cores) made the kernel 40x slower at S16384 (0.5 ->
+#: H200 (2 of 9024 pairs at S3000); IEEE float32 (no tensor cores) made the kernel 42x slower at S16384 (0.52 ->
 #: 21.8 ms). Interpret mode (CPU, where XLA has no TF32) computes the float32 product exactly.
 SCORE_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 

@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowbit_jax.thrift import check_budget
 from models import TransformerLM
 from train.checkpoint import read_config, resolve_dir
 from train.data import load_corpus, train_val_split
+from train.generate import add_serving_args, load_model, serving_options
 
 
 def validation_windows(run: str, seq: int, windows: int) -> np.ndarray:
@@ -72,12 +72,9 @@ def summarize(losses: np.ndarray, buckets: int = 4) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m train.evaluate --from RUN ...``: print the validation loss; returns the exit code."""
-    from train.generate import load_model
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="checkpoint", required=True, help="run directory or its checkpoints/")
-    parser.add_argument("--method", default=None, help="attention method to serve with (default: the trained one)")
-    parser.add_argument("--budget", type=float, default=None, help="thrift: fraction of block pairs in 16-bit")
+    add_serving_args(parser)
     parser.add_argument("--seq", type=int, default=None, help="window length (default: the run's --seq)")
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4, help="windows per forward call")
@@ -85,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     try:
-        options = None
-        if args.budget is not None:
-            if (args.method or "") != "thrift":
-                raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
-            options = {"budget": check_budget(args.budget)}
+        options = serving_options(args)
         if args.buckets < 1:
             raise ValueError(f"--buckets must be >= 1, got {args.buckets}")
         seq = args.seq or read_config(resolve_dir(args.checkpoint))["train"]["seq"]

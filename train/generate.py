@@ -38,6 +38,21 @@ def load_model(checkpoint: str, *, method: str | None = None, attention_options:
     return nnx.merge(graphdef, load_params(str(path), params, opt_like))
 
 
+def add_serving_args(parser: argparse.ArgumentParser) -> None:
+    """``--method`` (serve with another attention method) and ``--budget`` (its ThriftAttention budget)."""
+    parser.add_argument("--method", default=None, help="attention method to serve with (default: the trained one)")
+    parser.add_argument("--budget", type=float, default=None, help="thrift: fraction of block pairs in 16-bit")
+
+
+def serving_options(args: argparse.Namespace) -> dict | None:
+    """The attention options of :func:`add_serving_args`' flags; ValueError for a budget without thrift."""
+    if args.budget is None:
+        return None
+    if (args.method or "") != "thrift":
+        raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
+    return {"budget": check_budget(args.budget)}
+
+
 def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature: float = 0.8, top_k: int = 40,
              seed: int = 0) -> str:
     """Continue ``prompt`` by ``num_tokens`` bytes (temperature 0: greedy)."""
@@ -79,16 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--method", default=None, help="attention method to serve with (default: the trained one)")
-    parser.add_argument("--budget", type=float, default=None, help="thrift: fraction of block pairs in 16-bit")
+    add_serving_args(parser)
     args = parser.parse_args(argv)
     try:
-        options = None
-        if args.budget is not None:
-            if (args.method or "") != "thrift":
-                raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
-            options = {"budget": check_budget(args.budget)}
-        model = load_model(args.checkpoint, method=args.method, attention_options=options)
+        model = load_model(args.checkpoint, method=args.method, attention_options=serving_options(args))
         print(generate(model, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                        seed=args.seed))
     except (FileNotFoundError, ValueError) as e:
