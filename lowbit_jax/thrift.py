@@ -140,7 +140,9 @@ def _select_keys(k_mean: jax.Array, cfg: ThriftConfig) -> jax.Array:
 
 
 def _select_chunk(n_key_blocks: int, cfg: ThriftConfig) -> int:
-    return min(cfg.select_chunk, max(16, next_pow2(n_key_blocks)))
+    """Key blocks per scoring step: the whole row if it fits ``select_whole`` (scored once), else ``select_chunk``."""
+    whole = max(16, next_pow2(n_key_blocks))
+    return whole if whole <= cfg.select_whole else cfg.select_chunk
 
 
 def _select_kernel(q_mean: jax.Array, k_mean: jax.Array, first_block, opts: ThriftOptions) -> jax.Array:

@@ -328,7 +328,11 @@ class ThriftConfig:
       quant_block, quant_warps: rows per program and warps of the operand pass (NVFP4-fake-quantized K, V,
         head-major).
       select_rows: query blocks per program of the selection kernel (≥ 16: a tensor-core product).
-      select_chunk: key blocks scored per step of the selection kernel (a power of two ≥ 16).
+      select_chunk: key blocks scored per step of the selection kernel (a power of two ≥ 16) for rows longer
+        than ``select_whole``: their scores are recomputed in each of the 33 bisection passes.
+      select_whole: rows of up to this many key blocks (rounded up to a power of two) are scored in one piece,
+        once, and kept in registers. H200, B1 H32/8 D128 causal, selection alone: S16384 (256 key blocks)
+        0.80 → 0.55 ms, S32768 (512) 3.07 → 2.23 ms; a 256-wide piece recomputed (S32768) spilled: 53 ms.
       select_warps: warps of the selection kernel.
       prefill_chunk: query blocks per selection + prefill call of a long prefill (a power of two, a multiple of
         ``select_rows``): the selection and the block order live one chunk at a time, (chunk × key blocks)
@@ -346,6 +350,7 @@ class ThriftConfig:
     quant_warps: int = 4
     select_rows: int = 16
     select_chunk: int = 128
+    select_whole: int = 512
     select_warps: int = 4
     prefill_chunk: int = 256
     # H200, one new token over a full cache, f = 0.05 (benchmarks/RESULTS.md, "ThriftAttention decode"): (16, 4)
@@ -357,7 +362,8 @@ class ThriftConfig:
 
     def __post_init__(self) -> None:
         for name in ("block", "num_warps", "quant_block", "quant_warps", "select_rows", "select_chunk",
-                     "select_warps", "prefill_chunk", "decode_splits", "decode_splits_high", "decode_warps"):
+                     "select_whole", "select_warps", "prefill_chunk", "decode_splits", "decode_splits_high",
+                     "decode_warps"):
             value = getattr(self, name)
             if value is None and name == "decode_warps":  # None: by the rows per program (decode_launch)
                 continue

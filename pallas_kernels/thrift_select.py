@@ -8,7 +8,8 @@ threshold t is built bit by bit from the top, keeping a bit where at least k key
 passes over the row). The selected blocks are those above t, then as many of those equal to t as are
 still missing, lowest index first (a running cumsum): exactly "the k largest, ties to the lower index".
 The scores are recomputed from q̄ and k̄ (a float32-accurate product, :data:`SCORE_PRECISION`) in each pass
-when a row spans several ``select_chunk`` chunks, and computed once otherwise; the (Nqb × Nkb) score
+when a row spans several ``select_chunk`` chunks, and computed once otherwise (rows up to
+``ThriftConfig.select_whole`` key blocks are one chunk); the (Nqb × Nkb) score
 matrix is never written.
 """
 

@@ -192,8 +192,9 @@ def test_qat_forward_and_backward_lower_to_triton(case):
 
 THRIFT_KERNELS = ("thrift_select", "fp4_fake_quant", "thrift_prefill")
 THRIFT_CASES = [  # (Sq, Sk, Hq, Hkv, D, causal, budget, config)
-    (16384, 16384, 8, 2, 128, True, 0.05, lb.ThriftConfig()),  # 256 key blocks: two scoring chunks
-    (1000, 700, 4, 4, 64, False, 0.25, lb.ThriftConfig(block=32, quant_block=32, select_chunk=16)),
+    (16384, 16384, 8, 2, 128, True, 0.05, lb.ThriftConfig()),  # 256 key blocks: scored once, one piece
+    (1000, 700, 4, 4, 64, False, 0.25, lb.ThriftConfig(block=32, quant_block=32, select_chunk=16,
+                                                       select_whole=16)),  # 22 key blocks in two scoring chunks
     (77, 300, 4, 1, 128, True, 1.0, lb.ThriftConfig(block=128, quant_block=128)),
     (20000, 20000, 4, 1, 64, True, 0.05, lb.ThriftConfig(prefill_chunk=64)),  # 4 chunks in a loop + 57 blocks
 ]

@@ -103,7 +103,7 @@ def test_selection_kernel_equals_reference_on_exact_scores(case, budget):
 def test_selection_kernel_several_chunks():
     """Rows longer than one scoring chunk (select_chunk=16, 35 key blocks): the recomputed chunks and the
     running tie count across chunks give the brute-force selection (exact integer scores, many ties)."""
-    cfg = lb.ThriftConfig(block=32, select_chunk=16)
+    cfg = lb.ThriftConfig(block=32, select_chunk=16, select_whole=16)
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.integers(-1, 2, (1, 64, 2, 64)) * 32, jnp.float32)
     k = jnp.asarray(rng.integers(-1, 2, (1, 1104, 1, 64)) * 32, jnp.float32)
