@@ -9,7 +9,8 @@ rules (selection, budget, block order, FP4 groups) are in :mod:`lowbit_jax.thrif
   Pallas kernel scores and selects (:mod:`pallas_kernels.thrift_select`).
 * **Prefill** (:func:`thrift_attention`): the selected pairs in 16-bit, the rest in NVFP4 (Q̃, K̃ per token
   along D, Ṽ along tokens, FQ(P) per 16 keys by its amax), one online softmax, one output
-  (:mod:`pallas_kernels.thrift_prefill`). f = 1 is 16-bit flash attention; f = 0 uniform FP4.
+  (:mod:`pallas_kernels.thrift_prefill`). f = 1 is 16-bit flash attention; f = 0 uniform FP4. Selection and
+  prefill run ``config.prefill_chunk`` query blocks at a time, so their scratch grows as S·chunk, not S².
 * **Decode** (:func:`thrift_decode` with a :class:`lowbit_jax.ThriftKVCache`): per kv head the complete
   cached blocks with the largest max-over-heads q·k̄ are read from the 16-bit cache, the rest (and the
   trailing partial block) from the 4-bit one; split-KV with a combine step (:mod:`pallas_kernels.thrift_decode`).
