@@ -41,7 +41,7 @@ import numpy as np
 import lowbit_jax as lb
 from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
 from lowbit_jax import thrift as thrift_mod
-from lowbit_jax.thrift_reference import decode_selection, valid_key_blocks
+from lowbit_jax.thrift_reference import decode_selection
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -288,9 +288,7 @@ def prefill_parts(q, k, v, causal, budget, impl, iters):
     sel = jax.jit(lambda q, k: thrift_mod._selection(q, k, opts))
     ops = jax.jit(lambda k, v: thrift_mod.operands(k, v, opts))
     operands = ops(k, v)
-    selected = sel(q, k)
-    counts = valid_key_blocks(opts.seq_q, opts.seq_k, opts.config.block, causal)
-    order = thrift_mod.prefill_order(selected, np.pad(counts, (0, selected.shape[2] - counts.size)), opts)
+    order = thrift_mod.prefill_order(sel(q, k), opts)
     from pallas_kernels.thrift_prefill import thrift_prefill
     kern = functools.partial(thrift_prefill, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=causal, scale=opts.scale,
                              k=opts.topk, config=opts.config, interpret=opts.interpret)

@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import environment, write_json
 from train.evaluate import summarize, token_losses, validation_windows
-from train.generate import load_model
+from train.generate import load_model, with_method
 from train.loop import TrainConfig, train
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -44,7 +44,7 @@ def gap_recovered(loss_f: float, loss_0: float, loss_1: float) -> float | None:
     return None if gap == 0 else (loss_0 - loss_f) / gap
 
 
-def compare(results: dict[str, dict], budgets: tuple[float, ...]) -> list[dict]:
+def compare(results: dict[str, dict]) -> list[dict]:
     """One row per variant: loss, Δ vs dense with the paired standard error over windows, gap recovered."""
     dense = np.asarray(results["dense"]["window_loss"])
     ends = {f: results.get(f"thrift f={f:g}") for f in (0.0, 1.0)}
@@ -90,23 +90,22 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             summary = train(cfg, log=lambda m: print(f"[train] {m}", flush=True))
             training = dict(corpus=args.corpus or "stdlib", preset=args.preset, seq=args.seq, batch=args.batch,
-                            steps=args.steps, lr=args.lr,
-                            method="dense", seconds=time.perf_counter() - t0, final_loss=summary["loss"],
-                            final_val_loss=summary["val_loss"], tokens_per_s=summary["tokens_per_s"],
-                            params=summary["params"])
+                            steps=args.steps, lr=args.lr, method="dense", seconds=time.perf_counter() - t0,
+                            final_loss=summary["loss"], final_val_loss=summary["val_loss"],
+                            tokens_per_s=summary["tokens_per_s"], params=summary["params"])
         windows = validation_windows(run, args.seq, args.windows)
+        dense = load_model(run, method="dense")  # the checkpoint is read once; each variant shares its parameters
         variants = [("dense", None)] + [(f"thrift f={f:g}", f) for f in budgets]
         results = {}
         for name, budget in variants:
-            model = (load_model(run, method="dense") if budget is None
-                     else load_model(run, method="thrift", attention_options={"budget": budget}))
+            model = dense if budget is None else with_method(dense, "thrift", {"budget": budget})
             t0 = time.perf_counter()
             res = summarize(token_losses(model, windows, batch=args.eval_batch))
             res.update(budget=budget, seconds=time.perf_counter() - t0)
             results[name] = res
             print(f"{name:16s} loss {res['loss']:.4f} nats/byte ({res['bits_per_byte']:.4f} bits/byte), "
                   f"by position bucket " + ", ".join(f"{x:.4f}" for x in res["bucket_loss"]), flush=True)
-    rows = compare(results, budgets)
+    rows = compare(results)
     for r in rows:
         gap = r.get("gap_recovered")
         print(f"{r['variant']:16s} Δ vs dense {r['delta']:+.5f} ± {r['delta_stderr']:.5f}"

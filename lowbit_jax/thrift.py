@@ -267,7 +267,6 @@ def _prefill_kernels(q: jax.Array, k: jax.Array, ops: tuple, opts: ThriftOptions
     qm = block_means(q, bk)
     qm = _pad_blocks(qm, n_full * chunk + rows(rest))
     km = _select_keys(block_means(k, bk), cfg)
-    counts = jnp.asarray(np.pad(valid_key_blocks(opts.seq_q, opts.seq_k, bk, opts.causal), (0, qm.shape[2] - nqb)))
     q_rows = q if opts.seq_q == nqb * bk else jnp.pad(q, ((0, 0), (0, nqb * bk - opts.seq_q), (0, 0), (0, 0)))
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, k=opts.topk,
               config=cfg, interpret=opts.interpret)
@@ -275,7 +274,7 @@ def _prefill_kernels(q: jax.Array, k: jax.Array, ops: tuple, opts: ThriftOptions
     def part(first, n, out):
         """Query blocks [first, first + n): select, order, attend (into ``out`` where given)."""
         sel = _select_kernel(jax.lax.dynamic_slice_in_dim(qm, first, rows(n), axis=2), km, first, opts)
-        order = prefill_order(sel, jax.lax.dynamic_slice_in_dim(counts, first, rows(n)), opts)
+        order = prefill_order(sel, opts, first)
         return thrift_prefill_kernels.thrift_prefill(q_rows, *ops, order, first, out, n_blocks=n, **kw)
 
     if n_full + (rest > 0) == 1:
@@ -286,10 +285,14 @@ def _prefill_kernels(q: jax.Array, k: jax.Array, ops: tuple, opts: ThriftOptions
     return o if o.shape[1] == opts.seq_q else o[:, :opts.seq_q]
 
 
-def prefill_order(selected: jax.Array, counts: jax.Array, opts: ThriftOptions) -> jax.Array:
+def prefill_order(selected: jax.Array, opts: ThriftOptions, first_block: jax.Array | int = 0) -> jax.Array:
     """The prefill kernel's key-block order (:func:`lowbit_jax.thrift_reference.block_order`) from the selection
-    kernel's int8 (B, Hq, Nq, Nkb_pad) and the valid key blocks of those query blocks, int (Nq,): int16 (B, Hq,
-    Nq, next power of two ≥ Nkb)."""
+    kernel's int8 (B, Hq, Nq, Nkb_pad) for the query blocks from ``first_block`` on (may be traced): int16
+    (B, Hq, Nq, next power of two ≥ Nkb)."""
+    nq = selected.shape[2]
+    counts = valid_key_blocks(opts.seq_q, opts.seq_k, opts.config.block, opts.causal)
+    counts = jnp.asarray(np.pad(counts, (0, nq)))  # query blocks past the last: none (any first ≤ Nqb slices)
+    counts = jax.lax.dynamic_slice_in_dim(counts, first_block, nq)
     nkb = -(-opts.seq_k // opts.config.block)
     width = next_pow2(nkb)  # the kernel loads a row of the order whole (a power of two)
     high = jnp.pad(selected[..., :nkb] != 0, ((0, 0), (0, 0), (0, 0), (0, width - nkb)))

@@ -383,26 +383,26 @@ def test_bad_options(kwargs, err, match):
         lb.thrift_attention(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(block=16), "ThriftConfig.block"),
+    (dict(decode_splits=3), "power of two"),
+    (dict(select_rows=8), "select_rows"),
+    (dict(prefill_chunk=8), "prefill_chunk .* must be a multiple of select_rows"),
+    (dict(prefill_chunk=48), "prefill_chunk must be a power of two"),
+    (dict(decode_stages=0), "decode_stages must be an integer >= 1"),
+    (dict(decode_warps=3), "decode_warps must be a power of two"),
+])
+def test_bad_config(fields, match):
+    with pytest.raises(ValueError, match=match):
+        lb.ThriftConfig(**fields)
+
+
 def test_bad_shapes_and_configs():
     q, k, v = make_qkv(1, 8, 8, 3, 2, 64)
     with pytest.raises(ValueError, match="multiple of the number of k/v heads"):
         lb.thrift_attention(q, k, v)
     with pytest.raises(ValueError, match="rank 4"):
         lb.thrift_select(q[0], k)
-    with pytest.raises(ValueError, match="ThriftConfig.block"):
-        lb.ThriftConfig(block=16)
-    with pytest.raises(ValueError, match="power of two"):
-        lb.ThriftConfig(decode_splits=3)
-    with pytest.raises(ValueError, match="select_rows"):
-        lb.ThriftConfig(select_rows=8)
-    with pytest.raises(ValueError, match="prefill_chunk .* must be a multiple of select_rows"):
-        lb.ThriftConfig(prefill_chunk=8)
-    with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
-        lb.ThriftConfig(prefill_chunk=48)
-    with pytest.raises(ValueError, match="decode_stages must be an integer >= 1"):
-        lb.ThriftConfig(decode_stages=0)
-    with pytest.raises(ValueError, match="decode_warps must be a power of two"):
-        lb.ThriftConfig(decode_warps=3)
     long_kv = jax.ShapeDtypeStruct((1, 2**15 * 32 + 1, 1, 64), jnp.bfloat16)  # never allocated: checked first
     with pytest.raises(ValueError, match="more than 32768 key blocks"):
         thrift_mod.resolve_thrift_options(q[:, :, :1], long_kv, long_kv, config=lb.ThriftConfig(block=32))

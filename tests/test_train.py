@@ -208,7 +208,7 @@ def test_evaluate_scores_a_checkpoint_with_another_method(tmp_path, capsys):
     """train.evaluate: the run's validation windows, per-token losses equal to the training loop's eval loss, the
     bucket summary, a dense-trained run served with thrift beyond the preset's max_len (TrainConfig.max_len)."""
     from train import evaluate
-    from train.generate import load_model
+    from train.generate import load_model, with_method
 
     run = tmp_path / "run"
     cfg = TrainConfig(out=str(run), **{**FAST, "steps": 2, "method": "dense", "max_len": 512})
@@ -228,6 +228,9 @@ def test_evaluate_scores_a_checkpoint_with_another_method(tmp_path, capsys):
     np.testing.assert_allclose(summary["bucket_loss"], losses.reshape(4, 4, 8).mean(axis=(0, 2)), rtol=1e-12)
     np.testing.assert_allclose(summary["bits_per_byte"], losses.mean() / np.log(2), rtol=1e-12)
     assert summary["tokens"] == 128 and len(summary["window_loss"]) == 4
+    served = load_model(str(run), method="thrift", attention_options={"budget": 0.25})
+    np.testing.assert_array_equal(evaluate.token_losses(with_method(model, "thrift", {"budget": 0.25}), windows,
+                                                        batch=4), evaluate.token_losses(served, windows, batch=4))
     capsys.readouterr()
     assert evaluate.main(["--from", str(run), "--method", "thrift", "--budget", "0.25", "--seq", "300",
                           "--windows", "2", "--batch", "2", "--json"]) == 0

@@ -8,7 +8,9 @@ checkpoint with another attention method than it was trained with, e.g. ``--meth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,14 @@ def load_model(checkpoint: str, *, method: str | None = None, attention_options:
     tx, _ = make_optimizer(TrainConfig(**saved["train"]))
     opt_like = tx.init(params)
     return nnx.merge(graphdef, load_params(str(path), params, opt_like))
+
+
+def with_method(model: TransformerLM, method: str, attention_options: dict | None = None) -> TransformerLM:
+    """The same parameters (shared, not copied) behind another attention method and its options."""
+    cfg = dataclasses.replace(model.cfg, method=method)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0),
+                                                                 attention_options=attention_options)))
+    return nnx.merge(graphdef, nnx.state(model))
 
 
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
