@@ -485,7 +485,9 @@ def render_thrift(data: dict) -> list[str]:
     if dec:
         lines += ["**Decode** (one new token per sequence over a full cache; ms, K/V bytes read per second, rel-L2 "
                   "of O vs exact on heavy-hitter inputs; thrift_f<budget>_s<4-bit splits>_h<16-bit splits>; "
-                  "f = 1 is the kernel's 16-bit path alone):", "",
+                  "f = 1 is the kernel's 16-bit path alone" + (
+                      f"; each figure the median of {dec[0]['rounds']} rounds that time every variant in turn"
+                      if dec[0].get("rounds", 1) > 1 else "") + "):", "",
                   "| shape | variant | ms | vs XLA bf16 | GB/s | rel-L2 |", "| --- | --- | --- | --- | --- | --- |"]
         for r in dec:
             shape = f"B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}"

@@ -307,6 +307,10 @@ def decode_bytes(cache: lb.ThriftKVCache, selected: np.ndarray) -> dict[str, flo
     return {"thrift": n16 * per16 + (b * hkv * nkb - n16) * per4, "bf16": b * hkv * nkb * per16}
 
 
+#: timing rounds of the decode section: each round times every variant once, a variant's figure is its median
+DECODE_ROUNDS = 3
+
+
 def decode(log, smoke):
     rows = []
     impl = dict(implementation="pallas", interpret=True) if smoke else {}
@@ -315,12 +319,13 @@ def decode(log, smoke):
         qt = q[:, -1:]
         iters = 3 if smoke else 20
         row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, ms={}, kernel_ms={}, bytes={}, errors={},
-                   cache_bytes=cache.nbytes())
+                   cache_bytes=cache.nbytes(), rounds=1 if smoke else DECODE_ROUNDS)
         exact = exact_attention(qt, k, v, True)
         row["error_vs_exact"] = {}
+        timed = {}  # name -> (fn, args): timed in interleaved rounds once every variant has compiled
         if not smoke:
             xla = jax.jit(lambda q, kc, vc: jax.nn.dot_product_attention(q, kc, vc, is_causal=False))
-            row["ms"]["xla_bf16"] = time_fn(xla, qt, cache.k, cache.v, warmup=2, iters=iters, batches=3)
+            timed["xla_bf16"] = (xla, (qt, cache.k, cache.v))
             row["bytes"]["xla_bf16"] = 2 * cache.k.size * cache.k.dtype.itemsize
             row["error_vs_exact"]["xla_bf16"] = lb.error_metrics(xla(qt, cache.k, cache.v), exact)
         for f, splits, high in DECODE_VARIANTS:
@@ -330,7 +335,7 @@ def decode(log, smoke):
             try:
                 fn = jax.jit(functools.partial(lb.thrift_decode, budget=f, config=cfg, **impl))
                 o = fn(qt, cache)
-                row["ms"][name] = time_fn(fn, qt, cache, warmup=1, iters=iters, batches=3)
+                timed[name] = (fn, (qt, cache))
                 sel = np.asarray(decode_selection(qt, cache.k_mean, cache.length, budget=f, block=cfg.block))
                 row["bytes"][name] = decode_bytes(cache, sel)["thrift"]
                 row["error_vs_exact"][name] = lb.error_metrics(o, exact)
@@ -339,6 +344,12 @@ def decode(log, smoke):
             except Exception as e:  # noqa: BLE001
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
                 log(f"  {name} failed: {row['errors'][name]}")
+        per_round = {name: [] for name in timed}
+        for _ in range(row["rounds"]):
+            for name, (fn, args) in timed.items():
+                per_round[name].append(time_fn(fn, *args, warmup=1, iters=iters, batches=3))
+        row["ms"] = {name: float(np.median(ts)) for name, ts in per_round.items()}
+        row["ms_rounds"] = per_round
         row["gbps"] = {m: row["bytes"][m] / t / 1e6 for m, t in row["ms"].items() if m in row["bytes"]}
         base = row["ms"].get("xla_bf16")
         row["vs_xla_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}

@@ -332,7 +332,8 @@ class ThriftConfig:
         than ``select_whole``: their scores are recomputed in each of the 33 bisection passes.
       select_whole: rows of up to this many key blocks (rounded up to a power of two) are scored in one piece,
         once, and kept in registers. H200, B1 H32/8 D128 causal, selection alone: S16384 (256 key blocks)
-        0.80 → 0.55 ms, S32768 (512) 3.07 → 2.23 ms; a 256-wide piece recomputed (S32768) spilled: 53 ms.
+        0.80 → 0.55 ms, S32768 (512) 3.07 → 2.23 ms, S65536 (1024) 11.44 → 10.54 ms; a 256-wide piece
+        recomputed (S32768) spilled: 53 ms.
       select_warps: warps of the selection kernel.
       prefill_chunk: query blocks per selection + prefill call of a long prefill (a power of two, a multiple of
         ``select_rows``): the selection and the block order live one chunk at a time, (chunk × key blocks)
@@ -350,7 +351,7 @@ class ThriftConfig:
     quant_warps: int = 4
     select_rows: int = 16
     select_chunk: int = 128
-    select_whole: int = 512
+    select_whole: int = 1024
     select_warps: int = 4
     prefill_chunk: int = 256
     # H200, one new token over a full cache, f = 0.05 (benchmarks/RESULTS.md, "ThriftAttention decode"): (16, 4)
@@ -389,8 +390,10 @@ class ThriftConfig:
         """(warps, stages) of the decode kernel for ``row_tile`` query rows per program: the fields where set,
         else the H200's best by rows (kernel alone, f = 0.05, B8 S8192 / B2 S131072, ms; NOTES, 24th session):
         16 rows (one to four tokens of a group of 4) w2 s2 0.108 / 0.346 against w4 s2 0.120 / 0.501; 64 rows
-        (16 or more tokens) w4 s3 0.191 / 0.632 against w2 s2 0.462 / 1.543. 32 rows were not measured and take
-        the 64-row launch. Launch parameters are not numerics."""
+        (16 or more tokens) w4 s3 0.191 / 0.632 against w2 s2 0.462 / 1.543. Re-swept with the inline-PTX decode
+        (26th session): 16 rows w2 s2 0.093 / 0.290 against w4 s3 0.116 / 0.435; 64 rows w4 s3 0.189 / 0.586
+        against w2 s2 0.468 / 1.561. 32 rows were not measured and take the 64-row launch. Launch parameters are
+        not numerics."""
         warps, stages = (2, 2) if row_tile <= 16 else (4, 3)
         return (warps if self.decode_warps is None else self.decode_warps,
                 stages if self.decode_stages is None else self.decode_stages)

@@ -10,9 +10,10 @@ block, so Triton pipelines the loads.
 
 A 4-bit block is read as packed e2m1 codes (:func:`lowbit_jax.formats.nvfp4.pack_halves`: a byte holds elements
 i and i + n/2) with e4m3 group scales, 0.5625 bytes per value instead of 2, and decoded in registers by bit
-placement into float16 (:func:`lowbit_jax.formats.nvfp4.e2m1_decode_f16`, value · 2**-14, no gather) times the
-group scale: one fp16 multiply per value, exact (the products have at most five significant bits and land on
-fp16's grid down to its smallest subnormal); the 2**14 goes into the score scale and into FQ(P). Every product
+placement into float16 (:func:`lowbit_jax.formats.nvfp4.e2m1_decode_f16`, value · 2**-14, no gather; compiled,
+four bytes at a time in inline PTX, :func:`pallas_kernels._triton.e2m1_unpack_f16`) times the group scale: one
+fp16 multiply per value, exact (the products have at most five significant bits and land on fp16's grid down to
+its smallest subnormal); the 2**14 goes into the score scale and into FQ(P). Every product
 works on halves: the key block's two halves of ``block/2`` keys (the V bytes' two nibbles) and the head dim's
 two halves (the K bytes' two nibbles).
 """
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.formats import nvfp4
-from pallas_kernels._triton import compiler_params, pl
+from pallas_kernels._triton import compiler_params, e2m1_unpack_f16, pl
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.online_softmax import online_softmax_step
 
@@ -37,7 +38,8 @@ DOT_NN = (((1,), (0,)), ((), ()))
 
 
 def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref, k4_ref, ks_ref, v4_ref, vs_ref,
-                   order_ref, acc_ref, m_ref, l_ref, *, block, splits_low, splits_high, score_scale, dtype):
+                   order_ref, acc_ref, m_ref, l_ref, *, block, splits_low, splits_high, score_scale, dtype,
+                   interpret):
     half, d = block // 2, q_ref.shape[-1]
     dg = d // 2 // nvfp4.GROUP  # K scale groups per half of the head dim
     vg = half // nvfp4.GROUP  # V scale groups per half of the key block
@@ -49,6 +51,7 @@ def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref,
     nt = lambda a, b: lax.dot_general(a, b, DOT_NT, preferred_element_type=jnp.float32)  # noqa: E731
     nn = lambda a, b: lax.dot_general(a, b, DOT_NN, preferred_element_type=jnp.float32)  # noqa: E731
     f16 = jnp.float16
+    unpack = functools.partial(e2m1_unpack_f16, interpret=interpret)
 
     def softmax_step(carry, s_a, s_b, start, update):
         acc, m_prev, l_prev = carry
@@ -65,16 +68,16 @@ def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref,
         qf_lo, qf_hi = qf_lo_ref[...], qf_hi_ref[...]
 
         def scores(rows):
-            lo, hi = nvfp4.e2m1_unpack(k4_ref[rows, :])
-            k_lo = nvfp4.dequantize_tile_f16(lo, ks_ref[rows, pl.ds(0, dg)], axis=1)
-            k_hi = nvfp4.dequantize_tile_f16(hi, ks_ref[rows, pl.ds(dg, dg)], axis=1)
+            lo, hi = unpack(k4_ref[rows, :])
+            k_lo = nvfp4.scale_tile_f16(lo, ks_ref[rows, pl.ds(0, dg)], axis=1)
+            k_hi = nvfp4.scale_tile_f16(hi, ks_ref[rows, pl.ds(dg, dg)], axis=1)
             return (nt(qf_lo, k_lo) + nt(qf_hi, k_hi)) * (score_scale * nvfp4.E2M1_F16_BIAS)
 
         def update(p_a, p_b):
-            lo, hi = nvfp4.e2m1_unpack(v4_ref[pl.ds(j * half, half), :])
+            lo, hi = unpack(v4_ref[pl.ds(j * half, half), :])
             groups = j * (block // nvfp4.GROUP)
-            v_a = nvfp4.dequantize_tile_f16(lo, vs_ref[pl.ds(groups, vg), :], axis=0)
-            v_b = nvfp4.dequantize_tile_f16(hi, vs_ref[pl.ds(groups + vg, vg), :], axis=0)
+            v_a = nvfp4.scale_tile_f16(lo, vs_ref[pl.ds(groups, vg), :], axis=0)
+            v_b = nvfp4.scale_tile_f16(hi, vs_ref[pl.ds(groups + vg, vg), :], axis=0)
             fq = lambda p: (nvfp4.fake_quant_last(p, nonnegative=True) * nvfp4.E2M1_F16_BIAS).astype(f16)  # noqa: E731
             return nn(fq(p_a), v_a) + nn(fq(p_b), v_b)
 
@@ -139,7 +142,8 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
     splits = config.decode_splits + config.decode_splits_high
     n_rt = r_pad // row_tile
     kernel = functools.partial(_decode_kernel, block=config.block, splits_low=config.decode_splits,
-                               splits_high=config.decode_splits_high, score_scale=scale * LOG2E, dtype=q_rows.dtype)
+                               splits_high=config.decode_splits_high, score_scale=scale * LOG2E, dtype=q_rows.dtype,
+                               interpret=interpret)
     row = lambda bi, x, s: (bi, x // n_rt, x % n_rt, 0)  # noqa: E731
     q_spec = pl.BlockSpec((None, None, row_tile, d), row)
     half_spec = lambda off: pl.BlockSpec((None, None, row_tile, d // 2),  # noqa: E731

@@ -153,6 +153,29 @@ def test_packed_e2m1_decode_lowers_and_matches():
     np.testing.assert_array_equal(np.asarray(hi, np.float32) * sf, deq[:, 1::2])
 
 
+def test_e2m1_inline_ptx_constants_give_the_shared_decode():
+    """The compiled decode's inline PTX (``_triton.e2m1_unpack_f16``): its bit placement, modelled in numpy on
+    every byte in both 16-bit lanes, gives ``nvfp4.e2m1_decode_f16``'s bits for each nibble, and the PTX text
+    is built from exactly those shifts and masks (one permute per byte pair)."""
+    import numpy as np
+
+    from lowbit_jax.formats import nvfp4
+    from pallas_kernels import _triton
+
+    byte = np.arange(256, dtype=np.uint32)
+    other = (byte * 37 + 11) % 256  # a different byte in the other lane
+    bits16 = lambda codes: np.asarray(jax.lax.bitcast_convert_type(  # noqa: E731
+        nvfp4.e2m1_decode_f16(jnp.asarray(codes)), jnp.uint16)).astype(np.uint32)
+    for key, shift in (("lo", 0), ("hi", 4)):
+        words = _triton.e2m1_lanes_model(byte | (other << 16), key)
+        np.testing.assert_array_equal(words & 0xFFFF, bits16((byte >> shift) & 15))
+        np.testing.assert_array_equal(words >> 16, bits16((other >> shift) & 15))
+        asm = _triton._e2m1_unpack_asm(key)
+        mag, sign = _triton.E2M1_LANE_SHIFTS[key]
+        assert asm.count("prmt.b32") == 2 and asm.count(f"shl.b32 t, x, {mag};") == 2
+        assert asm.count(f"shl.b32 u, x, {sign};") == 2 and "$0" in asm and "$1" in asm and "$2, 0" in asm
+
+
 def compiled_options(resolve, q, kv, **options):
     """A method's resolved options (``resolve(q, k, v, ...)``) for zero arrays shaped as the specs q and kv, with
     the Pallas kernels compiled for the GPU rather than interpreted (resolving "pallas" on a CPU needs
@@ -225,6 +248,7 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     text = lower_for_h200(lambda q, c: thrift_mod._decode(q, c, budget=0.05, scale=d**-0.5, implementation="pallas",
                                                           interpret=False, config=cfg), q, cache)
     assert triton_named(text, "thrift_decode")
+    assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
 @pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [

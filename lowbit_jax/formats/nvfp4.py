@@ -141,21 +141,23 @@ def repeat_groups(x: jax.Array, axis: int) -> jax.Array:
     return jnp.broadcast_to(x[:, None, :], (r, GROUP, c)).reshape(r * GROUP, c)
 
 
-def dequantize_tile_f16(codes: jax.Array, scale_bits: jax.Array, *, axis: int) -> jax.Array:
-    """The in-kernel NVFP4 decode of a 2-D tile into float16 ``e2m1 · scale · 2**-14``, one fp16 multiply a value.
+def scale_tile_f16(values: jax.Array, scale_bits: jax.Array, *, axis: int) -> jax.Array:
+    """The in-kernel NVFP4 dequantization of a decoded 2-D tile: float16 ``e2m1 · scale · 2**-14``, one fp16
+    multiply a value.
 
     Args:
-      codes: int32 (rows, cols) e2m1 codes 0..15 (one nibble each, e.g. from :func:`e2m1_unpack`).
+      values: float16 (rows, cols) ``e2m1 · 2**-14`` (:func:`e2m1_decode_f16`, or a backend's packed decode
+        that gives the same bits, ``pallas_kernels._triton.e2m1_unpack_f16``).
       scale_bits: e4m3fn bit patterns (uint8/int32) of the group scales: (rows, cols/16) for groups along
         ``axis=1``, (rows/16, cols) for groups along ``axis=0``.
       axis: the axis the groups of 16 run along.
     Returns:
-      float16 (rows, cols), exact: ``e2m1_decode_f16`` (value · 2**-14, two significant bits) times the true
-      scale (four, from :func:`e4m3_decode_f16` · 2**8) has at most six significant bits and no bit below
-      2**-24, fp16's smallest subnormal step. Fold :data:`E2M1_F16_BIAS` into the other operand's scale.
+      float16 (rows, cols), exact: the value (two significant bits) times the true scale (four, from
+      :func:`e4m3_decode_f16` · 2**8) has at most six significant bits and no bit below 2**-24, fp16's
+      smallest subnormal step. Fold :data:`E2M1_F16_BIAS` into the other operand's scale.
     """
     scales = e4m3_decode_f16(scale_bits) * jnp.float16(E4M3_F16_BIAS)
-    return e2m1_decode_f16(codes) * repeat_groups(scales, axis)
+    return values * repeat_groups(scales, axis)
 
 
 def pack_halves(codes: jax.Array) -> jax.Array:
