@@ -1,8 +1,8 @@
 """The Triton backend of Pallas behind one small module.
 
 Every kernel file imports its backend-specific pieces from here (compiler
-parameters, masked tile loads/stores, the lowering-warning filter), so another
-Pallas backend could be added beside this one.
+parameters, masked tile loads/stores, the lowering-warning filter, the inline-PTX
+e2m1 decode), so another Pallas backend could be added beside this one.
 """
 
 from __future__ import annotations
