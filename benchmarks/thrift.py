@@ -367,8 +367,9 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
 
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     r_pad, row_tile = thrift_mod._decode_layout(t * (hq // cache.num_kv_heads))
-    sel = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=cfg.block)
-    args = thrift_mod.decode_kernel_args(q, cache, sel, r_pad)
+    order, n_high = thrift_mod.decode_order(q, cache, budget=budget, block=cfg.block,
+                                            interpret=impl.get("interpret", False))
+    args = thrift_mod.decode_kernel_args(q, cache, order, n_high, r_pad)
     fn = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile,
                            interpret=impl.get("interpret", False))
     return time_fn(fn, *args, warmup=1, iters=iters, batches=3)

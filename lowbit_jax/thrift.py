@@ -45,8 +45,10 @@ from lowbit_jax.thrift_reference import (
     check_key_blocks,
     combine_splits,
     decode_outputs,
+    decode_budget,
     decode_reference,
     decode_rows,
+    decode_scores,
     decode_selection,
     fake_quant_operand,
     prefill_reference,
@@ -371,29 +373,55 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
 @functools.partial(jax.jit, static_argnames=("budget", "scale", "implementation", "interpret", "config"))
 def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
             config: ThriftConfig):
-    sel = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=config.block)
     if implementation != "pallas":
+        sel = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=config.block)
         return decode_reference(q, cache.k, cache.v, cache.k4, cache.k4_scale, cache.v4, cache.v4_scale, sel,
                                 cache.length, scale=scale, config=config)
     t, hq = q.shape[1], q.shape[2]
     r_pad, row_tile = _decode_layout(t * (hq // cache.num_kv_heads))
-    acc, m, l = thrift_decode_kernels.thrift_decode(*decode_kernel_args(q, cache, sel, r_pad), scale=scale,
+    order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
+    acc, m, l = thrift_decode_kernels.thrift_decode(*decode_kernel_args(q, cache, order, n_high, r_pad), scale=scale,
                                                     config=config, row_tile=row_tile, interpret=interpret)
     return decode_outputs(combine_splits(acc, m, l), t, hq).astype(q.dtype)
 
 
-def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, selected: jax.Array, r_pad: int) -> tuple:
+def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The decode kernel's key-block order and its 16-bit block count for the new tokens ``q`` (B, T, Hq, D).
+
+    The selection (:func:`lowbit_jax.thrift_reference.decode_selection`) and its
+    :func:`lowbit_jax.thrift_reference.block_order`, in the selection kernel
+    :func:`pallas_kernels.thrift_select.thrift_decode_order` up to its
+    :data:`~pallas_kernels.thrift_select.DECODE_ORDER_MAX_BLOCKS` key blocks, by XLA beyond (the same values).
+
+    Returns:
+      int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two), int32 (1,) the
+      16-bit blocks per (batch, kv head).
+    """
+    scores = decode_scores(q, cache.k_mean)
+    n_complete, take = decode_budget(cache.length, budget=budget, block=block)
+    n_blocks = (cache.length + block - 1) // block
+    nkb = scores.shape[-1]
+    pad = ((0, 0), (0, 0), (0, next_pow2(nkb) - nkb))
+    if next_pow2(nkb) <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
+        order = thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), n_complete, take, n_blocks,
+                                                          interpret=interpret)
+    else:
+        selected = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=block)
+        order = block_order(jnp.pad(selected, pad), n_blocks)
+    return order, take[None]
+
+
+def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, order: jax.Array, n_high: jax.Array, r_pad: int) -> tuple:
     """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options: the query rows
-    (16-bit and fake-quantized), their positions, the 16-bit block count, the cache's arrays and the order."""
+    (16-bit and fake-quantized), their positions, the 16-bit block count and the order (:func:`decode_order`),
+    the cache's arrays."""
     t, hq = q.shape[1], q.shape[2]
     group = hq // cache.num_kv_heads
     rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
-    nkb = selected.shape[-1]
-    n_blocks = (cache.length + cache.block - 1) // cache.block
-    order = block_order(jnp.pad(selected, ((0, 0), (0, 0), (0, next_pow2(nkb) - nkb))), n_blocks)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16),
-            row_positions(cache.length, t, group, r_pad), jnp.sum(selected[0, 0]).astype(jnp.int32)[None],
+            row_positions(cache.length, t, group, r_pad), n_high,
             cache.k, cache.v, cache.k4, bits(cache.k4_scale), cache.v4, bits(cache.v4_scale), order)
 
 

@@ -282,6 +282,26 @@ def row_positions(length: jax.Array, t: int, group: int, rows: int) -> jax.Array
     return jnp.where(r < group * t, length - t + r % t, -1).astype(jnp.int32)
 
 
+def decode_scores(q: jax.Array, k_mean: jax.Array) -> jax.Array:
+    """Each cached key block's importance for the new tokens: ``max over the group's heads and tokens of q·k̄``.
+
+    Args:
+      q: (B, T, Hq, D) the new query tokens; k_mean: (B, Hkv, Nkb_max, D) float32 block means of the cache.
+    Returns:
+      float32 (B, Hkv, Nkb_max).
+    """
+    hkv = k_mean.shape[1]
+    rows = decode_rows(q.astype(jnp.float32), hkv, q.shape[1] * (q.shape[2] // hkv))
+    return jnp.max(jnp.einsum("bhrd,bhkd->bhrk", rows, k_mean, precision=jax.lax.Precision.HIGHEST), axis=2)
+
+
+def decode_budget(length: jax.Array, *, budget: float, block: int) -> tuple[jax.Array, jax.Array]:
+    """(complete blocks ``n = length // block``, 16-bit blocks ``min(⌊f·n + ½⌋, n)``), int32 scalars."""
+    n_complete = length // block
+    take = jnp.floor(budget * n_complete.astype(jnp.float32) + 0.5).astype(jnp.int32)
+    return n_complete, jnp.minimum(take, n_complete)
+
+
 def decode_selection(q: jax.Array, k_mean: jax.Array, length: jax.Array, *, budget: float, block: int) -> jax.Array:
     """Which complete key blocks run in 16-bit, per (batch, kv head); shared by both implementations.
 
@@ -291,14 +311,10 @@ def decode_selection(q: jax.Array, k_mean: jax.Array, length: jax.Array, *, budg
       budget: f in [0, 1]; block: the cache's block.
     Returns:
       bool (B, Hkv, Nkb_max): the top ``⌊f·n + ½⌋`` of the ``n = length // block`` complete blocks by
-      ``max over the group's heads and tokens of q·k̄``, ties to the lower index.
+      :func:`decode_scores`, ties to the lower index.
     """
-    hkv, nkb = k_mean.shape[1], k_mean.shape[2]
-    rows = decode_rows(q.astype(jnp.float32), hkv, q.shape[1] * (q.shape[2] // hkv))
-    scores = jnp.max(jnp.einsum("bhrd,bhkd->bhrk", rows, k_mean, precision=jax.lax.Precision.HIGHEST), axis=2)
-    n_complete = length // block
-    take = jnp.floor(budget * n_complete.astype(jnp.float32) + 0.5).astype(jnp.int32)
-    return _top_blocks(scores, jnp.arange(nkb) < n_complete, jnp.minimum(take, n_complete))
+    n_complete, take = decode_budget(length, budget=budget, block=block)
+    return _top_blocks(decode_scores(q, k_mean), jnp.arange(k_mean.shape[2]) < n_complete, take)
 
 
 def split_bounds(count: jax.Array, splits: int) -> jax.Array:
@@ -389,7 +405,7 @@ def decode_reference(q: jax.Array, k16: jax.Array, v16: jax.Array, k4: jax.Array
 
 
 __all__ = [
-    "block_means", "block_order", "combine_splits", "decode_outputs", "decode_reference", "decode_rows",
-    "decode_selection", "dequantized_cache", "fake_quant_operand", "prefill_reference", "row_positions",
-    "selection_reference", "split_bounds", "topk_count", "valid_key_blocks",
+    "block_means", "block_order", "combine_splits", "decode_budget", "decode_outputs", "decode_reference",
+    "decode_rows", "decode_scores", "decode_selection", "dequantized_cache", "fake_quant_operand", "prefill_reference",
+    "row_positions", "selection_reference", "split_bounds", "topk_count", "valid_key_blocks",
 ]

@@ -11,6 +11,11 @@ The scores are recomputed from q̄ and k̄ (a float32-accurate product, :data:`S
 when a row spans several ``select_chunk`` chunks, and computed once otherwise (rows up to
 ``ThriftConfig.select_whole`` key blocks are one chunk); the (Nqb × Nkb) score
 matrix is never written.
+
+:func:`thrift_decode_order` is the decode's selection: one program per (batch, kv head) takes the top blocks of
+its row of scores by the same bisection and writes the block order the decode kernel walks
+(:func:`lowbit_jax.thrift_reference.block_order` of that selection), in place of an XLA sort, two cumsums and
+a scatter.
 """
 
 from __future__ import annotations
@@ -121,3 +126,65 @@ def thrift_select(q_mean: jax.Array, k_mean: jax.Array, first_block: jax.Array |
         interpret=interpret,
         name="thrift_select",
     )(jnp.asarray(first_block, jnp.int32).reshape(1), q_mean, k_mean)
+
+
+#: longest row of key blocks :func:`thrift_decode_order` takes (8 per thread at its 32 warps)
+DECODE_ORDER_MAX_BLOCKS = 8192
+
+
+def decode_order_warps(n_blocks: int) -> int:
+    """Warps of :func:`thrift_decode_order` for a row of ``n_blocks`` (a power of two): 8 values per thread,
+    4 to 32 warps."""
+    return max(4, min(32, n_blocks // 256))
+
+
+def _decode_order_kernel(meta_ref, scores_ref, order_ref):
+    n = scores_ref.shape[0]
+    n_complete, want, n_blocks = meta_ref[0], meta_ref[1], meta_ref[2]
+    j = jnp.arange(n, dtype=jnp.int32)
+    keys = jnp.where(j < n_complete, _ordered_keys(scores_ref[...]), INT_MIN)
+    count = lambda pred: jnp.sum(pred.astype(jnp.int32))  # noqa: E731
+    # a strongly typed start: a weak-typed int32 carry fails the Triton lowering of the loop (jax 0.11.2)
+    t = jnp.where(count(keys >= 0) >= want, jnp.int32(0), jnp.int32(INT_MIN))
+
+    def bit(b, t):
+        cand = t | lax.shift_left(jnp.int32(1), 30 - b)
+        return jnp.where(count(keys >= cand) >= want, cand, t)
+
+    t = lax.fori_loop(0, 31, bit, t)
+    eq = keys == t
+    selected = (keys > t) | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= want - count(keys > t)))
+    low = (j < n_blocks) & ~selected
+    position = jnp.where(low, jnp.cumsum(low.astype(jnp.int32)) - 1,
+                         jnp.where(selected, count(low) + jnp.cumsum(selected.astype(jnp.int32)) - 1, j))
+    order_ref[position] = j.astype(order_ref.dtype)  # a permutation: every entry written once
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def thrift_decode_order(scores: jax.Array, n_complete: jax.Array, take: jax.Array, n_blocks: jax.Array, *,
+                        interpret: bool = False) -> jax.Array:
+    """The decode's key-block order from its block scores, in one kernel.
+
+    Args:
+      scores: float32 (B, Hkv, N): each key block's :func:`lowbit_jax.thrift_reference.decode_scores`, N a power
+        of two ≤ :data:`DECODE_ORDER_MAX_BLOCKS` (entries from ``n_complete`` on are ignored).
+      n_complete: int32 scalar, the complete blocks (the selectable ones); take: int32 scalar ≤ n_complete,
+        the 16-bit blocks per row; n_blocks: int32 scalar, the blocks holding any token.
+    Returns:
+      int16 (B, Hkv, N): :func:`lowbit_jax.thrift_reference.block_order` of the ``take`` top-scoring complete
+      blocks (ties to the lower index) with ``n_blocks`` valid — the unselected valid blocks, then the selected
+      ones, each ascending, then the others.
+    """
+    b, hkv, n = scores.shape
+    meta = jnp.stack([jnp.asarray(x, jnp.int32) for x in (n_complete, take, n_blocks)])
+    return pl.pallas_call(
+        _decode_order_kernel,
+        grid=(b, hkv),
+        in_specs=[pl.BlockSpec((3,), lambda bi, hi: (0,)),
+                  pl.BlockSpec((None, None, n), lambda bi, hi: (bi, hi, 0))],
+        out_specs=pl.BlockSpec((None, None, n), lambda bi, hi: (bi, hi, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, n), jnp.int16),
+        compiler_params=compiler_params(decode_order_warps(n), 1),
+        interpret=interpret,
+        name="thrift_decode_order",
+    )(meta, scores)

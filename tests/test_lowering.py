@@ -247,7 +247,7 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     cfg = lb.ThriftConfig(block=block)
     text = lower_for_h200(lambda q, c: thrift_mod._decode(q, c, budget=0.05, scale=d**-0.5, implementation="pallas",
                                                           interpret=False, config=cfg), q, cache)
-    assert triton_named(text, "thrift_decode")
+    assert triton_named(text, "thrift_decode") and triton_named(text, "thrift_decode_order")
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 

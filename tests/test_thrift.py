@@ -461,6 +461,27 @@ def test_block_order_and_top_blocks_match_sorting(shape):
                                   (rank < take) & valid)
 
 
+@pytest.mark.parametrize("n, n_complete, n_blocks, take", [
+    (16, 16, 16, 3), (64, 40, 41, 2), (64, 40, 41, 0), (64, 40, 41, 40), (256, 0, 1, 0), (256, 200, 200, 10),
+    (1024, 1000, 1001, 50)])
+def test_decode_order_kernel_is_the_xla_order(n, n_complete, n_blocks, take):
+    """The decode's order kernel (interpret mode) gives block_order(_top_blocks(...)) bit for bit: rows of
+    integer scores (ties everywhere), ±0 and ±inf, partial last blocks (n_blocks = n_complete + 1), budgets 0
+    and all; entries from n_complete on carry garbage scores that must be ignored."""
+    from lowbit_jax.thrift_reference import _top_blocks, block_order
+    from pallas_kernels.thrift_select import thrift_decode_order
+
+    rng = np.random.default_rng(n + n_complete + take)
+    scores = rng.integers(-3, 4, (2, 3, n)).astype(np.float32)
+    scores[0, 0, :4] = [0.0, -0.0, np.inf, -np.inf]
+    scores[..., n_complete:] = 1e30  # not selectable
+    got = thrift_decode_order(jnp.asarray(scores), jnp.int32(n_complete), jnp.int32(take), jnp.int32(n_blocks),
+                              interpret=INTERPRET)
+    sel = _top_blocks(jnp.asarray(scores), jnp.arange(n) < n_complete, jnp.int32(take))
+    assert got.dtype == jnp.int16 and int(jnp.sum(sel[1, 2])) == take
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(block_order(sel, n_blocks)))
+
+
 def test_decode_launch_by_rows_per_program():
     """ThriftConfig.decode_launch: unset warps/stages follow the query rows per program (two warps for a
     16-row tile, four warps and three stages for wider ones, as measured on the H200); set ones win, each
