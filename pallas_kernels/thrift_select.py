@@ -45,6 +45,20 @@ def _ordered_keys(scores: jax.Array) -> jax.Array:
     return jnp.where(scores == 0.0, 0, keys)
 
 
+def _kth_key(count_at_least, want: jax.Array) -> jax.Array:
+    """The ``want``-th largest key of a row (of each row, for vectors): the largest int32 t with
+    ``count_at_least(t) >= want``, built bit by bit from the top (32 count passes). ``want`` ≥ 1 gives a key
+    of the row; ``want`` = 0 gives 2**31 − 1."""
+    zero = jnp.zeros_like(want)  # strongly typed: a weak-typed int32 loop carry fails the Triton lowering
+    t = jnp.where(count_at_least(zero) >= want, zero, zero + INT_MIN)
+
+    def bit(b, t):
+        cand = t | lax.shift_left(jnp.int32(1), 30 - b)
+        return jnp.where(count_at_least(cand) >= want, cand, t)
+
+    return lax.fori_loop(0, 31, bit, t)
+
+
 def _select_kernel(first_ref, qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks, block, sq_len, sk_len, causal, k,
                    n_qblocks, precision):
     i0 = first_ref[0] + pl.program_id(0) * rows
@@ -69,13 +83,7 @@ def _select_kernel(first_ref, qm_ref, km_ref, out_ref, *, rows, chunk, n_chunks,
             return total + jnp.sum(pred(chunk_keys(c)).astype(jnp.int32), axis=1)
         return lax.fori_loop(0, n_chunks, body, jnp.zeros((rows,), jnp.int32))
 
-    t = jnp.where(count(lambda key: key >= 0) >= want, 0, INT_MIN)
-
-    def bit(b, t):
-        cand = t | lax.shift_left(jnp.int32(1), 30 - b)
-        return jnp.where(count(lambda key: key >= cand[:, None]) >= want, cand, t)
-
-    t = lax.fori_loop(0, 31, bit, t)
+    t = _kth_key(lambda t: count(lambda key: key >= t[:, None]), want)
     need = want - count(lambda key: key > t[:, None])  # keys equal to t still to take, lowest index first
 
     def write(c, ties_before):
@@ -144,14 +152,7 @@ def _decode_order_kernel(meta_ref, scores_ref, order_ref):
     j = jnp.arange(n, dtype=jnp.int32)
     keys = jnp.where(j < n_complete, _ordered_keys(scores_ref[...]), INT_MIN)
     count = lambda pred: jnp.sum(pred.astype(jnp.int32))  # noqa: E731
-    # a strongly typed start: a weak-typed int32 carry fails the Triton lowering of the loop (jax 0.11.2)
-    t = jnp.where(count(keys >= 0) >= want, jnp.int32(0), jnp.int32(INT_MIN))
-
-    def bit(b, t):
-        cand = t | lax.shift_left(jnp.int32(1), 30 - b)
-        return jnp.where(count(keys >= cand) >= want, cand, t)
-
-    t = lax.fori_loop(0, 31, bit, t)
+    t = _kth_key(lambda t: count(keys >= t), want)
     eq = keys == t
     selected = (keys > t) | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= want - count(keys > t)))
     low = (j < n_blocks) & ~selected
