@@ -44,12 +44,13 @@ from lowbit_jax.thrift_reference import (
     block_order,
     check_key_blocks,
     combine_splits,
-    decode_outputs,
     decode_budget,
+    decode_outputs,
     decode_reference,
     decode_rows,
     decode_scores,
     decode_selection,
+    decode_top_blocks,
     fake_quant_operand,
     prefill_reference,
     row_positions,
@@ -407,8 +408,7 @@ def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: in
         order = thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), n_complete, take, n_blocks,
                                                           interpret=interpret)
     else:
-        selected = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=block)
-        order = block_order(jnp.pad(selected, pad), n_blocks)
+        order = block_order(jnp.pad(decode_top_blocks(scores, n_complete, take), pad), n_blocks)
     return order, take[None]
 
 

@@ -313,8 +313,13 @@ def decode_selection(q: jax.Array, k_mean: jax.Array, length: jax.Array, *, budg
       bool (B, Hkv, Nkb_max): the top ``⌊f·n + ½⌋`` of the ``n = length // block`` complete blocks by
       :func:`decode_scores`, ties to the lower index.
     """
-    n_complete, take = decode_budget(length, budget=budget, block=block)
-    return _top_blocks(decode_scores(q, k_mean), jnp.arange(k_mean.shape[2]) < n_complete, take)
+    return decode_top_blocks(decode_scores(q, k_mean), *decode_budget(length, budget=budget, block=block))
+
+
+def decode_top_blocks(scores: jax.Array, n_complete: jax.Array, take: jax.Array) -> jax.Array:
+    """bool, scores' shape (..., Nkb): the ``take`` highest-scoring of the first ``n_complete`` blocks, ties to the
+    lower index (:func:`decode_budget`'s counts; the rule of :func:`decode_selection`)."""
+    return _top_blocks(scores, jnp.arange(scores.shape[-1]) < n_complete, take)
 
 
 def split_bounds(count: jax.Array, splits: int) -> jax.Array:
@@ -406,6 +411,7 @@ def decode_reference(q: jax.Array, k16: jax.Array, v16: jax.Array, k4: jax.Array
 
 __all__ = [
     "block_means", "block_order", "combine_splits", "decode_budget", "decode_outputs", "decode_reference",
-    "decode_rows", "decode_scores", "decode_selection", "dequantized_cache", "fake_quant_operand", "prefill_reference",
-    "row_positions", "selection_reference", "split_bounds", "topk_count", "valid_key_blocks",
+    "decode_rows", "decode_scores", "decode_selection", "decode_top_blocks", "dequantized_cache",
+    "fake_quant_operand", "prefill_reference", "row_positions", "selection_reference", "split_bounds", "topk_count",
+    "valid_key_blocks",
 ]

@@ -482,6 +482,21 @@ def test_decode_order_kernel_is_the_xla_order(n, n_complete, n_blocks, take):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(block_order(sel, n_blocks)))
 
 
+def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
+    """lowbit_jax.thrift.decode_order: past DECODE_ORDER_MAX_BLOCKS (here lowered to 0) the XLA path gives the
+    kernel's order and 16-bit count (a cache of 200 tokens in blocks of 32: 6 complete of 7, budget 0.5)."""
+    from pallas_kernels import thrift_select
+
+    q, k, v = make_qkv(2, 200, 200, 4, 2, 64, seed=31)
+    cache = filled_cache(k, v, 200)
+    run = lambda: thrift_mod.decode_order(q[:, -2:], cache, budget=0.5, block=32, interpret=INTERPRET)  # noqa: E731
+    order, n_high = run()
+    monkeypatch.setattr(thrift_select, "DECODE_ORDER_MAX_BLOCKS", 0)
+    order_xla, n_high_xla = run()
+    np.testing.assert_array_equal(np.asarray(order), np.asarray(order_xla))
+    assert int(n_high[0]) == int(n_high_xla[0]) == 3
+
+
 def test_decode_launch_by_rows_per_program():
     """ThriftConfig.decode_launch: unset warps/stages follow the query rows per program (two warps for a
     16-row tile, four warps and three stages for wider ones, as measured on the H200); set ones win, each
