@@ -371,7 +371,7 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
                                             interpret=impl.get("interpret", False))
     args = thrift_mod.decode_kernel_args(q, cache, order, n_high, r_pad)
     fn = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile,
-                           interpret=impl.get("interpret", False))
+                           rows=t * (hq // cache.num_kv_heads), interpret=impl.get("interpret", False))
     return time_fn(fn, *args, warmup=1, iters=iters, batches=3)
 
 

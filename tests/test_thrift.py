@@ -506,3 +506,28 @@ def test_decode_launch_by_rows_per_program():
     assert lb.ThriftConfig(decode_warps=8).decode_launch(16) == (8, 2)
     assert lb.ThriftConfig(decode_stages=1).decode_launch(64) == (4, 1)
     assert thrift_mod._decode_layout(1 * 4)[1] == 16 and thrift_mod._decode_layout(40 * 4)[1] == 64
+
+
+@pytest.mark.parametrize("t, hq", [(1, 8), (17, 8)])  # 4 of 16 rows; 68 rows in two 64-row tiles
+def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
+    """``rows=``: the kernel writes the real rows as it does without it, and none of the padding rows
+    (outputs initialized to NaN by the interpreter or not at all on the GPU are never read back)."""
+    from pallas_kernels.thrift_decode import thrift_decode as decode_kernel
+
+    n, hkv, d = 90, 2, 64
+    q, k, v = make_qkv(1, n + t, n + t, hq, hkv, d, seed=t)
+    cache = filled_cache(k, v, n + t)
+    qt = q[:, n:]
+    rows = t * (hq // hkv)
+    r_pad, row_tile = thrift_mod._decode_layout(rows)
+    assert r_pad > rows
+    order, n_high = thrift_mod.decode_order(qt, cache, budget=0.3, block=SMALL.block, interpret=INTERPRET)
+    args = thrift_mod.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
+                            interpret=INTERPRET)
+    full, skipped = run(), run(rows=rows)
+    for a, b in zip(full, skipped):
+        np.testing.assert_array_equal(np.asarray(a)[:, :, :, :rows], np.asarray(b)[:, :, :, :rows])
+        assert not np.isnan(np.asarray(a)[:, :, :, rows:]).any()  # the full run writes its padding rows
+    if INTERPRET:  # the interpreter fills unwritten outputs with NaN
+        assert np.isnan(np.asarray(skipped[0])[:, :, :, rows:]).all()
