@@ -554,6 +554,26 @@ def render_thrift_quality(data: dict) -> list[str]:
     return lines + [""]
 
 
+def render_serving(data: dict) -> list[str]:
+    """The model's decode step over a long cache (benchmarks/serving.py): dense vs ThriftAttention."""
+    rows = data["rows"]
+    r0 = rows[0]
+    lines = ["### The model's decode step: dense vs ThriftAttention (benchmarks/serving.py)", ""] + _command_block(data) + [
+        f"Preset {r0['preset']} ({r0['params'] / 1e6:.0f}M parameters, {r0['layers']} layers, {r0['heads']}/"
+        f"{r0['kv_heads']} heads of {r0['head_dim']}), random parameters, bf16. One jitted `TransformerLM.decode` "
+        "step per generated token (one new token per sequence, greedy pick included), the caches donated; caches "
+        "filled with the same random K/V; each figure the median of "
+        f"{r0['rounds']} rounds of {r0['steps']} steps that time every method in turn. dense: the model's 16-bit "
+        "decode, `jax.nn.dot_product_attention` over the whole masked cache; thrift f: `lowbit_jax.thrift_decode` "
+        "(split-KV), f = 1 its 16-bit path alone (every complete block from the 16-bit cache).", "",
+        "| batch | cache tokens | method | ms / step | tokens/s | vs dense |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for name, ms in r["ms"].items():
+            lines.append(f"| {r['batch']} | {r['length']} | {name} | {ms:.3f} | {r['tokens_per_s'][name]:,.0f} | "
+                         f"{r['vs_dense'][name]:.2f}× |")
+    return lines + [""]
+
+
 def _carried_mark(row: dict) -> str:
     """The dagger (' †') after a row carried from an earlier run (its ``carried_from``), else ''."""
     return " †" if row.get("carried_from") else ""
@@ -588,7 +608,7 @@ def main() -> None:
                 ("breakdown", render_breakdown),
                 ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation),
-                ("thrift", render_thrift)]
+                ("thrift", render_thrift), ("serving", render_serving)]
     for name, render in sections:
         data = _load(name)
         if data is not None:

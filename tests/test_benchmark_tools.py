@@ -279,3 +279,32 @@ def test_thrift_quality_gap_and_paired_error_and_table():
     text = "\n".join(render_thrift_quality(data))
     f05 = [r for r in data["rows"] if r["variant"] == "thrift f=0.05"][0]
     assert f"| thrift f=0.05 | {f05['loss']:.4f} |" in text and f"{f05['gap_recovered']:.1%}" in text
+
+
+def test_serving_caches_hold_the_same_tokens_and_the_table_renders():
+    """benchmarks/serving.py fills every method's caches with the same K/V (the dense dict and the ThriftKVCache),
+    its decode step donates them and advances them by one token, and render_results renders a run."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks import serving
+    from benchmarks.render_results import render_serving
+    from models import TransformerLM, model_config
+
+    dense = TransformerLM(model_config("tiny", method="dense", max_len=96), rngs=nnx.Rngs(0))
+    thrift = serving.with_method(dense, "thrift", dict(budget=1.0, implementation="xla"))
+    a, b = serving.filled_caches(dense, 2, 70), serving.filled_caches(thrift, 2, 70)
+    assert len(a) == len(b) == dense.cfg.num_layers
+    for ca, cb in zip(a, b):
+        assert int(ca["length"]) == int(cb.length) == 70
+        np.testing.assert_array_equal(np.asarray(ca["k"][:, :70], np.float32), np.asarray(cb.k[:, :70], np.float32))
+        assert not np.asarray(ca["v"][:, 70:], np.float32).any()
+    tok, new = serving.decode_step(thrift)(nnx.state(dense), jnp.ones((2, 1), jnp.int32), b)
+    assert tok.shape == (2, 1) and int(new[0].length) == 71
+    ms = {"dense": 2.0, "thrift f=0.05": 1.0}
+    row = dict(preset="tiny", params=1e6, layers=4, heads=4, kv_heads=2, head_dim=64, batch=2, length=70, steps=2,
+               rounds=1, ms=ms, tokens_per_s={n: 2e3 / t for n, t in ms.items()},
+               vs_dense={n: 2.0 / t for n, t in ms.items()})
+    text = "\n".join(render_serving(dict(env=dict(device="cpu", jax="0.11.2", date="now"), command="x", rows=[row])))
+    assert "| 2 | 70 | thrift f=0.05 | 1.000 | 2,000 | 2.00× |" in text

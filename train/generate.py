@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 
 import jax
@@ -74,7 +75,7 @@ def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature:
                          f"({model.cfg.max_len})")
     graphdef, params = nnx.split(model)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(2,))  # the caches update in place, not copied per token
     def step(params, tok, cache, key):
         logits, cache = nnx.merge(graphdef, params).decode(tok, cache)
         logits = logits[:, -1]
