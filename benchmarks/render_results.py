@@ -488,12 +488,15 @@ def render_thrift(data: dict) -> list[str]:
                   "f = 1 is the kernel's 16-bit path alone" + (
                       f"; each figure the median of {dec[0]['rounds']} rounds that time every variant in turn"
                       if dec[0].get("rounds", 1) > 1 else "") + "):", "",
-                  "| shape | variant | ms | vs XLA bf16 | GB/s | rel-L2 |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| shape | variant | ms | vs XLA bf16 | vs cuDNN bf16 | GB/s | rel-L2 |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in dec:
             shape = f"B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}"
+            vs_cudnn = r.get("vs_cudnn_bf16") or {}  # runs before 2026-12-01 18:30 had no cuDNN baseline
             for m, t in r["ms"].items():
                 lines.append(f"| {shape} | {m} | {t:.3f} | {r['vs_xla_bf16'].get(m, 0):.2f}× | "
-                             f"{r['gbps'].get(m, 0):.0f} | {r['error_vs_exact'][m]['rel_l2']:.4f} |")
+                             + (f"{vs_cudnn[m]:.2f}× | " if m in vs_cudnn else "– | ")
+                             + f"{r['gbps'].get(m, 0):.0f} | {r['error_vs_exact'][m]['rel_l2']:.4f} |")
         alone = [f"{m} at B{r['b']} S{r['s']} {t:.3f} ms" for r in dec for m, t in r.get("kernel_ms", {}).items()]
         b16, b4 = dec[0]["cache_bytes"]["16bit"], dec[0]["cache_bytes"]["4bit"]
         lines += ["", (f"The split-KV kernel alone (selection, row layout and combine outside): {'; '.join(alone)}. "
@@ -564,7 +567,8 @@ def render_serving(data: dict) -> list[str]:
         "step per generated token (one new token per sequence, greedy pick included), the caches donated; caches "
         "filled with the same random K/V; each figure the median of "
         f"{r0['rounds']} rounds of {r0['steps']} steps that time every method in turn. dense: the model's 16-bit "
-        "decode, `jax.nn.dot_product_attention` over the whole masked cache; thrift f: `lowbit_jax.thrift_decode` "
+        "decode (`models.attention.cached_attention`: cuDNN over the filled length for one token; runs before "
+        "2026-12-01 18:10 timed XLA's attention over the whole masked cache); thrift f: `lowbit_jax.thrift_decode` "
         "(split-KV), f = 1 its 16-bit path alone (every complete block from the 16-bit cache).", "",
         "| batch | cache tokens | method | ms / step | tokens/s | vs dense |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:

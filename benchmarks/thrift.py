@@ -328,6 +328,12 @@ def decode(log, smoke):
             timed["xla_bf16"] = (xla, (qt, cache.k, cache.v))
             row["bytes"]["xla_bf16"] = 2 * cache.k.size * cache.k.dtype.itemsize
             row["error_vs_exact"]["xla_bf16"] = lb.error_metrics(xla(qt, cache.k, cache.v), exact)
+            # cuDNN's flash attention over the filled length (the models' 16-bit decode, models.cached_attention)
+            cudnn = jax.jit(lambda q, kc, vc, n: jax.nn.dot_product_attention(
+                q, kc, vc, key_value_seq_lengths=jnp.full((q.shape[0],), n, jnp.int32), implementation="cudnn"))
+            timed["cudnn_bf16"] = (cudnn, (qt, cache.k, cache.v, cache.length))
+            row["bytes"]["cudnn_bf16"] = row["bytes"]["xla_bf16"]
+            row["error_vs_exact"]["cudnn_bf16"] = lb.error_metrics(cudnn(qt, cache.k, cache.v, cache.length), exact)
         for f, splits, high in DECODE_VARIANTS:
             name = f"thrift_f{f:g}_s{splits}_h{high}"
             cfg = dataclasses.replace(lb.ThriftConfig(), decode_splits=splits if not smoke else 2,
@@ -353,6 +359,8 @@ def decode(log, smoke):
         row["gbps"] = {m: row["bytes"][m] / t / 1e6 for m, t in row["ms"].items() if m in row["bytes"]}
         base = row["ms"].get("xla_bf16")
         row["vs_xla_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
+        base = row["ms"].get("cudnn_bf16")
+        row["vs_cudnn_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
         rows.append(row)
         log(f"  decode B{b} H{hq}/{hkv} S{s} D{d}: " + " ".join(
             f"{m} {t:.3f} ms ({row['gbps'].get(m, 0):.0f} GB/s, rel-L2 {row['error_vs_exact'][m]['rel_l2']:.4f})"

@@ -34,14 +34,41 @@ def check_method(method: str) -> None:
         raise ValueError(f"attention method must be one of {METHODS}, got {method!r}")
 
 
+def _cudnn(q: jax.Array) -> bool:
+    """cuDNN's flash attention applies: a GPU, bf16/fp16, a head dim it takes (a multiple of 8, ≤ 128)."""
+    return on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+
+
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
     """16-bit attention: cuDNN on a GPU for bf16/fp16 and head dims it supports, XLA otherwise.
 
     q: (B, S, Hq, D); k, v: (B, S, Hkv, D) → (B, S, Hq, D).
     """
-    cudnn = (on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
-             and q.shape[-1] <= 128)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn" if cudnn else None)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn" if _cudnn(q) else None)
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array) -> jax.Array:
+    """16-bit attention of T new tokens at positions ``start … start + T − 1`` over a cache that holds them.
+
+    One token where cuDNN applies (:func:`dense_attention`'s rule): cuDNN with the filled length as
+    ``key_value_seq_lengths``, which reads only the filled keys (H200, 50m preset's heads, B8, a 32k cache:
+    0.11 ms against XLA's 0.43; benchmarks/NOTES.md, 27th session). Otherwise XLA with a causal mask over the
+    whole cache.
+
+    Args:
+      q: (B, T, Hq, D); k_cache, v_cache: (B, S_max, Hkv, D), the T new tokens already written at ``start``;
+      start: int32 scalar, the tokens cached before these.
+    Returns:
+      (B, T, Hq, D) in q's dtype.
+    """
+    t = q.shape[1]
+    k_cache, v_cache = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+    if t == 1 and _cudnn(q):
+        lengths = jnp.full((q.shape[0],), start + 1, jnp.int32)
+        return jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths, implementation="cudnn")
+    keys = jnp.arange(k_cache.shape[1])
+    mask = keys[None, :] <= (start + jnp.arange(t))[:, None]  # causal over the filled cache
+    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -136,7 +163,7 @@ class Attention(nnx.Module):
 
         "thrift": the tokens are appended to its 16-bit and 4-bit caches and :func:`lowbit_jax.thrift_decode`
         reads the selected blocks from the first and the rest from the second. Every other method attends
-        in 16-bit over the cache.
+        in 16-bit over the cache (:func:`cached_attention`).
         """
         b, t, _ = x.shape
         if self.method == "thrift":
@@ -148,7 +175,5 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, start + jnp.arange(t))
         kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, start, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, start, 0, 0))
-        keys = jnp.arange(kc.shape[1])
-        mask = keys[None, :] <= (start + jnp.arange(t))[:, None]  # causal over the filled cache
-        o = jax.nn.dot_product_attention(q, kc.astype(q.dtype), vc.astype(q.dtype), mask=mask[None, None])
+        o = cached_attention(q, kc, vc, start)
         return self.o_proj(o.reshape(b, t, -1)), {"k": kc, "v": vc, "length": start + t}

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import models
-from models.attention import Attention, rope
+from models.attention import Attention, _cudnn, cached_attention, rope
 
 
 @pytest.mark.parametrize("method", ["dense", "sage", "qat_fp4", "thrift"])
@@ -253,3 +253,20 @@ def test_remat_recomputes_without_changing_gradients(method, options):
         for g, w in zip(got, want):
             assert bool(jnp.all(jnp.isfinite(g)))
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(w))))
+
+
+@pytest.mark.parametrize("t, start", [(1, 0), (1, 37), (3, 20)])
+def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start):
+    """models.attention.cached_attention (the 16-bit decode of every method but thrift): token i of T new ones
+    at ``start + i`` attends to the cached keys 0 … start + i and to nothing after them (the cache's tail holds
+    garbage here, which must not leak in); on the CPU it is the XLA path (cuDNN needs a GPU)."""
+    ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
+    q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
+    kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
+    vc = jax.random.normal(ks[2], (2, 64, 2, 32), jnp.float32)
+    assert not _cudnn(q.astype(jnp.bfloat16))
+    got = cached_attention(q, kc, vc, jnp.int32(start))
+    for i in range(t):
+        n = start + i + 1
+        want = jax.nn.dot_product_attention(q[:, i:i + 1], kc[:, :n], vc[:, :n])
+        np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
