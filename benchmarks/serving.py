@@ -9,7 +9,8 @@ What a server pays per generated token: ``TransformerLM.decode`` of one new toke
 every block's projections, attention over its cache, MLP, logits, the greedy pick of the next token), jitted
 with the caches donated so they are updated in place, as a serving loop would. Every method gets the same
 parameters (random: the speed does not depend on them) and caches holding the same random K/V of ``length``
-tokens. ``dense`` is the model's 16-bit decode (``jax.nn.dot_product_attention`` over the masked cache);
+tokens. ``dense`` is the model's 16-bit decode (:func:`models.attention.cached_attention`: cuDNN over the
+filled length on a GPU);
 ``thrift f=…`` reads the selected blocks from the 16-bit cache and the rest from the 4-bit one
 (:func:`lowbit_jax.thrift_decode`). Each round times every method for ``--steps`` steps in turn; a method's
 figure is its median over ``--rounds`` rounds.
