@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import lowbit_jax as lb
+from lowbit_jax.thrift import MAX_DECODE_ROWS
 from pallas_kernels._triton import on_gpu
 
 METHODS = ("dense", "sage", "qat_fp4", "thrift")
@@ -162,14 +163,20 @@ class Attention(nnx.Module):
         """Attend T new tokens (B, T, dim) to the cache plus themselves; returns (y, new cache).
 
         "thrift": the tokens are appended to its 16-bit and 4-bit caches and :func:`lowbit_jax.thrift_decode`
-        reads the selected blocks from the first and the rest from the second. Every other method attends
-        in 16-bit over the cache (:func:`cached_attention`).
+        reads the selected blocks from the first and the rest from the second; more tokens than one call takes
+        (:data:`lowbit_jax.thrift.MAX_DECODE_ROWS` query rows: a long prompt) go through in consecutive
+        chunks, each appended and then attended, as that many shorter decode calls would. Every other method
+        attends in 16-bit over the cache (:func:`cached_attention`).
         """
         b, t, _ = x.shape
         if self.method == "thrift":
             q, k, v = self._qkv(x, cache.length + jnp.arange(t))
-            cache = cache.append(k, v)
-            o = lb.thrift_decode(q, cache, **self.attention_options)
+            chunk = max(1, MAX_DECODE_ROWS // (self.num_heads // self.num_kv_heads))
+            outs = []
+            for a in range(0, t, chunk):
+                cache = cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
+                outs.append(lb.thrift_decode(q[:, a:a + chunk], cache, **self.attention_options))
+            o = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
             return self.o_proj(o.reshape(b, t, -1)), cache
         start = cache["length"]
         q, k, v = self._qkv(x, start + jnp.arange(t))

@@ -270,3 +270,28 @@ def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start):
         n = start + i + 1
         want = jax.nn.dot_product_attention(q[:, i:i + 1], kc[:, :n], vc[:, :n])
         np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_thrift_model_decodes_a_prompt_longer_than_one_decode_call():
+    """A thrift model's decode of more tokens than one thrift_decode call takes (MAX_DECODE_ROWS query rows:
+    700 tokens × a group of 2 heads) runs them in chunks: the same logits and cache as two decode calls of 512
+    and 188 tokens (one call of 700 raises in thrift_decode itself)."""
+    import lowbit_jax as lb
+    from lowbit_jax.thrift import MAX_DECODE_ROWS
+
+    cfg = models.model_config("tiny", method="thrift", max_len=1024)
+    group = cfg.num_heads // cfg.num_kv_heads
+    assert 700 * group > MAX_DECODE_ROWS and 512 * group == MAX_DECODE_ROWS
+    model = models.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(9), (1, 700), 0, 256)
+    got, cache = jax.jit(model.decode)(tokens, model.init_cache(1))
+    first, part = jax.jit(model.decode)(tokens[:, :512], model.init_cache(1))
+    second, part = jax.jit(model.decode)(tokens[:, 512:], part)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.concatenate([first, second], axis=1)))
+    assert int(cache[0].length) == int(part[0].length) == 700
+    np.testing.assert_array_equal(np.asarray(cache[-1].k4), np.asarray(part[-1].k4))
+    assert np.isfinite(np.asarray(got)).all()
+    with pytest.raises(ValueError, match="at most"):
+        q = jnp.ones((1, 700, cfg.num_heads, cfg.dim // cfg.num_heads), jnp.bfloat16)
+        lb.thrift_decode(q, lb.ThriftKVCache.create(1, 1024, cfg.num_kv_heads, cfg.dim // cfg.num_heads).append(
+            q[:, :, :cfg.num_kv_heads], q[:, :, :cfg.num_kv_heads]))
