@@ -354,8 +354,8 @@ class ThriftConfig:
     select_whole: int = 1024
     select_warps: int = 4
     prefill_chunk: int = 256
-    # H200, one new token over a full cache, f = 0.05 (benchmarks/RESULTS.md, "ThriftAttention decode"): (16, 4)
-    # 0.158 / 0.572 ms at B8 S8192 / B2 S131072, (32, 8) 0.151 / 0.554, (64, 16) 0.169 / 0.480
+    # H200, one new token over a full cache, f = 0.05, whole op (benchmarks/RESULTS.md, "ThriftAttention", 2026-12-01
+    # 18:11): (16, 4) 0.108 / 0.543 ms at B8 S8192 / B2 S131072, (32, 8) 0.114 / 0.317, (64, 16) 0.123 / 0.321
     decode_splits: int = 32
     decode_splits_high: int = 8
     decode_warps: int | None = None
