@@ -485,7 +485,9 @@ def render_thrift(data: dict) -> list[str]:
     if dec:
         lines += ["**Decode** (one new token per sequence over a full cache; ms, K/V bytes read per second, rel-L2 "
                   "of O vs exact on heavy-hitter inputs; thrift_f<budget>_s<4-bit splits>_h<16-bit splits>; "
-                  "f = 1 is the kernel's 16-bit path alone" + (
+                  "f = 1 is the kernel's 16-bit path alone; xla_bf16 and cudnn_bf16: `jax.nn.dot_product_attention` "
+                  "over the 16-bit cache, XLA's over all of it, cuDNN's over the filled length "
+                  "(`key_value_seq_lengths`)" + (
                       f"; each figure the median of {dec[0]['rounds']} rounds that time every variant in turn"
                       if dec[0].get("rounds", 1) > 1 else "") + "):", "",
                   "| shape | variant | ms | vs XLA bf16 | vs cuDNN bf16 | GB/s | rel-L2 |",
