@@ -48,13 +48,25 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn" if _cudnn(q) else None)
 
 
+#: most (batch × query heads × new tokens × cache slots) scores one masked XLA attention call of
+#: :func:`cached_attention` holds (float32: 256 MiB); more new tokens go through in chunks
+MASKED_SCORES_PER_CHUNK = 2**26
+
+
+def _masked_attention(q, k_cache, v_cache, start):
+    keys = jnp.arange(k_cache.shape[1])
+    mask = keys[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]  # causal over the filled cache
+    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
+
+
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array) -> jax.Array:
     """16-bit attention of T new tokens at positions ``start … start + T − 1`` over a cache that holds them.
 
     One token where cuDNN applies (:func:`dense_attention`'s rule): cuDNN with the filled length as
     ``key_value_seq_lengths``, which reads only the filled keys (H200, 50m preset's heads, B8, a 32k cache:
     0.11 ms against XLA's 0.43; benchmarks/NOTES.md, 27th session). Otherwise XLA with a causal mask over the
-    whole cache.
+    whole cache, which holds a (B, Hq, T, S_max) score tensor: a long prompt goes through in chunks of new
+    tokens (a ``lax.map``) so that it stays within :data:`MASKED_SCORES_PER_CHUNK` scores.
 
     Args:
       q: (B, T, Hq, D); k_cache, v_cache: (B, S_max, Hkv, D), the T new tokens already written at ``start``;
@@ -62,14 +74,19 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start
     Returns:
       (B, T, Hq, D) in q's dtype.
     """
-    t = q.shape[1]
+    b, t, h, d = q.shape
     k_cache, v_cache = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
     if t == 1 and _cudnn(q):
-        lengths = jnp.full((q.shape[0],), start + 1, jnp.int32)
+        lengths = jnp.full((b,), start + 1, jnp.int32)
         return jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths, implementation="cudnn")
-    keys = jnp.arange(k_cache.shape[1])
-    mask = keys[None, :] <= (start + jnp.arange(t))[:, None]  # causal over the filled cache
-    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
+    chunk = max(1, MASKED_SCORES_PER_CHUNK // (b * h * k_cache.shape[1]))
+    if chunk >= t:
+        return _masked_attention(q, k_cache, v_cache, start)
+    n = -(-t // chunk)
+    pieces = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0))).reshape(b, n, chunk, h, d)
+    out = jax.lax.map(lambda xs: _masked_attention(xs[0], k_cache, v_cache, start + xs[1]),
+                      (jnp.moveaxis(pieces, 1, 0), jnp.arange(n, dtype=jnp.int32) * chunk))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, d)[:, :t]
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:

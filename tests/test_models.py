@@ -255,11 +255,14 @@ def test_remat_recomputes_without_changing_gradients(method, options):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(w))))
 
 
-@pytest.mark.parametrize("t, start", [(1, 0), (1, 37), (3, 20)])
-def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start):
+@pytest.mark.parametrize("t, start, chunk", [(1, 0, None), (1, 37, None), (3, 20, None), (5, 20, 2), (4, 0, 1)])
+def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk, monkeypatch):
     """models.attention.cached_attention (the 16-bit decode of every method but thrift): token i of T new ones
     at ``start + i`` attends to the cached keys 0 … start + i and to nothing after them (the cache's tail holds
-    garbage here, which must not leak in); on the CPU it is the XLA path (cuDNN needs a GPU)."""
+    garbage here, which must not leak in), also when the tokens go through in chunks (``chunk`` new tokens per
+    masked call: 5 tokens as 2 + 2 + 1 padded to 2); on the CPU it is the XLA path (cuDNN needs a GPU)."""
+    if chunk is not None:  # a score budget of `chunk` rows of (batch 2 × 4 heads × 64 slots)
+        monkeypatch.setattr(models.attention, "MASKED_SCORES_PER_CHUNK", chunk * 2 * 4 * 64)
     ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
     q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
     kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
@@ -295,3 +298,13 @@ def test_thrift_model_decodes_a_prompt_longer_than_one_decode_call():
         q = jnp.ones((1, 700, cfg.num_heads, cfg.dim // cfg.num_heads), jnp.bfloat16)
         lb.thrift_decode(q, lb.ThriftKVCache.create(1, 1024, cfg.num_kv_heads, cfg.dim // cfg.num_heads).append(
             q[:, :, :cfg.num_kv_heads], q[:, :, :cfg.num_kv_heads]))
+
+
+def test_cached_attention_of_a_long_prompt_holds_a_bounded_score_tensor():
+    """A 2048-token prompt over an 8192-slot cache at B4 with 10 heads (XLA path): one masked call would hold
+    B·H·T·S float32 scores (2.5 GiB and more); in chunks the compiled temporaries stay under 1 GiB."""
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    args = (sd(4, 2048, 10, 64), sd(4, 8192, 5, 64), sd(4, 8192, 5, 64), jax.ShapeDtypeStruct((), jnp.int32))
+    temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    chunked, whole = temp(cached_attention), temp(models.attention._masked_attention)
+    assert whole > 4 * 2**30 * 0.6 and chunked < 2**30
