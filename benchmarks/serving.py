@@ -40,18 +40,13 @@ def filled_caches(model: TransformerLM, batch: int, length: int, seed: int = 0) 
     keys = jax.random.split(jax.random.PRNGKey(seed), 2 * len(caches))
     filled = []
     for i, cache in enumerate(caches):
-        if isinstance(cache, dict):
-            b, _, h, d = cache["k"].shape
-        else:
-            b, _, h, d = cache.k.shape
+        dense = isinstance(cache, dict)  # else a ThriftKVCache
+        b, _, h, d = (cache["k"] if dense else cache.k).shape
         shape, dt = (b, length, h, d), jnp.dtype(model.cfg.dtype)
         k = jax.random.normal(keys[2 * i], shape, dt)
         v = jax.random.normal(keys[2 * i + 1], shape, dt)
-        if isinstance(cache, dict):
-            put = lambda x, new: jax.lax.dynamic_update_slice(x, new, (0, 0, 0, 0))  # noqa: E731
-            filled.append({"k": put(cache["k"], k), "v": put(cache["v"], v), "length": jnp.asarray(length, jnp.int32)})
-        else:
-            filled.append(cache.append(k, v))
+        filled.append({"k": cache["k"].at[:, :length].set(k), "v": cache["v"].at[:, :length].set(v),
+                       "length": jnp.asarray(length, jnp.int32)} if dense else cache.append(k, v))
     return filled
 
 

@@ -374,12 +374,13 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
     from pallas_kernels.thrift_decode import thrift_decode
 
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
-    r_pad, row_tile = thrift_mod._decode_layout(t * (hq // cache.num_kv_heads))
+    rows = t * (hq // cache.num_kv_heads)
+    r_pad, row_tile = thrift_mod._decode_layout(rows)
     order, n_high = thrift_mod.decode_order(q, cache, budget=budget, block=cfg.block,
                                             interpret=impl.get("interpret", False))
     args = thrift_mod.decode_kernel_args(q, cache, order, n_high, r_pad)
     fn = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile,
-                           rows=t * (hq // cache.num_kv_heads), interpret=impl.get("interpret", False))
+                           rows=rows, interpret=impl.get("interpret", False))
     return time_fn(fn, *args, warmup=1, iters=iters, batches=3)
 
 

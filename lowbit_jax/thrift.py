@@ -379,9 +379,9 @@ def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementat
         return decode_reference(q, cache.k, cache.v, cache.k4, cache.k4_scale, cache.v4, cache.v4_scale, sel,
                                 cache.length, scale=scale, config=config)
     t, hq = q.shape[1], q.shape[2]
-    r_pad, row_tile = _decode_layout(t * (hq // cache.num_kv_heads))
-    order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
     rows = t * (hq // cache.num_kv_heads)  # the kernel leaves the padding rows below r_pad unwritten
+    r_pad, row_tile = _decode_layout(rows)
+    order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
     acc, m, l = thrift_decode_kernels.thrift_decode(*decode_kernel_args(q, cache, order, n_high, r_pad), scale=scale,
                                                     config=config, row_tile=row_tile, rows=rows, interpret=interpret)
     return decode_outputs(combine_splits(acc[..., :rows, :], m[..., :rows], l[..., :rows]), t, hq).astype(q.dtype)
