@@ -580,6 +580,40 @@ def render_serving(data: dict) -> list[str]:
     return lines + [""]
 
 
+def render_serving_prefill(data: dict) -> list[str]:
+    """A prompt through the KV cache (benchmarks/serving.py --prefill): the op by implementation, then the model."""
+    lines = ["### A prompt through the KV cache: cuDNN vs XLA (benchmarks/serving.py --prefill)", ""] + _command_block(
+        data) + [
+        "`models.attention.cached_attention` of T new bf16 tokens at `start` over a cache of S slots (the slots after "
+        "start + T hold garbage); cudnn: a prompt into an empty cache is cuDNN's causal attention over the first T "
+        "slots, a chunk after cached tokens cuDNN over the filled length with the causal mask as its bias; xla: "
+        "the masked attention over the whole cache in chunks of at most 2**26 scores. rel-L2 of O vs the float32 "
+        "computation; temporaries: the compiled XLA temporaries.", "",
+        "| B | T | start | S | heads | D | cudnn ms | xla ms | speed-up | cudnn / xla temp MiB | rel-L2 cudnn / xla "
+        "| max abs diff |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["ops"]:
+        ms, tm, e = r["ms"], r["temp_mib"], r["rel_l2"]
+        lines.append(f"| {r['batch']} | {r['tokens']} | {r['start']} | {r['slots']} | {r['heads']}/{r['kv_heads']} | "
+                     f"{r['head_dim']} | {ms['cudnn']:.3f} | {ms['xla']:.3f} | {ms['xla'] / ms['cudnn']:.1f}× | "
+                     f"{tm['cudnn']:.0f} / {tm['xla']:.0f} | {e['cudnn']:.1e} / {e['xla']:.1e} | "
+                     f"{r['max_abs_between']:.1e} |")
+    for r in data.get("models", []):
+        lines += ["", f"The model's `decode` of a {r['prompt']}-token prompt from empty caches of {r['slots']} slots "
+                  f"(preset {r['preset']}, {r['params'] / 1e6:.0f}M parameters, {r['heads']}/{r['kv_heads']} heads of "
+                  f"{r['head_dim']}, B{r['batch']}, random parameters, jitted, caches donated, the greedy pick "
+                  "included; one call at a time, waited for: median of 5) by each method's route and by the one "
+                  "before (dense: XLA's masked attention; thrift: thrift_decode calls), beside each method's forward "
+                  "pass over the same tokens, timed alike (no cache written); logits max |diff| vs that forward's "
+                  "(whose logits reach "
+                  f"{r['logits_max_abs']:.2f}):", "",
+                  "| route | ms | prompt tokens/s | logits max abs diff vs the forward |", "| --- | --- | --- | --- |"]
+        for name, ms in r["ms"].items():
+            diff = r["logits_max_abs_vs_forward"].get(name)
+            lines.append(f"| {name} | {ms:.2f} | {r['tokens_per_s'][name]:,.0f} | "
+                         f"{'—' if diff is None else f'{diff:.3f}'} |")
+    return lines + [""]
+
+
 def _carried_mark(row: dict) -> str:
     """The dagger (' †') after a row carried from an earlier run (its ``carried_from``), else ''."""
     return " †" if row.get("carried_from") else ""
@@ -614,7 +648,8 @@ def main() -> None:
                 ("breakdown", render_breakdown),
                 ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation),
-                ("thrift", render_thrift), ("serving", render_serving)]
+                ("thrift", render_thrift), ("serving", render_serving),
+                ("serving_prefill", render_serving_prefill)]
     for name, render in sections:
         data = _load(name)
         if data is not None:

@@ -4,6 +4,7 @@ Usage (repo root):
     PYTHONPATH=. python benchmarks/serving.py                          # GPU: preset 50m, B8, caches of 8k and 32k
     PYTHONPATH=. python benchmarks/serving.py --batch 2 --lengths 131072
     PYTHONPATH=. python benchmarks/serving.py --smoke                  # tiny, any backend
+    PYTHONPATH=. python benchmarks/serving.py --prefill                # GPU: a prompt through the KV cache
 
 What a server pays per generated token: ``TransformerLM.decode`` of one new token per sequence (embedding,
 every block's projections, attention over its cache, MLP, logits, the greedy pick of the next token), jitted
@@ -14,20 +15,28 @@ filled length on a GPU);
 ``thrift f=…`` reads the selected blocks from the 16-bit cache and the rest from the 4-bit one
 (:func:`lowbit_jax.thrift_decode`). Each round times every method for ``--steps`` steps in turn; a method's
 figure is its median over ``--rounds`` rounds.
+
+``--prefill`` times what comes before: a prompt through the cache. The op
+(:func:`models.attention.cached_attention`, cuDNN against XLA's masked attention, outputs against float32 and
+each other, XLA temporaries) for a prompt into an empty cache and for a chunk after cached tokens; and the model's
+``decode`` of a prompt from empty caches (dense: the default route, and XLA's; thrift) beside its forward pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import environment, write_json
+import models.attention
+from benchmarks.common import environment, time_fn, write_json
 from models import TransformerLM, model_config
 from train.generate import with_method
 
@@ -106,6 +115,99 @@ def run(preset: str, batch: int, length: int, *, steps: int, rounds: int, budget
     return row
 
 
+#: (batch, new tokens, cached before, cache slots, query heads, kv heads, head dim): the 50m preset's heads, then
+#: a larger model's; a prompt into an empty cache and a chunk of one after cached tokens
+PREFILL_SHAPES = ((4, 2048, 0, 8192, 10, 5, 64), (4, 512, 4096, 8192, 10, 5, 64),
+                  (1, 8192, 0, 32768, 32, 8, 128), (1, 2048, 16384, 32768, 32, 8, 128))
+
+
+def _temp_mib(fn, *args) -> float:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
+def prefill_op(b: int, t: int, start: int, slots: int, h: int, hkv: int, d: int, *, impls=("cudnn", "xla"),
+               log=print) -> dict:
+    """``cached_attention`` of ``t`` new tokens at ``start`` over a cache of ``slots`` (bf16; slots past
+    ``start + t`` hold garbage): ms, XLA temporaries and the error of each implementation."""
+    ks = jax.random.split(jax.random.PRNGKey(t + start), 3)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (b, slots, hkv, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (b, slots, hkv, d), jnp.bfloat16)
+    st = jnp.int32(start)
+    exact = models.attention.cached_attention(*(x.astype(jnp.float32) for x in (q, kc, vc)), st, implementation="xla")
+    row = dict(batch=b, tokens=t, start=start, slots=slots, heads=h, kv_heads=hkv, head_dim=d, ms={}, temp_mib={},
+               rel_l2={}, outputs={})
+    for impl in impls:
+        fn = jax.jit(lambda q, kc, vc, st, impl=impl: models.attention.cached_attention(q, kc, vc, st,
+                                                                                        implementation=impl))
+        out = fn(q, kc, vc, st).astype(jnp.float32)
+        row["outputs"][impl] = out
+        row["rel_l2"][impl] = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
+        row["ms"][impl] = time_fn(fn, q, kc, vc, st)
+        row["temp_mib"][impl] = _temp_mib(fn, q, kc, vc, st)
+    outs = row.pop("outputs")
+    if len(impls) == 2:
+        row["max_abs_between"] = float(jnp.max(jnp.abs(outs[impls[0]] - outs[impls[1]])))
+    log(f"  B{b} T{t} at {start} of {slots} H{h}/{hkv} D{d}: " + ", ".join(
+        f"{i} {row['ms'][i]:.3f} ms ({row['temp_mib'][i]:.0f} MiB temp, rel-L2 {row['rel_l2'][i]:.1e})"
+        for i in impls) + (f"; max |diff| {row['max_abs_between']:.1e}" if "max_abs_between" in row else ""))
+    return row
+
+
+def prefill_model(preset: str, batch: int, prompt: int, slots: int, *, budgets=(0.05,), impl: dict | None = None,
+                  log=print) -> dict:
+    """ms of the model's ``decode`` of a ``prompt``-token prompt from empty caches of ``slots`` (jitted, the
+    caches donated, the greedy pick included; median of 5) by each method's route and by the route before
+    (dense: XLA's masked attention; thrift: decode calls), beside each method's forward pass over the same
+    tokens (no cache written), whose logits the decode's are compared with."""
+    cfg = model_config(preset, method="dense", max_len=slots)
+    dense = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(dense)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt), 0, 256)
+    original = models.attention.cached_attention
+    methods = {"dense": dense}
+    methods.update({f"thrift f={f:g}": with_method(dense, "thrift", dict(budget=f, **(impl or {}))) for f in budgets})
+    variants = {"dense": ("dense", None),
+                "dense, XLA route": ("dense", mock.patch.object(
+                    models.attention, "cached_attention", lambda *a, **k: original(*a, **k, implementation="xla")))}
+    for f in budgets:
+        name = f"thrift f={f:g}"
+        variants[name] = (name, None)
+        variants[f"{name}, decode route"] = (name, mock.patch.object(
+            models.attention.Attention, "_thrift_prefill", models.attention.Attention._thrift_decode_chunks))
+    def one_call_ms(fn, *args, caches=None) -> float:  # a prompt arrives alone: one call, waited for
+        jax.block_until_ready(fn(*args, *([caches()] if caches else [])))  # compile
+        times = []
+        for _ in range(5):
+            extra = [jax.block_until_ready(caches())] if caches else []
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args, *extra))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times))
+
+    ms, logits, forward = {}, {}, {}
+    for method, model in methods.items():
+        fwd = jax.jit(lambda p, x, g=nnx.graphdef(model): nnx.merge(g, p)(x))
+        ms[f"{method} forward (no cache)"] = one_call_ms(fwd, params, tokens)
+        forward[method] = fwd(params, tokens).astype(jnp.float32)
+    for name, (method, patch) in variants.items():
+        model = methods[method]
+        with patch or contextlib.nullcontext():
+            ms[name] = one_call_ms(decode_step(model), params, tokens, caches=lambda m=model: m.init_cache(batch))
+            full = jax.jit(lambda p, x, m=model: nnx.merge(nnx.graphdef(m), p).decode(x, m.init_cache(batch))[0])
+            logits[name] = float(jnp.max(jnp.abs(full(params, tokens).astype(jnp.float32) - forward[method])))
+    row = dict(preset=preset, params=cfg.num_params(), heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+               head_dim=cfg.dim // cfg.num_heads, batch=batch, prompt=prompt, slots=slots, ms=ms,
+               tokens_per_s={n: batch * prompt * 1e3 / t for n, t in ms.items()},
+               logits_max_abs_vs_forward=logits,
+               logits_max_abs=max(float(jnp.max(jnp.abs(x))) for x in forward.values()))
+    log(f"  {preset} B{batch} prompt {prompt} into {slots} slots: " + ", ".join(
+        f"{n} {t:.2f} ms ({row['tokens_per_s'][n]:,.0f} tokens/s)" for n, t in ms.items())
+        + "; logits max |diff| vs forward " + ", ".join(f"{n} {v:.3f}" for n, v in
+                                                        row["logits_max_abs_vs_forward"].items()))
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="50m")
@@ -114,7 +216,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="decode steps per method per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="preset tiny, B2, a 200-token cache, 2 steps")
+    parser.add_argument("--prefill", action="store_true", help="a prompt through the cache (op and model)")
     args = parser.parse_args(argv)
+    command = "PYTHONPATH=. python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.prefill:
+        env = environment()
+        print(f"# {env}")
+        ops = [prefill_op(*shape) for shape in PREFILL_SHAPES]
+        model_rows = [prefill_model(args.preset, 4, 2048, 8192)]
+        for p in write_json("serving_prefill", dict(env=env, command=command.strip(), ops=ops, models=model_rows)):
+            print(f"wrote {p}")
+        return 0
     impl = None
     if args.smoke:
         args.preset, args.batch, args.lengths, args.steps, args.rounds = "tiny", 2, [200], 2, 1
@@ -122,7 +234,6 @@ def main(argv=None) -> int:
     env = environment()
     print(f"# {env}")
     rows = [run(args.preset, args.batch, n, steps=args.steps, rounds=args.rounds, impl=impl) for n in args.lengths]
-    command = "PYTHONPATH=. python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
     payload = dict(env=env, command=command.strip(), rows=rows)
     for p in write_json("serving_smoke" if args.smoke else "serving", payload):
         print(f"wrote {p}")

@@ -52,41 +52,101 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -
 #: :func:`cached_attention` holds (float32: 256 MiB); more new tokens go through in chunks
 MASKED_SCORES_PER_CHUNK = 2**26
 
+#: :func:`cached_attention`'s ``implementation`` values
+CACHED_IMPLEMENTATIONS = (None, "cudnn", "xla")
+
+
+def _causal_cache_mask(t, slots, start):
+    """(T, slots) bool: new token i (at ``start + i``) sees the cached keys 0 … start + i."""
+    return jnp.arange(slots)[None, :] <= (start + jnp.arange(t))[:, None]
+
 
 def _masked_attention(q, k_cache, v_cache, start):
-    keys = jnp.arange(k_cache.shape[1])
-    mask = keys[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]  # causal over the filled cache
+    mask = _causal_cache_mask(q.shape[1], k_cache.shape[1], start)
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
 
 
-def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array) -> jax.Array:
+def _in_chunks(attend, q, k_cache, v_cache, start, chunk):
+    """``attend`` over consecutive chunks of ``chunk`` new tokens (a ``lax.map``; the last one padded)."""
+    b, t, h, d = q.shape
+    if chunk >= t:
+        return attend(q, k_cache, v_cache, start)
+    n = -(-t // chunk)
+    pieces = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0))).reshape(b, n, chunk, h, d)
+    out = jax.lax.map(lambda xs: attend(xs[0], k_cache, v_cache, start + xs[1]),
+                      (jnp.moveaxis(pieces, 1, 0), jnp.arange(n, dtype=jnp.int32) * chunk))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, d)[:, :t]
+
+
+def _xla_cached_attention(q, k_cache, v_cache, start):
+    """XLA's masked attention over the whole cache, in chunks of at most :data:`MASKED_SCORES_PER_CHUNK`
+    scores."""
+    b, _, h, _ = q.shape
+    chunk = max(1, MASKED_SCORES_PER_CHUNK // (b * h * k_cache.shape[1]))
+    return _in_chunks(_masked_attention, q, k_cache, v_cache, start, chunk)
+
+
+def _cudnn_masked(q, k_cache, v_cache, start):
+    # a padded last chunk may reach past the cache's end: only its padding rows would see those slots
+    lengths = jnp.full((q.shape[0],), jnp.minimum(start + q.shape[1], k_cache.shape[1]), jnp.int32)
+    mask = _causal_cache_mask(q.shape[1], k_cache.shape[1], start)[None, None]
+    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask, key_value_seq_lengths=lengths,
+                                        implementation="cudnn")
+
+
+def _cudnn_cached_attention(q, k_cache, v_cache, start):
+    """cuDNN over the filled length (``key_value_seq_lengths = start + T``): one token needs no other mask; a
+    prompt into an empty cache is cuDNN's top-left causal attention over the cache's first T slots (the
+    training forward's kernel); several tokens after cached ones add the causal mask as cuDNN's bias, (T,
+    S_max) broadcast over batch and heads, in chunks of at most :data:`MASKED_SCORES_PER_CHUNK` entries."""
+    b, t = q.shape[:2]
+    if t == 1:
+        lengths = jnp.full((b,), start + 1, jnp.int32)
+        return jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths,
+                                            implementation="cudnn")
+
+    def prompt(q, k_cache, v_cache, start):
+        return jax.nn.dot_product_attention(q, k_cache[:, :t], v_cache[:, :t], is_causal=True,
+                                            implementation="cudnn")
+
+    def after_cached(q, k_cache, v_cache, start):
+        chunk = max(1, MASKED_SCORES_PER_CHUNK // k_cache.shape[1])
+        return _in_chunks(_cudnn_masked, q, k_cache, v_cache, start, chunk)
+
+    return jax.lax.cond(start == 0, prompt, after_cached, q, k_cache, v_cache, start)
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *,
+                     implementation: str | None = None) -> jax.Array:
     """16-bit attention of T new tokens at positions ``start … start + T − 1`` over a cache that holds them.
 
-    One token where cuDNN applies (:func:`dense_attention`'s rule): cuDNN with the filled length as
-    ``key_value_seq_lengths``, which reads only the filled keys (H200, 50m preset's heads, B8, a 32k cache:
-    0.11 ms against XLA's 0.43; benchmarks/NOTES.md, 27th session). Otherwise XLA with a causal mask over the
-    whole cache, which holds a (B, Hq, T, S_max) score tensor: a long prompt goes through in chunks of new
-    tokens (a ``lax.map``) so that it stays within :data:`MASKED_SCORES_PER_CHUNK` scores.
+    ``implementation=None`` picks cuDNN where it applies (:func:`dense_attention`'s rule), else XLA:
+    * "cudnn": flash attention over the filled length only (``key_value_seq_lengths``; H200, the 50m
+      preset's heads, B8, a 32k cache, one token: 0.11 ms against XLA's 0.43, benchmarks/NOTES.md, 27th
+      session). A prompt into an empty cache (``start == 0``, decided at run time) is cuDNN's causal
+      attention over the first T slots; several tokens after cached ones carry the causal mask as a bias.
+    * "xla": a causal mask over the whole cache, which holds a (B, Hq, T, S_max) float32 score tensor: a
+      long prompt goes through in chunks of new tokens (a ``lax.map``) of at most
+      :data:`MASKED_SCORES_PER_CHUNK` scores.
 
     Args:
       q: (B, T, Hq, D); k_cache, v_cache: (B, S_max, Hkv, D), the T new tokens already written at ``start``;
-      start: int32 scalar, the tokens cached before these.
+      start: int32 scalar, the tokens cached before these (``start + T ≤ S_max``).
+      implementation: None, "cudnn" (a GPU, bf16/fp16 q, D a multiple of 8 up to 128) or "xla".
     Returns:
       (B, T, Hq, D) in q's dtype.
     """
-    b, t, h, d = q.shape
+    if implementation not in CACHED_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {CACHED_IMPLEMENTATIONS}, got {implementation!r}")
+    if q.shape[1] > k_cache.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} new tokens, more than the cache's {k_cache.shape[1]} slots")
     k_cache, v_cache = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
-    if t == 1 and _cudnn(q):
-        lengths = jnp.full((b,), start + 1, jnp.int32)
-        return jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths, implementation="cudnn")
-    chunk = max(1, MASKED_SCORES_PER_CHUNK // (b * h * k_cache.shape[1]))
-    if chunk >= t:
-        return _masked_attention(q, k_cache, v_cache, start)
-    n = -(-t // chunk)
-    pieces = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0))).reshape(b, n, chunk, h, d)
-    out = jax.lax.map(lambda xs: _masked_attention(xs[0], k_cache, v_cache, start + xs[1]),
-                      (jnp.moveaxis(pieces, 1, 0), jnp.arange(n, dtype=jnp.int32) * chunk))
-    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, d)[:, :t]
+    if implementation == "cudnn" and not _cudnn(q):
+        raise ValueError("implementation='cudnn' needs a GPU, bf16/fp16 q and a head dim that is a multiple of 8 "
+                         f"up to 128; got {q.dtype} q of head dim {q.shape[-1]} on {jax.default_backend()}")
+    if implementation == "cudnn" or (implementation is None and _cudnn(q)):
+        return _cudnn_cached_attention(q, k_cache, v_cache, start)
+    return _xla_cached_attention(q, k_cache, v_cache, start)
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -176,24 +236,40 @@ class Attention(nnx.Module):
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
 
+    def _thrift_prefill(self, q, k, v, cache):
+        """A prompt into an empty cache: the prefill over the prompt alone, then the prompt cached."""
+        o = lb.thrift_attention(q, k, v, causal=True, **self.attention_options)
+        return o, cache.append(k, v)
+
+    def _thrift_decode_chunks(self, q, k, v, cache):
+        """New tokens after cached ones: thrift_decode in chunks of at most MAX_DECODE_ROWS query rows."""
+        chunk = max(1, MAX_DECODE_ROWS // (self.num_heads // self.num_kv_heads))
+        outs = []
+        for a in range(0, q.shape[1], chunk):
+            cache = cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
+            outs.append(lb.thrift_decode(q[:, a:a + chunk], cache, **self.attention_options))
+        return (jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]), cache
+
     def decode(self, x: jax.Array, cache: dict | lb.ThriftKVCache) -> tuple[jax.Array, dict | lb.ThriftKVCache]:
         """Attend T new tokens (B, T, dim) to the cache plus themselves; returns (y, new cache).
 
-        "thrift": the tokens are appended to its 16-bit and 4-bit caches and :func:`lowbit_jax.thrift_decode`
-        reads the selected blocks from the first and the rest from the second; more tokens than one call takes
-        (:data:`lowbit_jax.thrift.MAX_DECODE_ROWS` query rows: a long prompt) go through in consecutive
-        chunks, each appended and then attended, as that many shorter decode calls would. Every other method
-        attends in 16-bit over the cache (:func:`cached_attention`).
+        "thrift": the tokens are appended to its 16-bit and 4-bit caches. A prompt into an empty cache (T > 1,
+        ``cache.length == 0``, decided at run time) is ThriftAttention's prefill (:func:`lowbit_jax.thrift_attention`,
+        causal, over the prompt alone: the forward pass's attention); otherwise :func:`lowbit_jax.thrift_decode`
+        reads the selected blocks from the 16-bit cache and the rest from the 4-bit one, and more tokens than one
+        call takes (:data:`lowbit_jax.thrift.MAX_DECODE_ROWS` query rows: a long chunk after cached tokens) go
+        through in consecutive chunks, each appended and then attended, as that many shorter decode calls would.
+        Every other method attends in 16-bit over the cache (:func:`cached_attention`).
         """
         b, t, _ = x.shape
         if self.method == "thrift":
             q, k, v = self._qkv(x, cache.length + jnp.arange(t))
-            chunk = max(1, MAX_DECODE_ROWS // (self.num_heads // self.num_kv_heads))
-            outs = []
-            for a in range(0, t, chunk):
-                cache = cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
-                outs.append(lb.thrift_decode(q[:, a:a + chunk], cache, **self.attention_options))
-            o = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+            if t == 1:
+                cache = cache.append(k, v)
+                o = lb.thrift_decode(q, cache, **self.attention_options)
+            else:
+                o, cache = jax.lax.cond(cache.length == 0, self._thrift_prefill, self._thrift_decode_chunks,
+                                        q, k, v, cache)
             return self.o_proj(o.reshape(b, t, -1)), cache
         start = cache["length"]
         q, k, v = self._qkv(x, start + jnp.arange(t))

@@ -308,3 +308,26 @@ def test_serving_caches_hold_the_same_tokens_and_the_table_renders():
                vs_dense={n: 2.0 / t for n, t in ms.items()})
     text = "\n".join(render_serving(dict(env=dict(device="cpu", jax="0.11.2", date="now"), command="x", rows=[row])))
     assert "| 2 | 70 | thrift f=0.05 | 1.000 | 2,000 | 2.00× |" in text
+
+
+def test_serving_prefill_runs_and_its_table_renders(monkeypatch):
+    """benchmarks/serving.py --prefill's op row (XLA only on the CPU; a float32 error that is small but not zero)
+    and model row (a tiny preset: the decode of a prompt gives the forward's logits by every route), rendered."""
+    from benchmarks import serving
+    from benchmarks.render_results import render_serving_prefill
+
+    op = serving.prefill_op(1, 40, 24, 96, 4, 2, 32, impls=("xla",), log=lambda *_: None)
+    assert 0 < op["rel_l2"]["xla"] < 2e-2 and op["ms"]["xla"] > 0 and op["temp_mib"]["xla"] >= 0
+    row = serving.prefill_model("tiny", 1, 40, 96, impl=dict(implementation="xla"), log=lambda *_: None)
+    assert set(row["ms"]) == {"dense", "dense, XLA route", "thrift f=0.05", "thrift f=0.05, decode route",
+                              "dense forward (no cache)", "thrift f=0.05 forward (no cache)"}
+    diffs = row["logits_max_abs_vs_forward"]
+    # the CPU's dense route is XLA's; the thrift prefill is the forward pass, the decode route is not
+    assert diffs["dense"] == diffs["dense, XLA route"] < 0.05 * row["logits_max_abs"], diffs
+    assert diffs["thrift f=0.05"] < 1e-5 < diffs["thrift f=0.05, decode route"], diffs
+    text = "\n".join(render_serving_prefill(dict(env=dict(device="cpu", jax="0.11.2", date="now"), command="x",
+                                                ops=[dict(op, ms=dict(op["ms"], cudnn=op["ms"]["xla"] / 2),
+                                                          temp_mib=dict(op["temp_mib"], cudnn=0.0),
+                                                          rel_l2=dict(op["rel_l2"], cudnn=1e-3),
+                                                          max_abs_between=1e-3)], models=[row])))
+    assert "| 1 | 40 | 24 | 96 | 4/2 | 32 |" in text and "| 2.0× |" in text and "| thrift f=0.05 |" in text

@@ -1,5 +1,7 @@
 """Flax models: shapes per method, QK-norm, RoPE, KV-cache decode, bad configuration."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,10 +277,55 @@ def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk,
         np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
-def test_thrift_model_decodes_a_prompt_longer_than_one_decode_call():
-    """A thrift model's decode of more tokens than one thrift_decode call takes (MAX_DECODE_ROWS query rows:
-    700 tokens × a group of 2 heads) runs them in chunks: the same logits and cache as two decode calls of 512
-    and 188 tokens (one call of 700 raises in thrift_decode itself)."""
+@pytest.mark.parametrize("t, start, chunk", [(1, 37, None), (6, 0, None), (6, 20, None), (5, 20, 2), (5, 59, 2)])
+def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, start, chunk, monkeypatch):
+    """The cuDNN route's logic, with cuDNN emulated by XLA's attention (the same arguments: filled lengths, the
+    top-left causal flag, the bias mask): one token over the filled length; a prompt into an empty cache as causal
+    attention over the first T slots; tokens after cached ones with the causal mask, also in chunks (5 tokens as
+    2 + 2 + 1 padded, whose padding may reach past the cache's 64 slots at start 59). The garbage in the cache's
+    tail must not leak in. The real cuDNN is checked on the GPU (benchmarks/serving.py --prefill)."""
+    dpa = jax.nn.dot_product_attention
+    calls = []
+
+    def emulated(*args, implementation=None, **kwargs):
+        assert implementation == "cudnn"
+        calls.append(sorted(k for k, v in kwargs.items() if v is not None and v is not False))
+        return dpa(*args, **kwargs)
+
+    if chunk is not None:
+        monkeypatch.setattr(models.attention, "MASKED_SCORES_PER_CHUNK", chunk * 64)
+    monkeypatch.setattr(models.attention, "_cudnn", lambda q: True)
+    monkeypatch.setattr(models.attention.jax.nn, "dot_product_attention", emulated)
+    ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
+    q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
+    kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
+    vc = jax.random.normal(ks[2], (2, 64, 2, 32), jnp.float32)
+    got = jax.jit(functools.partial(cached_attention, implementation="cudnn"))(q, kc, vc, jnp.int32(start))
+    monkeypatch.undo()
+    for i in range(t):
+        n = start + i + 1
+        want = dpa(q[:, i:i + 1], kc[:, :n], vc[:, :n])
+        np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
+    # under jit both branches of the start == 0 switch are traced for T > 1
+    kinds = {tuple(c) for c in calls}
+    assert kinds == ({("key_value_seq_lengths",)} if t == 1 else {("is_causal",), ("key_value_seq_lengths", "mask")})
+
+
+def test_cached_attention_rejects_bad_implementation():
+    q = jnp.ones((1, 2, 4, 32), jnp.bfloat16)
+    kc = jnp.ones((1, 8, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        cached_attention(q, kc, kc, jnp.int32(0), implementation="triton")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        cached_attention(q, kc, kc, jnp.int32(0), implementation="cudnn")
+    with pytest.raises(ValueError, match="more than the cache"):
+        cached_attention(jnp.ones((1, 9, 4, 32), jnp.bfloat16), kc, kc, jnp.int32(0))
+
+
+def test_thrift_model_decodes_a_long_chunk_after_cached_tokens_in_decode_calls():
+    """A thrift model's decode of more tokens after cached ones than one thrift_decode call takes
+    (MAX_DECODE_ROWS query rows: 700 tokens × a group of 2 heads) runs them in chunks: the same logits and cache
+    as two decode calls of 512 and 188 tokens (one call of 700 raises in thrift_decode itself)."""
     import lowbit_jax as lb
     from lowbit_jax.thrift import MAX_DECODE_ROWS
 
@@ -286,18 +333,46 @@ def test_thrift_model_decodes_a_prompt_longer_than_one_decode_call():
     group = cfg.num_heads // cfg.num_kv_heads
     assert 700 * group > MAX_DECODE_ROWS and 512 * group == MAX_DECODE_ROWS
     model = models.TransformerLM(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(9), (1, 700), 0, 256)
-    got, cache = jax.jit(model.decode)(tokens, model.init_cache(1))
-    first, part = jax.jit(model.decode)(tokens[:, :512], model.init_cache(1))
-    second, part = jax.jit(model.decode)(tokens[:, 512:], part)
+    tokens = jax.random.randint(jax.random.PRNGKey(9), (1, 730), 0, 256)
+    decode = jax.jit(model.decode)
+    _, cached = decode(tokens[:, :30], model.init_cache(1))  # a prompt (the prefill) first
+    got, cache = decode(tokens[:, 30:], cached)
+    first, part = decode(tokens[:, 30:542], cached)
+    second, part = decode(tokens[:, 542:], part)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.concatenate([first, second], axis=1)))
-    assert int(cache[0].length) == int(part[0].length) == 700
+    assert int(cache[0].length) == int(part[0].length) == 730
     np.testing.assert_array_equal(np.asarray(cache[-1].k4), np.asarray(part[-1].k4))
     assert np.isfinite(np.asarray(got)).all()
     with pytest.raises(ValueError, match="at most"):
         q = jnp.ones((1, 700, cfg.num_heads, cfg.dim // cfg.num_heads), jnp.bfloat16)
         lb.thrift_decode(q, lb.ThriftKVCache.create(1, 1024, cfg.num_kv_heads, cfg.dim // cfg.num_heads).append(
             q[:, :, :cfg.num_kv_heads], q[:, :, :cfg.num_kv_heads]))
+
+
+@pytest.mark.parametrize("t", [2, 90])
+def test_thrift_model_prefills_a_prompt_as_its_forward_pass(t):
+    """A prompt into a thrift model's empty caches is ThriftAttention's prefill: the forward pass's logits (its
+    attention is thrift_attention over the sequence), not per-token decodes (whose selection differs), and the
+    caches hold the prompt as appending it token by token would; the next token then decodes from them."""
+    cfg = models.model_config("tiny", method="thrift", max_len=128)
+    model = models.TransformerLM(cfg, rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.PRNGKey(t), (2, t + 1), 0, 256)
+    logits, caches = jax.jit(model.decode)(tokens[:, :t], model.init_cache(2))
+    want = jax.jit(lambda x: model(x))(tokens[:, :t])
+    np.testing.assert_allclose(np.asarray(logits, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-5)
+    # per-token decodes are another computation (the decode's own selection and 4-bit reads): not these logits
+    stepwise, c = [], model.init_cache(2)
+    for i in range(t):
+        y, c = model.decode(tokens[:, i:i + 1], c)
+        stepwise.append(y)
+    assert not np.allclose(np.asarray(jnp.concatenate(stepwise, 1), np.float32), np.asarray(want, np.float32),
+                           atol=1e-3)
+    assert [int(x.length) for x in caches] == [int(x.length) for x in c] == [t] * cfg.num_layers
+    # the first layer's K/V depend on the tokens alone: the prompt's cache equals t appends of one token
+    for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(c[0])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    nxt, after = jax.jit(model.decode)(tokens[:, t:], caches)
+    assert nxt.shape == (2, 1, cfg.vocab_size) and int(after[0].length) == t + 1
 
 
 def test_cached_attention_of_a_long_prompt_holds_a_bounded_score_tensor():
