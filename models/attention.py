@@ -250,6 +250,23 @@ class Attention(nnx.Module):
             outs.append(lb.thrift_decode(q[:, a:a + chunk], cache, **self.attention_options))
         return (jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]), cache
 
+    def prefill(self, x: jax.Array, cache: dict | lb.ThriftKVCache) -> tuple[jax.Array, dict | lb.ThriftKVCache]:
+        """A prompt (B, T, dim) into ``cache``, which must be empty (:meth:`init_cache`); returns (y, the cache).
+
+        The static form of :meth:`decode`'s route for an empty cache (which decode picks at run time, compiling
+        its other route too): "thrift" is ThriftAttention's prefill over the prompt (the forward pass's
+        attention); every other method is 16-bit causal attention over the prompt (:func:`dense_attention`).
+        """
+        t = x.shape[1]
+        q, k, v = self._qkv(x, jnp.arange(t))
+        if self.method == "thrift":
+            o, cache = self._thrift_prefill(q, k, v, cache)
+        else:
+            o = dense_attention(q, k, v, causal=True)
+            cache = {"k": cache["k"].at[:, :t].set(k.astype(cache["k"].dtype)),
+                     "v": cache["v"].at[:, :t].set(v.astype(cache["v"].dtype)), "length": cache["length"] + t}
+        return self.o_proj(o.reshape(x.shape[0], t, -1)), cache
+
     def decode(self, x: jax.Array, cache: dict | lb.ThriftKVCache) -> tuple[jax.Array, dict | lb.ThriftKVCache]:
         """Attend T new tokens (B, T, dim) to the cache plus themselves; returns (y, new cache).
 

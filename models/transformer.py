@@ -148,6 +148,11 @@ class Block(nnx.Module):
         x = x + y
         return x + self.mlp(x), cache
 
+    def prefill(self, x, cache):
+        y, cache = self.attn.prefill(self.attn_norm(x), cache)
+        x = x + y
+        return x + self.mlp(x), cache
+
 
 class TransformerLM(nnx.Module):
     """Byte-level decoder LM.
@@ -176,10 +181,25 @@ class TransformerLM(nnx.Module):
         return [b.attn.init_cache(batch, self.cfg.max_len, jnp.dtype(self.cfg.dtype)) for b in self.blocks]
 
     def decode(self, tokens: jax.Array, cache: list[dict]) -> tuple[jax.Array, list[dict]]:
-        """Next-token logits (B, T, vocab) for T new tokens after the cached ones."""
+        """Next-token logits (B, T, vocab) float32 for T new int tokens (B, T) after the cached ones; the new
+        caches."""
+        return self._through_blocks(tokens, cache, Block.decode)
+
+    def prefill(self, tokens: jax.Array) -> tuple[jax.Array, list[dict]]:
+        """A prompt (B, T) int into fresh caches: its logits (B, T, vocab) float32 and the caches.
+
+        The same values as :meth:`decode` from :meth:`init_cache`'s caches, by the empty-cache route alone
+        (the thrift method's prefill kernel; 16-bit causal attention for the others), so that only that route
+        is compiled.
+        """
+        if tokens.shape[-1] > self.cfg.max_len:
+            raise ValueError(f"prompt length {tokens.shape[-1]} exceeds the model's max_len {self.cfg.max_len}")
+        return self._through_blocks(tokens, self.init_cache(tokens.shape[0]), Block.prefill)
+
+    def _through_blocks(self, tokens, cache, step):
         x = embed_tokens(self.embed, tokens)
         new = []
         for block, c in zip(self.blocks, cache):
-            x, c = block.decode(x, c)
+            x, c = step(block, x, c)
             new.append(c)
         return self.embed.attend(self.norm(x)).astype(jnp.float32), new

@@ -375,6 +375,25 @@ def test_thrift_model_prefills_a_prompt_as_its_forward_pass(t):
     assert nxt.shape == (2, 1, cfg.vocab_size) and int(after[0].length) == t + 1
 
 
+@pytest.mark.parametrize("method", ["dense", "sage", "qat_fp4", "thrift"])
+def test_prefill_is_decode_from_empty_caches(method):
+    """TransformerLM.prefill (the static empty-cache route) gives decode-from-init_cache's logits and caches for
+    every method, and the next decode step continues from its caches; too long a prompt is refused."""
+    cfg = models.model_config("tiny", method=method, max_len=96)
+    model = models.TransformerLM(cfg, rngs=nnx.Rngs(5))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 71), 0, 256)
+    got, caches = jax.jit(model.prefill)(tokens[:, :70])
+    want, ref = jax.jit(model.decode)(tokens[:, :70], model.init_cache(2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    nxt, _ = jax.jit(model.decode)(tokens[:, 70:], caches)
+    nxt_ref, _ = jax.jit(model.decode)(tokens[:, 70:], ref)
+    np.testing.assert_array_equal(np.asarray(nxt), np.asarray(nxt_ref))
+    with pytest.raises(ValueError, match="exceeds the model's max_len"):
+        model.prefill(jnp.zeros((1, 97), jnp.int32))
+
+
 def test_cached_attention_of_a_long_prompt_holds_a_bounded_score_tensor():
     """A 2048-token prompt over an 8192-slot cache at B4 with 10 heads (XLA path): one masked call would hold
     B·H·T·S float32 scores (2.5 GiB and more); in chunks the compiled temporaries stay under 1 GiB."""

@@ -1,8 +1,8 @@
 """Sample text from a checkpoint: ``python -m train.generate --from runs/demo --prompt "def " --tokens 200``.
 
-Prefills the prompt, then decodes token by token through the model's KV cache. ``--method`` serves the
-checkpoint with another attention method than it was trained with, e.g. ``--method thrift --budget 0.1``
-(ThriftAttention over a 16-bit + 4-bit KV cache).
+Prefills the prompt (``TransformerLM.prefill``), then decodes token by token through the model's KV cache.
+``--method`` serves the checkpoint with another attention method than it was trained with, e.g. ``--method
+thrift --budget 0.1`` (ThriftAttention over a 16-bit + 4-bit KV cache).
 """
 
 from __future__ import annotations
@@ -75,19 +75,24 @@ def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature:
                          f"({model.cfg.max_len})")
     graphdef, params = nnx.split(model)
 
+    def pick(logits, key):
+        if temperature <= 0:
+            return jnp.argmax(logits, -1)
+        top = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        return jax.random.categorical(key, jnp.where(logits < top, -jnp.inf, logits) / temperature, -1)
+
     @functools.partial(jax.jit, donate_argnums=(2,))  # the caches update in place, not copied per token
     def step(params, tok, cache, key):
         logits, cache = nnx.merge(graphdef, params).decode(tok, cache)
-        logits = logits[:, -1]
-        if temperature <= 0:
-            return jnp.argmax(logits, -1), cache
-        top = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < top, -jnp.inf, logits) / temperature
-        return jax.random.categorical(key, logits, -1), cache
+        return pick(logits[:, -1], key), cache
 
-    cache = model.init_cache(1)
+    @jax.jit
+    def prefill(params, tok, key):
+        logits, cache = nnx.merge(graphdef, params).prefill(tok)
+        return pick(logits[:, -1], key), cache
+
     key = jax.random.PRNGKey(seed)
-    nxt, cache = step(params, jnp.asarray(tokens)[None], cache, key)
+    nxt, cache = prefill(params, jnp.asarray(tokens)[None], key)
     out = [int(nxt[0])]
     for _ in range(num_tokens - 1):
         key, sub = jax.random.split(key)
