@@ -236,6 +236,10 @@ class Attention(nnx.Module):
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
 
+    def _check_causal(self):
+        if not self.causal:
+            raise ValueError("the KV-cache paths (prefill, decode) attend causally: this attention has causal=False")
+
     def _thrift_prefill(self, q, k, v, cache):
         """A prompt into an empty cache: the prefill over the prompt alone, then the prompt cached."""
         o = lb.thrift_attention(q, k, v, causal=True, **self.attention_options)
@@ -257,6 +261,7 @@ class Attention(nnx.Module):
         its other route too): "thrift" is ThriftAttention's prefill over the prompt (the forward pass's
         attention); every other method is 16-bit causal attention over the prompt (:func:`dense_attention`).
         """
+        self._check_causal()
         t = x.shape[1]
         q, k, v = self._qkv(x, jnp.arange(t))
         if self.method == "thrift":
@@ -278,6 +283,7 @@ class Attention(nnx.Module):
         through in consecutive chunks, each appended and then attended, as that many shorter decode calls would.
         Every other method attends in 16-bit over the cache (:func:`cached_attention`).
         """
+        self._check_causal()
         b, t, _ = x.shape
         if self.method == "thrift":
             q, k, v = self._qkv(x, cache.length + jnp.arange(t))

@@ -392,6 +392,10 @@ def test_prefill_is_decode_from_empty_caches(method):
     np.testing.assert_array_equal(np.asarray(nxt), np.asarray(nxt_ref))
     with pytest.raises(ValueError, match="exceeds the model's max_len"):
         model.prefill(jnp.zeros((1, 97), jnp.int32))
+    attn = Attention(128, 4, 2, method=method, causal=False, rngs=nnx.Rngs(0))
+    for fn in (attn.prefill, attn.decode):
+        with pytest.raises(ValueError, match="causal=False"):
+            fn(jnp.ones((1, 3, 128), jnp.bfloat16), attn.init_cache(1, 64))
 
 
 def test_cached_attention_of_a_long_prompt_holds_a_bounded_score_tensor():
