@@ -19,7 +19,8 @@ figure is its median over ``--rounds`` rounds.
 ``--prefill`` times what comes before: a prompt through the cache. The op
 (:func:`models.attention.cached_attention`, cuDNN against XLA's masked attention, outputs against float32 and
 each other, XLA temporaries) for a prompt into an empty cache and for a chunk after cached tokens; and the model's
-``decode`` of a prompt from empty caches (dense: the default route, and XLA's; thrift) beside its forward pass.
+prompt by ``prefill``, by ``decode`` from empty caches and by the routes before (dense: XLA's; thrift:
+thrift_decode calls), beside its forward pass (:func:`prefill_model`).
 """
 
 from __future__ import annotations
