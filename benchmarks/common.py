@@ -48,6 +48,12 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 10, batches: int 
     return statistics.median(times)
 
 
+def temp_mib(fn: Callable, *args) -> float:
+    """XLA's temporary buffers of the compiled call of a jitted ``fn`` (MiB): what it needs beyond its arguments
+    and outputs."""
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
 def environment() -> dict:
     dev = jax.devices()[0]
     return {

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 import models.attention
-from benchmarks.common import environment, time_fn, write_json
+from benchmarks.common import environment, temp_mib, time_fn, write_json
 from models import TransformerLM, model_config
 from train.generate import with_method
 
@@ -122,10 +122,6 @@ PREFILL_SHAPES = ((4, 2048, 0, 8192, 10, 5, 64), (4, 512, 4096, 8192, 10, 5, 64)
                   (1, 8192, 0, 32768, 32, 8, 128), (1, 2048, 16384, 32768, 32, 8, 128))
 
 
-def _temp_mib(fn, *args) -> float:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
-
-
 def prefill_op(b: int, t: int, start: int, slots: int, h: int, hkv: int, d: int, *, impls=("cudnn", "xla"),
                log=print) -> dict:
     """``cached_attention`` of ``t`` new tokens at ``start`` over a cache of ``slots`` (bf16; slots past
@@ -145,7 +141,7 @@ def prefill_op(b: int, t: int, start: int, slots: int, h: int, hkv: int, d: int,
         row["outputs"][impl] = out
         row["rel_l2"][impl] = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
         row["ms"][impl] = time_fn(fn, q, kc, vc, st)
-        row["temp_mib"][impl] = _temp_mib(fn, q, kc, vc, st)
+        row["temp_mib"][impl] = temp_mib(fn, q, kc, vc, st)
     outs = row.pop("outputs")
     if len(impls) == 2:
         row["max_abs_between"] = float(jnp.max(jnp.abs(outs[impls[0]] - outs[impls[1]])))

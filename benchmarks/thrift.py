@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
+from benchmarks.common import RESULTS_DIR, attention_flops, environment, temp_mib, time_fn, write_json
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax.thrift_reference import decode_selection
 
@@ -192,11 +192,6 @@ def prefill(log, smoke):
             f"{m} {t:.2f} ms" for m, t in row["ms"].items()) + " | parts at f=0.05: " + " ".join(
             f"{m} {t:.2f}" for m, t in row["parts_ms"].items()))
     return rows
-
-
-def temp_mib(fn, *args) -> float:
-    """XLA's temporary buffers of the compiled call (MiB): what it needs beyond its arguments and outputs."""
-    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
 def long_prefill(log, smoke):
