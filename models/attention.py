@@ -106,8 +106,7 @@ def _cudnn_cached_attention(q, k_cache, v_cache, start):
                                             implementation="cudnn")
 
     def prompt(q, k_cache, v_cache, start):
-        return jax.nn.dot_product_attention(q, k_cache[:, :t], v_cache[:, :t], is_causal=True,
-                                            implementation="cudnn")
+        return dense_attention(q, k_cache[:, :t], v_cache[:, :t], causal=True)
 
     def after_cached(q, k_cache, v_cache, start):
         chunk = max(1, MASKED_SCORES_PER_CHUNK // k_cache.shape[1])
@@ -147,6 +146,14 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start
     if implementation == "cudnn" or (implementation is None and _cudnn(q)):
         return _cudnn_cached_attention(q, k_cache, v_cache, start)
     return _xla_cached_attention(q, k_cache, v_cache, start)
+
+
+def _append_16bit(cache: dict, k: jax.Array, v: jax.Array) -> dict:
+    """The 16-bit cache dict with T new tokens' k, v (B, T, Hkv, D) written at its length."""
+    at = (0, cache["length"], 0, 0)
+    return {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
+            "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at),
+            "length": cache["length"] + k.shape[1]}
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -268,8 +275,7 @@ class Attention(nnx.Module):
             o, cache = self._thrift_prefill(q, k, v, cache)
         else:
             o = dense_attention(q, k, v, causal=True)
-            cache = {"k": cache["k"].at[:, :t].set(k.astype(cache["k"].dtype)),
-                     "v": cache["v"].at[:, :t].set(v.astype(cache["v"].dtype)), "length": cache["length"] + t}
+            cache = _append_16bit(cache, k, v)
         return self.o_proj(o.reshape(x.shape[0], t, -1)), cache
 
     def decode(self, x: jax.Array, cache: dict | lb.ThriftKVCache) -> tuple[jax.Array, dict | lb.ThriftKVCache]:
@@ -296,7 +302,6 @@ class Attention(nnx.Module):
             return self.o_proj(o.reshape(b, t, -1)), cache
         start = cache["length"]
         q, k, v = self._qkv(x, start + jnp.arange(t))
-        kc = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, start, 0, 0))
-        o = cached_attention(q, kc, vc, start)
-        return self.o_proj(o.reshape(b, t, -1)), {"k": kc, "v": vc, "length": start + t}
+        cache = _append_16bit(cache, k, v)
+        o = cached_attention(q, cache["k"], cache["v"], start)
+        return self.o_proj(o.reshape(b, t, -1)), cache
