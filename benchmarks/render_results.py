@@ -586,7 +586,8 @@ def render_serving_prefill(data: dict) -> list[str]:
         data) + [
         "`models.attention.cached_attention` of T new bf16 tokens at `start` over a cache of S slots (the slots after "
         "start + T hold garbage); cudnn: a prompt into an empty cache is cuDNN's causal attention over the first T "
-        "slots, a chunk after cached tokens cuDNN over the filled length with the causal mask as its bias; xla: "
+        "slots; after cached tokens two cuDNN calls (over the cached keys, and causal over the new ones) merged by "
+        "their float32 log-sum-exps; xla: "
         "the masked attention over the whole cache in chunks of at most 2**26 scores. rel-L2 of O vs the float32 "
         "computation; temporaries: the compiled XLA temporaries.", "",
         "| B | T | start | S | heads | D | cudnn ms | xla ms | speed-up | cudnn / xla temp MiB | rel-L2 cudnn / xla "

@@ -117,9 +117,11 @@ def run(preset: str, batch: int, length: int, *, steps: int, rounds: int, budget
 
 
 #: (batch, new tokens, cached before, cache slots, query heads, kv heads, head dim): the 50m preset's heads, then
-#: a larger model's; a prompt into an empty cache and a chunk of one after cached tokens
-PREFILL_SHAPES = ((4, 2048, 0, 8192, 10, 5, 64), (4, 512, 4096, 8192, 10, 5, 64),
-                  (1, 8192, 0, 32768, 32, 8, 128), (1, 2048, 16384, 32768, 32, 8, 128))
+#: a larger model's; a prompt into an empty cache, a chunk of one after cached tokens, and a short chunk (the
+#: tokens a speculative decoder verifies)
+PREFILL_SHAPES = ((4, 2048, 0, 8192, 10, 5, 64), (4, 512, 4096, 8192, 10, 5, 64), (8, 16, 4000, 8192, 10, 5, 64),
+                  (1, 8192, 0, 32768, 32, 8, 128), (1, 2048, 16384, 32768, 32, 8, 128),
+                  (1, 16, 16000, 32768, 32, 8, 128))
 
 
 def prefill_op(b: int, t: int, start: int, slots: int, h: int, hkv: int, d: int, *, impls=("cudnn", "xla"),

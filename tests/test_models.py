@@ -277,13 +277,32 @@ def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk,
         np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("t, start, chunk", [(1, 37, None), (6, 0, None), (6, 20, None), (5, 20, 2), (5, 59, 2)])
-def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, start, chunk, monkeypatch):
+def _xla_with_lse(q, k, v, *, causal, kv_lengths=None):
+    """XLA stand-in for models.attention._cudnn_with_lse: the same masks (top-left causal, key padding), the
+    output and the float32 log-sum-exp (B, T, Hq) of the scaled scores."""
+    b, t, h, d = q.shape
+    group = h // k.shape[2]
+    kk, vv = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, kk).astype(jnp.float32) * d ** -0.5
+    keep = jnp.ones((b, 1, t, k.shape[1]), bool)
+    if causal:
+        keep &= jnp.tril(jnp.ones((t, k.shape[1]), bool))
+    if kv_lengths is not None:
+        keep &= (jnp.arange(k.shape[1]) < kv_lengths[:, None])[:, None, None, :]
+    s = jnp.where(keep, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    o = jnp.einsum("bhts,bshd->bthd", jnp.exp(s - lse[..., None]), vv.astype(jnp.float32))
+    return o.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+
+@pytest.mark.parametrize("t, start", [(1, 37), (6, 0), (6, 20), (5, 59), (40, 24), (40, 0)])
+def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, start, monkeypatch):
     """The cuDNN route's logic, with cuDNN emulated by XLA's attention (the same arguments: filled lengths, the
-    top-left causal flag, the bias mask): one token over the filled length; a prompt into an empty cache as causal
-    attention over the first T slots; tokens after cached ones with the causal mask, also in chunks (5 tokens as
-    2 + 2 + 1 padded, whose padding may reach past the cache's 64 slots at start 59). The garbage in the cache's
-    tail must not leak in. The real cuDNN is checked on the GPU (benchmarks/serving.py --prefill)."""
+    top-left causal flag, key padding): one token over the filled length; several as the cached part (padded keys)
+    and the new part (top-left causal over themselves) merged by their log-sum-exps, up to the cache's last slot
+    (5 after 59 of 64 slots), for more new tokens than cached ones (40 after 24), and into an empty cache, where
+    the output must be exactly the causal part's. The garbage in the cache's tail must not leak in. The real cuDNN
+    is checked on the GPU (benchmarks/serving.py --prefill)."""
     dpa = jax.nn.dot_product_attention
     calls = []
 
@@ -292,10 +311,13 @@ def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, s
         calls.append(sorted(k for k, v in kwargs.items() if v is not None and v is not False))
         return dpa(*args, **kwargs)
 
-    if chunk is not None:
-        monkeypatch.setattr(models.attention, "MASKED_SCORES_PER_CHUNK", chunk * 64)
+    def emulated_lse(q, k, v, *, causal, kv_lengths=None):
+        calls.append(["lse", causal, kv_lengths is not None, k.shape[1]])
+        return _xla_with_lse(q, k, v, causal=causal, kv_lengths=kv_lengths)
+
     monkeypatch.setattr(models.attention, "_cudnn", lambda q: True)
     monkeypatch.setattr(models.attention.jax.nn, "dot_product_attention", emulated)
+    monkeypatch.setattr(models.attention, "_cudnn_with_lse", emulated_lse)
     ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
     q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
     kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
@@ -306,9 +328,11 @@ def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, s
         n = start + i + 1
         want = dpa(q[:, i:i + 1], kc[:, :n], vc[:, :n])
         np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
-    # under jit both branches of the start == 0 switch are traced for T > 1
+    if start == 0:
+        causal = jax.jit(lambda q, k, v: _xla_with_lse(q, k, v, causal=True)[0])(q, kc[:, :t], vc[:, :t])
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(causal))
     kinds = {tuple(c) for c in calls}
-    assert kinds == ({("key_value_seq_lengths",)} if t == 1 else {("is_causal",), ("key_value_seq_lengths", "mask")})
+    assert kinds == ({("key_value_seq_lengths",)} if t == 1 else {("lse", False, True, 64), ("lse", True, False, t)})
 
 
 def test_cached_attention_rejects_bad_implementation():
