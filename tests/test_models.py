@@ -335,6 +335,19 @@ def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, s
     assert kinds == ({("key_value_seq_lengths",)} if t == 1 else {("lse", False, True, 64), ("lse", True, False, t)})
 
 
+def test_the_private_cudnn_wrapper_cached_attention_uses_is_there():
+    """models.attention._cudnn_with_lse calls jax._src.cudnn.fused_attention_stablehlo.dot_product_attention (the
+    public jax.nn API rounds the log-sum-exp it returns to bf16): a JAX upgrade that moves or changes it fails
+    here, on the CPU, instead of on the first GPU decode."""
+    import inspect
+
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    params = inspect.signature(cudnn.dot_product_attention).parameters
+    assert {"q_seqlen", "kv_seqlen", "scale", "mask_type", "return_residual"} <= set(params)
+    assert {"NO_MASK", "CAUSAL", "PADDING", "PADDING_CAUSAL"} <= set(cudnn.MaskType.__members__)
+
+
 def test_cached_attention_rejects_bad_implementation():
     q = jnp.ones((1, 2, 4, 32), jnp.bfloat16)
     kc = jnp.ones((1, 8, 2, 32), jnp.bfloat16)
