@@ -143,7 +143,7 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start
     * "cudnn": flash attention over the filled length only (``key_value_seq_lengths``; H200, the 50m
       preset's heads, B8, a 32k cache, one token: 0.11 ms against XLA's 0.43, benchmarks/NOTES.md, 27th
       session). Several tokens are two cuDNN calls, over the cached keys and over the new ones, merged by
-      their float32 log-sum-exps (B1 H32/8 D128, 2048 tokens after 16384: 1.06 ms against 2.35 with the causal
+      their float32 log-sum-exps (B1 H32/8 D128, 2048 tokens after 16384: 1.09 ms against 2.36 with the causal
       mask as cuDNN's bias, 29th session). After cached tokens the merge rounds each part to q's dtype first:
       rel-L2 vs float32 2.6–2.7e-3 against 2.0–2.2e-3 in one call. Into an empty cache the output is exactly
       cuDNN's causal attention over the prompt.
