@@ -156,11 +156,12 @@ def prefill_op(b: int, t: int, start: int, slots: int, h: int, hkv: int, d: int,
 def prefill_model(preset: str, batch: int, prompt: int, slots: int, *, budgets=(0.05,), impl: dict | None = None,
                   log=print) -> dict:
     """A ``prompt``-token prompt into the model's empty caches of ``slots``, by each route: ``prefill`` (the
-    static empty-cache route ``train.generate`` takes), ``decode`` from empty caches (which picks that route at
-    run time), and the routes before (dense: XLA's masked attention; thrift: thrift_decode calls); beside each
-    method's forward pass over the same tokens (no cache written), whose logits the others' are compared with.
-    Each one jitted, the greedy pick included, one call at a time and waited for (a prompt arrives alone):
-    ms (median of 5) and the first call's seconds (compilation included)."""
+    static empty-cache route ``train.generate`` takes), ``decode`` from ``init_cache`` in the same jit (dense: the
+    cuDNN route for any cache; thrift: its run-time switch), and the routes before (dense: XLA's masked
+    attention; thrift: thrift_decode calls); beside each method's forward pass over the same tokens (no cache
+    written), whose logits the others' are compared with. Each one jitted, the greedy pick included, one call at a
+    time and waited for (a prompt arrives alone): ms (median of 5) and the first call's seconds (compilation
+    included)."""
     cfg = model_config(preset, method="dense", max_len=slots)
     dense = TransformerLM(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(dense)
