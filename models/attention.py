@@ -66,24 +66,18 @@ def _masked_attention(q, k_cache, v_cache, start):
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None])
 
 
-def _in_chunks(attend, q, k_cache, v_cache, start, chunk):
-    """``attend`` over consecutive chunks of ``chunk`` new tokens (a ``lax.map``; the last one padded)."""
+def _xla_cached_attention(q, k_cache, v_cache, start):
+    """XLA's masked attention over the whole cache, in consecutive chunks of new tokens (a ``lax.map``; the last
+    one padded) of at most :data:`MASKED_SCORES_PER_CHUNK` scores."""
     b, t, h, d = q.shape
+    chunk = max(1, MASKED_SCORES_PER_CHUNK // (b * h * k_cache.shape[1]))
     if chunk >= t:
-        return attend(q, k_cache, v_cache, start)
+        return _masked_attention(q, k_cache, v_cache, start)
     n = -(-t // chunk)
     pieces = jnp.pad(q, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0))).reshape(b, n, chunk, h, d)
-    out = jax.lax.map(lambda xs: attend(xs[0], k_cache, v_cache, start + xs[1]),
+    out = jax.lax.map(lambda xs: _masked_attention(xs[0], k_cache, v_cache, start + xs[1]),
                       (jnp.moveaxis(pieces, 1, 0), jnp.arange(n, dtype=jnp.int32) * chunk))
     return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, d)[:, :t]
-
-
-def _xla_cached_attention(q, k_cache, v_cache, start):
-    """XLA's masked attention over the whole cache, in chunks of at most :data:`MASKED_SCORES_PER_CHUNK`
-    scores."""
-    b, _, h, _ = q.shape
-    chunk = max(1, MASKED_SCORES_PER_CHUNK // (b * h * k_cache.shape[1]))
-    return _in_chunks(_masked_attention, q, k_cache, v_cache, start, chunk)
 
 
 def _cudnn_with_lse(q, k, v, *, causal, kv_lengths=None):
@@ -287,9 +281,10 @@ class Attention(nnx.Module):
     def prefill(self, x: jax.Array, cache: dict | lb.ThriftKVCache) -> tuple[jax.Array, dict | lb.ThriftKVCache]:
         """A prompt (B, T, dim) into ``cache``, which must be empty (:meth:`init_cache`); returns (y, the cache).
 
-        The static form of :meth:`decode`'s route for an empty cache (which decode picks at run time, compiling
-        its other route too): "thrift" is ThriftAttention's prefill over the prompt (the forward pass's
-        attention); every other method is 16-bit causal attention over the prompt (:func:`dense_attention`).
+        The static form of :meth:`decode` from an empty cache: "thrift" is ThriftAttention's prefill over the
+        prompt (the forward pass's attention), which decode picks at run time, compiling its other route too;
+        every other method is 16-bit causal attention over the prompt (:func:`dense_attention`), the values of
+        :func:`cached_attention` there without its cached part (over one slot, weight 0).
         """
         self._check_causal()
         t = x.shape[1]

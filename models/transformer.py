@@ -144,12 +144,13 @@ class Block(nnx.Module):
         return x + self.mlp(x)
 
     def decode(self, x, cache):
-        y, cache = self.attn.decode(self.attn_norm(x), cache)
-        x = x + y
-        return x + self.mlp(x), cache
+        return self._with_cache(x, cache, self.attn.decode)
 
     def prefill(self, x, cache):
-        y, cache = self.attn.prefill(self.attn_norm(x), cache)
+        return self._with_cache(x, cache, self.attn.prefill)
+
+    def _with_cache(self, x, cache, attend):
+        y, cache = attend(self.attn_norm(x), cache)
         x = x + y
         return x + self.mlp(x), cache
 
@@ -189,8 +190,8 @@ class TransformerLM(nnx.Module):
         """A prompt (B, T) int into fresh caches: its logits (B, T, vocab) float32 and the caches.
 
         The same values as :meth:`decode` from :meth:`init_cache`'s caches, by the empty-cache route alone
-        (the thrift method's prefill kernel; 16-bit causal attention for the others), so that only that route
-        is compiled.
+        (the thrift method's prefill kernel, so that only that route is compiled; 16-bit causal attention for
+        the others, without :func:`models.attention.cached_attention`'s one-slot cached part).
         """
         if tokens.shape[-1] > self.cfg.max_len:
             raise ValueError(f"prompt length {tokens.shape[-1]} exceeds the model's max_len {self.cfg.max_len}")
