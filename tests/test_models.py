@@ -257,6 +257,23 @@ def test_remat_recomputes_without_changing_gradients(method, options):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(w))))
 
 
+def _cache_inputs(t, start):
+    """q (2, T, 4, 32) and a (2, 64, 2, 32) k, v cache, float32, whose slots past ``start + T`` are garbage."""
+    ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
+    q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
+    kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
+    vc = jax.random.normal(ks[2], (2, 64, 2, 32), jnp.float32)
+    return q, kc, vc
+
+
+def _assert_sees_the_filled_keys(got, q, kc, vc, start):
+    """Token i of the T new ones (at ``start + i``) equals attention over the cached keys 0 … start + i alone."""
+    for i in range(q.shape[1]):
+        n = start + i + 1
+        want = jax.nn.dot_product_attention(q[:, i:i + 1], kc[:, :n], vc[:, :n])
+        np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("t, start, chunk", [(1, 0, None), (1, 37, None), (3, 20, None), (5, 20, 2), (4, 0, 1)])
 def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk, monkeypatch):
     """models.attention.cached_attention (the 16-bit decode of every method but thrift): token i of T new ones
@@ -265,16 +282,10 @@ def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk,
     masked call: 5 tokens as 2 + 2 + 1 padded to 2); on the CPU it is the XLA path (cuDNN needs a GPU)."""
     if chunk is not None:  # a score budget of `chunk` rows of (batch 2 × 4 heads × 64 slots)
         monkeypatch.setattr(models.attention, "MASKED_SCORES_PER_CHUNK", chunk * 2 * 4 * 64)
-    ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
-    q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
-    kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
-    vc = jax.random.normal(ks[2], (2, 64, 2, 32), jnp.float32)
+    q, kc, vc = _cache_inputs(t, start)
     assert not _cudnn(q.astype(jnp.bfloat16))
     got = cached_attention(q, kc, vc, jnp.int32(start))
-    for i in range(t):
-        n = start + i + 1
-        want = jax.nn.dot_product_attention(q[:, i:i + 1], kc[:, :n], vc[:, :n])
-        np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
+    _assert_sees_the_filled_keys(got, q, kc, vc, start)
 
 
 def _xla_with_lse(q, k, v, *, causal, kv_lengths=None):
@@ -318,16 +329,10 @@ def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, s
     monkeypatch.setattr(models.attention, "_cudnn", lambda q: True)
     monkeypatch.setattr(models.attention.jax.nn, "dot_product_attention", emulated)
     monkeypatch.setattr(models.attention, "_cudnn_with_lse", emulated_lse)
-    ks = jax.random.split(jax.random.PRNGKey(start + t), 3)
-    q = jax.random.normal(ks[0], (2, t, 4, 32), jnp.float32)
-    kc = jax.random.normal(ks[1], (2, 64, 2, 32), jnp.float32) * 3.0
-    vc = jax.random.normal(ks[2], (2, 64, 2, 32), jnp.float32)
+    q, kc, vc = _cache_inputs(t, start)
     got = jax.jit(functools.partial(cached_attention, implementation="cudnn"))(q, kc, vc, jnp.int32(start))
     monkeypatch.undo()
-    for i in range(t):
-        n = start + i + 1
-        want = dpa(q[:, i:i + 1], kc[:, :n], vc[:, :n])
-        np.testing.assert_allclose(np.asarray(got[:, i:i + 1]), np.asarray(want), rtol=2e-5, atol=2e-6)
+    _assert_sees_the_filled_keys(got, q, kc, vc, start)
     if start == 0:
         causal = jax.jit(lambda q, k, v: _xla_with_lse(q, k, v, causal=True)[0])(q, kc[:, :t], vc[:, :t])
         np.testing.assert_array_equal(np.asarray(got), np.asarray(causal))
