@@ -398,7 +398,7 @@ def render_dq_kernel(data: dict) -> list[str]:
     for c in data["checks"]:
         out.append(f"| {tuple(c['case'])}{_carried_mark(c)} | {c['method']} | {fmt(c['fused_vs_separate'])} | "
                    f"{fmt(c['fused_vs_xla'])} | {fmt(c['separate_vs_xla'])} |")
-    return out
+    return out + _superseded(data)
 
 
 def render_breakdown(data: dict) -> list[str]:

@@ -37,7 +37,7 @@ from lowbit_jax.qat_reference import (
 from pallas_kernels import fake_quant as fake_quant_kernels
 from pallas_kernels import qat_bwd as qat_bwd_kernels
 from pallas_kernels import qat_fwd as qat_fwd_kernels
-from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
+from pallas_kernels import lane_groups, qat_bwd_mosaic, qat_fwd_mosaic
 from pallas_kernels._mosaic import on_hopper
 from pallas_kernels.configs import QatConfig, qat_config
 
@@ -126,33 +126,47 @@ def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
                       seq_q=shape.seq_q, seq_k=shape.seq_k)
 
 
-def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array,
-                      opts: QatOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Q̃, K̃, Ṽ: (B, H, S_pad, D) bf16/fp16, head-major and padded, by the implementation ``opts`` names."""
+def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, opts: QatOptions, *,
+                      lane_order: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Q̃, K̃, Ṽ: (B, H, S_pad, D) bf16/fp16, head-major and padded, by the implementation ``opts`` names;
+    ``lane_order`` (Pallas only): K̃ and Ṽ in the Mosaic kernels' lane order (:mod:`pallas_kernels.lane_groups`)."""
     cfg = opts.config
     if opts.implementation != "pallas":
         return fake_quant_operands(q, k, v, config=cfg)
-    fq = lambda x: fake_quant_kernels.fp4_fake_quant_heads(  # noqa: E731
-        x, seq_pad=padded(x.shape[1], cfg.pad), block=cfg.quant_block, out_dtype=mma_dtype(x.dtype),
-        num_warps=cfg.quant_warps, interpret=opts.interpret)
-    return fq(q), fq(k), fq(v)
+    fq = lambda x, lanes=False: fake_quant_kernels.fp4_fake_quant_heads(  # noqa: E731
+        x, seq_pad=padded(x.shape[1], cfg.pad), block=max(cfg.quant_block, lane_groups.BLOCK) if lanes else
+        cfg.quant_block, out_dtype=mma_dtype(x.dtype), lane_order=lanes, num_warps=cfg.quant_warps,
+        interpret=opts.interpret)
+    return fq(q), fq(k, lane_order), fq(v, lane_order)
+
+
+def _runs_mosaic_forward(opts: QatOptions, head_dim: int, dtype) -> bool:
+    return opts.implementation == "pallas" and opts.config.fwd_backend == "mosaic" and qat_fwd_mosaic.supports(
+        sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded(opts.seq_q, opts.config.pad), head_dim=head_dim,
+        causal=opts.causal, out_dtype=dtype, config=opts.config)
+
+
+def kv_lane_order(opts: QatOptions, head_dim: int, dtype) -> bool:
+    """Whether the forward's K̃, Ṽ (and so the backward's residuals) are in lane order: when the Mosaic
+    forward runs with ``lane_groups.ENABLED``. ``dtype``: q's."""
+    return lane_groups.ENABLED and _runs_mosaic_forward(opts, head_dim, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "with_aux"))
 def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, with_aux: bool):
     """Forward with residuals: (o, o_aux or None, lse, m, (q̃, k̃, ṽ)).
 
-    Shapes as :func:`pallas_kernels.qat_fwd.qat_attention_fwd` and :func:`quantize_operands`.
+    Shapes as :func:`pallas_kernels.qat_fwd.qat_attention_fwd` and :func:`quantize_operands`; k̃ and ṽ
+    are in lane order where :func:`kv_lane_order` says so.
     """
-    qf, kf, vf = quantize_operands(q, k, v, opts)
+    lane_order = kv_lane_order(opts, q.shape[-1], q.dtype)
+    qf, kf, vf = quantize_operands(q, k, v, opts, lane_order=lane_order)
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               out_dtype=q.dtype, with_aux=with_aux)
     if opts.implementation == "pallas":
         forward = qat_fwd_kernels.qat_attention_fwd
-        if opts.config.fwd_backend == "mosaic" and qat_fwd_mosaic.supports(
-                sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=qf.shape[2], head_dim=qf.shape[3], causal=opts.causal,
-                out_dtype=q.dtype, config=opts.config):
-            forward = qat_fwd_mosaic.qat_attention_fwd_mosaic
+        if _runs_mosaic_forward(opts, q.shape[-1], q.dtype):
+            forward = functools.partial(qat_fwd_mosaic.qat_attention_fwd_mosaic, lane_ordered=lane_order)
         o, o_aux, lse, m = forward(qf, kf, vf, interpret=opts.interpret, **kw)
     else:
         o, o_aux, lse, m = qat_forward_reference(qf, kf, vf, **kw)
@@ -173,6 +187,7 @@ def _qat_bwd(opts: QatOptions, residuals, do):
     (qf, kf, vf), o_aux, lse, m = residuals
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               naive=opts.naive_backward)
+    lane_order = kv_lane_order(opts, qf.shape[3], do.dtype)
     if opts.implementation == "pallas":
         if opts.config.bwd_backend == "mosaic" and qat_bwd_mosaic.supports(
                 sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=qf.shape[2], sk_pad=kf.shape[2], head_dim=qf.shape[3],
@@ -180,7 +195,10 @@ def _qat_bwd(opts: QatOptions, residuals, do):
             return qat_bwd_mosaic.qat_attention_bwd_mosaic(
                 qf, kf, vf, o_aux, lse, m, do, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal,
                 scale=opts.scale, naive=opts.naive_backward,
-                fused_dq=opts.config.fuses_dq(qf.shape[3], opts.causal), interpret=opts.interpret)
+                fused_dq=opts.config.fuses_dq(qf.shape[3], opts.causal), lane_ordered=lane_order,
+                interpret=opts.interpret)
+        if lane_order:  # the Triton kernels take keys in order
+            kf, vf = lane_groups.from_lane_order(kf, 2), lane_groups.from_lane_order(vf, 2)
         return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, interpret=opts.interpret, **kw)
     return qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, **kw)
 

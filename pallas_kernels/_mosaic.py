@@ -16,6 +16,8 @@ jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`regist
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,10 +129,13 @@ SKIP_VISIBLE_TILES = True
 
 
 def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offset: int = 0,
-                sk_len: int | None = None, transposed: bool = False) -> jax.Array:
+                sk_len: int | None = None, transposed: bool = False,
+                key_of_column: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """−inf where the key is padding (≥ ``sk_len``, if given) or, if ``causal``, key > query +
     ``offset`` (bottom-right aligned); a (queries × keys) WGMMA tile, or (keys × queries) if
-    ``transposed``. ``key_start``/``query_start``: the tile's first key and query.
+    ``transposed``. ``key_start``/``query_start``: the tile's first key and query;
+    ``key_of_column``: the key offset stored at each key index of the tile, if the keys are stored
+    permuted within it (``lane_groups.key_of_column``).
 
     A tile whose every key is visible to its first query (below the causal diagonal, before the
     padded tail) is returned as is, through a branch: on a causal sequence most tiles are such,
@@ -139,7 +144,8 @@ def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offs
 
     def masked(s):
         iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
-        keys = iota(key_dim) + key_start
+        keys = iota(key_dim)
+        keys = (keys if key_of_column is None else key_of_column(keys)) + key_start
         visible = None if sk_len is None else keys < sk_len
         if causal:
             in_window = keys <= iota(query_dim) + query_start + offset

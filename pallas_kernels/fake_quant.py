@@ -21,22 +21,26 @@ import jax
 import jax.numpy as jnp
 
 from lowbit_jax.formats import nvfp4
+from pallas_kernels import lane_groups
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 
 
-def _fake_quant_kernel(x_ref, o_ref, *, block, seq_len, ragged, along):
+def _fake_quant_kernel(x_ref, o_ref, *, block, seq_len, ragged, along, lane_order):
     valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
     x = load_rows(x_ref, valid).astype(jnp.float32)
     if along == "channels":
         fq = nvfp4.fake_quant_last(x)
     else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
         fq = nvfp4.fake_quant_last(x.T).T
+    if lane_order:
+        fq = lane_groups.to_lane_order(fq, 0)
     o_ref[...] = fq.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "out_dtype", "along", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "out_dtype", "along", "lane_order", "num_warps",
+                                             "interpret"))
 def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, along: str = "channels",
-                         num_warps: int = 4, interpret: bool = False) -> jax.Array:
+                         lane_order: bool = False, num_warps: int = 4, interpret: bool = False) -> jax.Array:
     """FQ(x), transposed to head-major and padded.
 
     Args:
@@ -47,13 +51,18 @@ def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, a
         "tokens" (16 consecutive tokens per channel, aligned to absolute positions: ThriftAttention's V,
         whose product with P contracts over tokens; :func:`lowbit_jax.thrift_reference.fake_quant_operand`
         is that twin).
+      lane_order: write the rows of every 64-row block in the Mosaic Attn-QAT kernels' lane order
+        (:func:`pallas_kernels.lane_groups.to_lane_order`; ``block`` a multiple of 64).
     Returns:
       (B, H, seq_pad, D) out_dtype; rows ≥ S are zeros.
     """
     if along not in ("channels", "tokens"):
         raise ValueError(f"along must be 'channels' or 'tokens', got {along!r}")
+    if lane_order and block % lane_groups.BLOCK:
+        raise ValueError(f"lane_order needs block a multiple of {lane_groups.BLOCK}, got {block}")
     b, s, h, d = x.shape
-    kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s, along=along)
+    kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s, along=along,
+                               lane_order=lane_order)
     return pl.pallas_call(
         kernel,
         grid=(seq_pad // block, b, h),

@@ -14,8 +14,8 @@ updated in place, the two independent products of a step issued together.
 
 * dK/dV: grid (kv head, 128-key block, batch); each warpgroup owns 64 keys and
   loops over the query tiles of every query head of its GQA group. The tiles are
-  computed as (queries × keys), so FQ runs on 16-column slices
-  (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`); FQ(P)·(1/l) and dS go
+  computed as (queries × keys), with K̃ and Ṽ in lane order (:mod:`pallas_kernels.lane_groups`: each
+  thread holds whole FP4 groups of 16 keys; dK and dV are restored to key order); FQ(P)·(1/l) and dS go
   through SMEM and enter dV and dK as transposed A operands.
 * dQ: grid (query head, 128-query block, batch); each warpgroup owns 64 queries and
   loops over key tiles; dS is the register A operand of dS·K̃.
@@ -31,8 +31,9 @@ tile its queries see (its heaviest query blocks launch first); tiles that reach 
 tail are masked element-wise, the others skip the mask. Not covered (:func:`supports`): head dims other than 64/128,
 sequence paddings not a multiple of 128, 32-bit dO, Sq > Sk when causal.
 Selected by ``QatConfig.bwd_backend`` "mosaic", or "auto" (the default) on Hopper (fwd+bwd with
-both Mosaic kernels: 330 vs 281 TFLOP/s for Triton's at B4 H32 S4096 D128 on the H200). FlashAttention-3's
-ping-pong schedule made these kernels slower (fwd+bwd 293 vs 329 TFLOP/s), so only the forward has it.
+both Mosaic kernels: 353 vs 275 TFLOP/s for Triton's at B4 H32 S4096 D128 on the H200, keys in lane
+order). FlashAttention-3's ping-pong schedule made these kernels slower (fwd+bwd 293 vs 329 TFLOP/s),
+so only the forward has it.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import backward_rows
+from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
     matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_out,
@@ -134,12 +135,13 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
         if masked:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
-            s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len)
+            s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
+                            key_of_column=lane_groups.key_order())
         shape = s.shape
         e = jnp.exp2(s - rows_of(row_vector(m_smem), shape))  # row max 1: FQ relative to it, as the forward
         inv_l = rows_of(row_vector(il_smem), shape)
         p = e * inv_l
-        pv = p if naive else nvfp4.fake_quant_columns(e, nonnegative=True, assume_finite=True) * inv_l
+        pv = p if naive else lane_groups.fake_quant_p(e, interpret) * inv_l
         dt = p_smem.dtype
         p_smem[...] = pv.astype(dt)
         ds_smem[...] = (p * (dp - rows_of(row_vector(delta_smem), shape))).astype(dt)
@@ -203,7 +205,8 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
         if masked:
-            s = mask_scores(s, idx[0] * TILE, q_start, causal=causal, offset=offset, sk_len=sk_len)
+            s = mask_scores(s, idx[0] * TILE, q_start, causal=causal, offset=offset, sk_len=sk_len,
+                            key_of_column=lane_groups.key_order())
         shape = s.shape
         p = jnp.exp2(s - rows_of(row_vector(m_smem2.at[wg]), shape)) * rows_of(row_vector(il_smem2.at[wg]), shape)
         ds = (p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))).astype(k_smem.dtype)
@@ -220,10 +223,10 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "naive", "fused_dq",
-                                             "interpret"))
+                                             "lane_ordered", "interpret"))
 def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux: jax.Array, lse: jax.Array,
                              m: jax.Array, do: jax.Array, *, sq_len: int, sk_len: int, causal: bool, scale: float,
-                             naive: bool = False, fused_dq: bool = False,
+                             naive: bool = False, fused_dq: bool = False, lane_ordered: bool = False,
                              interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attn-QAT gradients w.r.t. the fake-quantized operands (= w.r.t. q, k, v by the STE).
 
@@ -236,12 +239,24 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     ``fused_dq``: one kernel for all three gradients — the dK/dV kernel also reduce-adds each
     step's dS·K̃ into a float32 dQ (``_mosaic.reduce_add_matmul``; the order of those additions is not
     fixed, so dQ is not bit-reproducible run to run) — instead of a separate dQ kernel.
+    ``lane_ordered``: kf and vf are already in lane order (as :func:`pallas_kernels.qat_fwd_mosaic.
+    qat_attention_fwd_mosaic`); dk and dv are returned in key order either way.
     """
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
     group = hq // hkv
     dt, f32 = qf.dtype, jnp.float32
     delta, m_rows, inv_l, do_h = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=dt)
+    lane_order = lane_groups.ENABLED
+    if lane_order and not lane_ordered:  # dK and dV come out in lane order, whole padded blocks (restored below)
+        kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
+    kv_rows = kf.shape[2] if lane_order else tma_rows(sk_len)
+
+    def kv_grads(dk, dv):
+        if lane_order:
+            dk, dv = lane_groups.from_lane_order(dk, 1), lane_groups.from_lane_order(dv, 1)
+        return trim_rows(dk, sk_len), trim_rows(dv, sk_len)
+
     common = dict(head_dim=d, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
                   scale=scale, interpret=interpret)
     kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
@@ -259,13 +274,13 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     dk, dv = launch(
         functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
                           split=split, **common),
-        [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), do.dtype)] * 2, dkdv_scratch,
+        [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch,
         (hkv, kv_blocks, b), ("heads", "kv", "batch"), name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
         compute_wgs=WGS, interpret=interpret,
     )(*dkdv_args)
     if fused_dq:
         dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret)
-        return (dq[:, :sq_len] * scale).astype(do.dtype), trim_rows(dk, sk_len), trim_rows(dv, sk_len)
+        return (dq[:, :sq_len] * scale).astype(do.dtype), *kv_grads(dk, dv)
     row_vecs = plgpu.SMEM((WGS, TILE), f32)
     dq_scratch = [kv_tiles, kv_tiles, row_vecs, row_vecs, row_vecs, p_tiles, plgpu.Barrier(num_barriers=(5, WGS))]
     dq = launch(
@@ -274,4 +289,4 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="qat_bwd_dq", compute_wgs=WGS,
         interpret=interpret,
     )(qf, do_h, m_rows, inv_l, delta, kf, vf)
-    return trim_rows(dq, sq_len), trim_rows(dk, sk_len), trim_rows(dv, sk_len)
+    return trim_rows(dq, sq_len), *kv_grads(dk, dv)

@@ -16,17 +16,16 @@ converts directly), issued together into the rescaled O and O' accumulators; wit
 ``QatConfig.pingpong`` (the default) the two warpgroups take turns on the tensor cores
 (FlashAttention-3's ping-pong, :class:`pallas_kernels._mosaic.PingPong`). O leaves through Q's
 SMEM tile (Q is not read after the pipeline), so 128-key tiles fit in SMEM with O'. FQ(P)
-runs on the accumulator tile group by group
-(:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`: Mosaic GPU cannot reshape a
-WGMMA-layout tile into groups). Causal (bottom-right aligned, Sq ≤ Sk): the pipeline
+runs on the accumulator tile with K̃ and Ṽ in lane order (:mod:`pallas_kernels.lane_groups`: each
+thread holds whole groups of 16 keys). Causal (bottom-right aligned, Sq ≤ Sk): the pipeline
 stops after the last key tile the block sees, the heaviest blocks launch first; tiles that reach the diagonal or the
 ragged key tail are masked element-wise, the others skip the mask.
 
 Not covered (:func:`supports`; the Triton kernel runs instead): head dims other
 than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128, fp32
 outputs. Selected by ``QatConfig.fwd_backend`` "mosaic", or "auto" (the default) on Hopper: on the
-H200 it beat the Triton forward at every benchmarked shape (327 vs 282 TFLOP/s at B4 H32
-S4096 D128; benchmarks/RESULTS.md).
+H200 it beat the Triton forward at every benchmarked shape (375 vs 264 TFLOP/s at B4 H32
+S4096 D128 with keys in lane order, 327 vs 282 before; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8, nvfp4, sage_tiles
+from lowbit_jax.formats import int8, sage_tiles
+from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
     query_block_keys, register_operand, rows_of, schedule_barrier, tile_transforms, tma_rows, trim_rows, wg_tiles,
@@ -104,7 +104,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
         s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync) * score_scale
         if masked:
-            s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
+            s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len,
+                            key_of_column=lane_groups.key_order())
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         p = jnp.exp2(s - rows_of(m_ref, shape))
@@ -112,7 +113,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
         alpha = rows_of(rescale, out_shape)
         l_new = l_prev * rescale + jnp.sum(p, axis=1)
         dt = v_smem.dtype
-        pq = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True).astype(dt)
+        pq = lane_groups.fake_quant_p(p, interpret).astype(dt)
         p16 = p.astype(dt) if with_aux else None
         acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
         pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)
@@ -137,9 +138,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "out_dtype", "config", "with_aux", "interpret"))
+    jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "out_dtype", "config", "with_aux", "lane_ordered",
+                              "interpret"))
 def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_len: int, sk_len: int, causal: bool,
                              scale: float, out_dtype, config: QatConfig, with_aux: bool = True,
+                             lane_ordered: bool = False,
                              interpret: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
     """Attn-QAT forward on fake-quantized operands (arguments and results as
     :func:`pallas_kernels.qat_fwd.qat_attention_fwd`).
@@ -151,6 +154,8 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
       scale: softmax scale. out_dtype: bf16/fp16 dtype of O and O'.
       config: ``block_k`` (64 or 128) sets the FP4 groups of P̃ relative to the running max.
       with_aux: also return O'.
+      lane_ordered: kf and vf are already in lane order (:mod:`pallas_kernels.lane_groups`, when
+        ``lane_groups.ENABLED``: the operand pass writes them so); else they are reordered here.
     Returns:
       o (B, Sq, Hq, D), o_aux (same, or None), base-2 lse float32 (B, Hq, Sq) and the
       base-2 row max m float32 (B, Hq, Sq; −inf for rows that see no key).
@@ -172,6 +177,8 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     if interpret:
         bk = config.block_k
         scratch.append(plgpu.SMEM((WGS, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
+    if lane_groups.ENABLED and not lane_ordered:
+        kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
     o_type = jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype)
     # rows padded to Sq_pad: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes
     row_type = jax.ShapeDtypeStruct((b, hq, sq_pad), f32)

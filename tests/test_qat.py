@@ -333,3 +333,53 @@ def test_k_smoothing_rescues_k_outliers():
     # the token mean of dK is projected out (attention's exact dK has none)
     dk_mean = np.abs(np.asarray(g_x[2], np.float32).mean(axis=1)).max()
     assert dk_mean < 1e-2 * np.abs(np.asarray(g_x[2], np.float32)).mean()
+
+
+def test_lane_order_groups_are_whole_fp4_groups():
+    """pallas_kernels.lane_groups: the key order of the Mosaic kernels. The reorder is a permutation of each
+    64-key block and its inverse; ``key_of_column`` names the key each column holds; the 16 columns one
+    thread holds of a row (8j + 2t + e) are exactly the 16 consecutive keys 16t…16t+15, so ``group_max`` in
+    lane order equals the maximum of each natural 16-key group; the operand pass writes K̃ in lane order."""
+    from pallas_kernels import lane_groups
+    from pallas_kernels.fake_quant import fp4_fake_quant_heads
+
+    keys = jnp.arange(192, dtype=jnp.int32)
+    lanes = lane_groups.to_lane_order(keys, 0)
+    assert sorted(np.asarray(lanes).tolist()) == list(range(192)) and not np.array_equal(lanes, keys)
+    np.testing.assert_array_equal(lane_groups.from_lane_order(lanes, 0), keys)
+    np.testing.assert_array_equal(lane_groups.key_of_column(keys), lanes)  # column c holds key_of_column(c)
+    cols = np.arange(64)
+    thread = (cols % 8) // 2  # the lane of the quad holding column c of a WGMMA accumulator row
+    for t in range(4):
+        assert sorted(np.asarray(lanes)[:64][thread == t].tolist()) == list(range(16 * t, 16 * t + 16))
+
+    p = jax.random.uniform(jax.random.key(0), (64, 128), jnp.float32)
+    natural = np.asarray(p).reshape(64, 8, 16).max(-1)  # per row and 16-key group
+    got = lane_groups.group_max(lane_groups.to_lane_order(p, 1), interpret=True)
+    np.testing.assert_array_equal(lane_groups.from_lane_order(got, 1), np.repeat(natural, 16, axis=1))
+    fq = lane_groups.from_lane_order(lane_groups.fake_quant_p(lane_groups.to_lane_order(p, 1), True), 1)
+    np.testing.assert_array_equal(fq, nvfp4.fake_quant_last(p, nonnegative=True))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        lane_groups.group_max(p[:, :96], interpret=True)
+
+    _, k, _ = make_qkv(2, 8, 90, 2, 2, 64, seed=5)
+    kw = dict(seq_pad=128, out_dtype=jnp.bfloat16, interpret=INTERPRET)
+    plain = fp4_fake_quant_heads(k, block=32, **kw)
+    np.testing.assert_array_equal(fp4_fake_quant_heads(k, block=64, lane_order=True, **kw),
+                                  lane_groups.to_lane_order(plain, 2))
+    with pytest.raises(ValueError, match="lane_order"):
+        fp4_fake_quant_heads(k, block=32, lane_order=True, **kw)
+
+
+@pytest.mark.parametrize("backends", [("mosaic", "triton"), ("triton", "mosaic")])
+def test_mixed_backends_match_xla(backends):
+    """The Mosaic forward leaves K̃, Ṽ in lane order for the backward; a Triton backward gets them back in key
+    order, and a Mosaic backward after a Triton forward reorders them itself (ragged, causal, GQA)."""
+    fwd, bwd = backends
+    q, k, v = make_qkv(1, 130, 200, 4, 2, 64, dtype=jnp.bfloat16, seed=17)
+    do = cotangent(q)
+    cfg = lb.QatConfig(fwd_backend=fwd, bwd_backend=bwd)
+    got = grads(q, k, v, do, causal=True, implementation="pallas", interpret=True, config=cfg)
+    ref = grads(q, k, v, do, causal=True, implementation="xla", config=lb.QatConfig())
+    for name, a, x in zip(("o", "dq", "dk", "dv"), got, ref):
+        assert metrics(a, x)[1] < 2e-3, name

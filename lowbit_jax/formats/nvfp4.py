@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -293,6 +294,31 @@ def group_scale(amax: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     return jnp.where(sf == 0.0, 1.0, sf)
 
 
+def fake_quant_given_amax(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
+                          broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """φ⁻¹(φ(x)) element-wise, given the amax of each element's group (float32).
+
+    The one element-wise fake quantizer behind :func:`fake_quant_columns` and the Mosaic GPU kernels, whose
+    group maxima come from their own register layout (``pallas_kernels.lane_groups``).
+
+    Args:
+      x: float, any shape.
+      amax: the group amax of every element (x's shape), or of every group if ``broadcast`` maps it to x's
+        shape (the scale and its reciprocal are then computed once per group, then broadcast).
+      nonnegative, assume_finite: as in :func:`quantize_groups` and :func:`e4m3_round`.
+    Returns:
+      float32 of x's shape: e2m1 · sf.
+    """
+    xf = x.astype(jnp.float32)
+    mag_in = xf if nonnegative else jnp.abs(xf)
+    sf = group_scale(amax, assume_finite=assume_finite)
+    inv = 1.0 / sf
+    if broadcast is not None:
+        sf, inv = broadcast(sf), broadcast(inv)
+    mag = e2m1_round(mag_in * inv) * sf
+    return mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)
+
+
 def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False) -> jax.Array:
     """:func:`fake_quant_last` of a 2-D tile (rows, n), group by group as 16-column slices.
 
@@ -307,11 +333,10 @@ def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite
     groups = []
     for g in range(xf.shape[1] // GROUP):
         part = xf[:, g * GROUP:(g + 1) * GROUP]
-        mag_in = part if nonnegative else jnp.abs(part)
-        sf = group_scale(jnp.max(mag_in, axis=1), assume_finite=assume_finite)
+        amax = jnp.max(part if nonnegative else jnp.abs(part), axis=1)
         rows = lambda vec: jax.lax.broadcast_in_dim(vec, part.shape, [0])  # noqa: E731
-        mag = e2m1_round(mag_in * rows(1.0 / sf)) * rows(sf)
-        groups.append(mag if nonnegative else jnp.where(part < 0.0, -mag, mag))
+        groups.append(fake_quant_given_amax(part, amax, nonnegative=nonnegative, assume_finite=assume_finite,
+                                            broadcast=rows))
     return jnp.concatenate(groups, axis=1)
 
 

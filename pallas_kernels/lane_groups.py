@@ -1,0 +1,125 @@
+"""FP4 groups of P held by one thread: the key order of the Mosaic GPU Attn-QAT kernels.
+
+In a WGMMA accumulator tile (64 rows × n columns) each thread holds, per row it owns, the columns
+``8j + 2t + e`` (j < n/8, t its lane in the quad, e ∈ {0, 1}). FQ(P)'s groups are 16 consecutive keys
+of a row; with keys in their natural order a group spans the four threads of a quad, so its maximum
+takes two lane shuffles and every thread of the quad computes the same e4m3 scale (per thread and row:
+n/16 group scales, four values each).
+
+Here the kernels' K̃ and Ṽ rows are stored in *lane order*: within every block of 64 keys, position
+``c = 8j + 2t + e`` holds key ``16t + 2j + e``. A thread's 16 columns of a 64-column block are then
+exactly one group: its maximum is a reduction over the thread's own registers (no shuffle), and the
+scale is computed once per thread, row and group (n/64 per row). The softmax sums and both products
+contract over the keys in whatever order they are stored, so the values are the reference's (up to
+accumulation order): the groups are the same 16 keys. Masks map a column to its key with
+:func:`key_of_column`; the dK/dV rows that the backward writes in lane order go back with
+:func:`from_lane_order`.
+
+``ENABLED`` (a module switch read at trace time, for ``benchmarks/variants.py``): off, the kernels
+take keys in natural order and FQ runs on 16-column slices (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit_jax.formats import nvfp4
+from pallas_kernels._mosaic import plgpu
+
+#: keys per lane-order block (four lanes × 16 keys)
+BLOCK = 64
+#: store K̃ and Ṽ in lane order and take FQ(P)'s group maxima within each thread
+ENABLED = True
+
+
+def _reorder(x: jax.Array, axis: int, split: tuple[int, int]) -> jax.Array:
+    axis %= x.ndim
+    n = x.shape[axis]
+    if n % BLOCK:
+        raise ValueError(f"lane order needs a multiple of {BLOCK} keys on axis {axis}, got {n}")
+    shape = x.shape[:axis] + (n // BLOCK, *split, 2) + x.shape[axis + 1:]
+    perm = list(range(len(shape)))
+    perm[axis + 1], perm[axis + 2] = perm[axis + 2], perm[axis + 1]
+    return jnp.transpose(x.reshape(shape), perm).reshape(x.shape)
+
+
+def to_lane_order(x: jax.Array, axis: int) -> jax.Array:
+    """Keys along ``axis`` (a multiple of 64) reordered so that position ``8j + 2t + e`` of each 64-block holds
+    key ``16t + 2j + e`` of that block (XLA: one transpose)."""
+    return _reorder(x, axis, (4, 8))
+
+
+def from_lane_order(x: jax.Array, axis: int) -> jax.Array:
+    """The inverse of :func:`to_lane_order`."""
+    return _reorder(x, axis, (8, 4))
+
+
+def key_of_column(col: jax.Array) -> jax.Array:
+    """The key offset (from the tile's first key) stored at column ``col`` of a lane-ordered tile (int32)."""
+    return ((col & ~(BLOCK - 1)) | (((col >> 1) & 3) << 4) | (((col >> 3) & 7) << 1) | (col & 1))
+
+
+def key_order() -> Callable[[jax.Array], jax.Array] | None:
+    """:func:`key_of_column` if ``ENABLED`` (the kernels' masks then map columns to keys), else None."""
+    return key_of_column if ENABLED else None
+
+
+def group_max(x: jax.Array, interpret: bool) -> jax.Array:
+    """For a (64, n) float32 WGMMA-layout tile of lane-ordered keys (n a multiple of 64): each element replaced
+    by its FP4 group's maximum, the maximum over the 16 columns a thread holds of that row and 64-column block.
+
+    Compiled: inline Mosaic GPU over the thread's registers (register index 1 is the 8-column chunk j,
+    index 4 the row half; each register holds the pair e), one splat per group, so the group scale that
+    follows is computed once per group (identical values, merged by common-subexpression elimination).
+    Interpreted (the interpreter has no inline Mosaic GPU): the same maxima by a reshape.
+    """
+    rows, n = x.shape
+    if n % BLOCK:
+        raise ValueError(f"group_max needs a multiple of {BLOCK} columns, got {x.shape}")
+    if interpret:
+        g = x.reshape(rows, n // BLOCK, 8, 4, 2)
+        return jnp.broadcast_to(jnp.max(g, axis=(2, 4), keepdims=True), g.shape).reshape(rows, n)
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+    from jax.experimental.mosaic import gpu as mgpu
+
+    layout = plgpu.Layout.WGMMA
+    x = plgpu.layout_cast(x, layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
+    def _max(ctx, arr):
+        del ctx
+        regs = arr.registers
+        groups: dict[tuple, list] = {}
+        for idx in np.ndindex(regs.shape):
+            key = idx[:1] + (idx[1] // (BLOCK // 8),) + idx[2:]
+            groups.setdefault(key, []).append(idx)
+        out = np.empty(regs.shape, dtype=object)
+        for members in groups.values():
+            vals = [regs[i] for i in members]
+            while len(vals) > 1:  # a tree of element-wise maxima over the group's registers
+                vals = [arith.maximumf(a, b) for a, b in zip(vals[::2], vals[1::2])] + vals[len(vals) & ~1:]
+            pair = vals[0]
+            lanes = [vector.extract(pair, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                     for i in range(ir.VectorType(pair.type).shape[0])]
+            top = lanes[0]
+            for lane in lanes[1:]:
+                top = arith.maximumf(top, lane)
+            splat = vector.broadcast(pair.type, top)
+            for i in members:
+                out[i] = splat
+        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=arr.is_signed)
+
+    return _max(x)
+
+
+def fake_quant_p(p: jax.Array, interpret: bool) -> jax.Array:
+    """FQ(P) of a (64, n) tile of non-negative finite probabilities in groups of 16 keys per row: lane-ordered
+    keys if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). float32."""
+    if ENABLED:
+        return nvfp4.fake_quant_given_amax(p, group_max(p, interpret), nonnegative=True, assume_finite=True)
+    return nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True)
