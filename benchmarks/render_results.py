@@ -370,7 +370,8 @@ def render_dq_kernel(data: dict) -> list[str]:
            "dS). The library default (`dq_kernel=\"auto\"`) follows the tables measured when it was chosen: "
            "SageBwd fused at D64 and at D128 non-causal (separate at D128 causal) until 2026-11-30 19:59, when it "
            "became fused everywhere (benchmarks/NOTES.md, seventeenth session); Attn-QAT fuses at D64 and at "
-           "D128 causal (separate at D128 non-causal, where the two are level). At D128 Attn-QAT's fused dQ is split "
+           "D128 causal (separate at D128 non-causal, where the two were level; fused there too from 2026-12-01 22:55, "
+           "when the keys in lane order made it 1.7% faster). At D128 Attn-QAT's fused dQ is split "
            "by columns between the kernel's two warpgroups (`qat_bwd_mosaic.splits_dq_columns`; from 2026-11-30 "
            "17:59 on; before, each warpgroup added all columns over its own keys).", "",
            "| B | Hq/Hkv | S | D | causal | cuDNN bf16 | sage separate | sage fused | qat separate | qat fused |",

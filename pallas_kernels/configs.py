@@ -228,11 +228,12 @@ class QatConfig:
         step's dS·K̃ into a float32 dQ with TMA, as FlashAttention-3 does — from head dim 128 split
         by columns between its two warpgroups, ``qat_bwd_mosaic.splits_dq_columns``; dQ's summation
         order varies run to run, and it takes a float32 (B, Sq, Hq, D) buffer) or "auto" (default):
-        fused at head dim 64 and at 128 causal, separate (deterministic) at 128 non-causal, where the
-        two are level. On the H200 fwd+bwd, fused vs separate: 3.99 vs 4.40 ms at B8 H32 S2048 D64;
-        6.12 vs 6.48 ms at B4 H32 S4096 D128 causal, 21.36 vs 23.26 at B1 H32 S16384 causal; non-causal
-        11.70 vs 11.57 and 43.84 vs 43.23 in one run, 11.72 vs 11.69 and 43.79 vs 43.94 in another
-        (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel"; NOTES.md, sixteenth session).
+        fused everywhere. On the H200 fwd+bwd, fused vs separate: 3.99 vs 4.40 ms at B8 H32 S2048 D64;
+        6.12 vs 6.48 ms at B4 H32 S4096 D128 causal, 21.36 vs 23.26 at B1 H32 S16384 causal
+        (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel"; NOTES.md, sixteenth session); non-causal
+        D128 level until the keys went into lane order (11.70 vs 11.57 ms at B4 S4096), then fused
+        10.70 / 10.74 vs 10.90 / 10.89 ms at B4 H32 S4096, 39.97 / 39.85 vs 40.70 / 40.52 at B1 S16384
+        (NOTES.md, thirtieth session).
     """
 
     # H200 sweep 2026-11-29 (benchmarks/results/qat.json, B4 H32 S4096 D128): forward 64x64 w4 s3
@@ -280,9 +281,11 @@ class QatConfig:
         return dataclasses.replace(self, fwd_backend=pick(self.fwd_backend), bwd_backend=pick(self.bwd_backend))
 
     def fuses_dq(self, head_dim: int, causal: bool) -> bool:
-        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``; "auto":
-        at head dim 64 and at 128 causal, where it measured faster on the H200)."""
-        return fuses_dq(self.dq_kernel, head_dim <= 64 or causal)
+        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``; "auto": at
+        every head dim, causal or not, where it measured faster on the H200; ``head_dim`` and ``causal``
+        are kept for a device where it is not)."""
+        del head_dim, causal
+        return fuses_dq(self.dq_kernel, True)
 
     @property
     def pad(self) -> int:

@@ -305,8 +305,8 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     (forward: register P̃/P operands, O and O' issued together; backward: FQ(P)·(1/l) and dS through SMEM as
     transposed operands, dS·K̃ from registers); the fake-quant kernel and the others stay Triton. A third
     entry: "pingpong" turns on the schedule barrier (QatConfig.pingpong); "fused"/"separate" is
-    QatConfig.dq_kernel (default "auto": fused at D64 and at D128 causal — split by columns between the
-    warpgroups at D128 — where the dQ kernel is then absent)."""
+    QatConfig.dq_kernel (default "auto": fused everywhere — split by columns between the warpgroups at
+    D128 — so the dQ kernel is then absent)."""
     from lowbit_jax import qat as qat_mod
 
     fwd, bwd, *extra = backends

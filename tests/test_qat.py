@@ -134,8 +134,7 @@ def test_mosaic_fused_dq_same_gradients(case):
     from pallas_kernels import qat_bwd_mosaic
 
     cfg = lb.QatConfig()
-    assert cfg.fuses_dq(64, False) and cfg.fuses_dq(64, True) and cfg.fuses_dq(128, True)
-    assert not cfg.fuses_dq(128, False)
+    assert all(cfg.fuses_dq(d, causal) for d in (64, 128) for causal in (False, True))
     assert lb.QatConfig(dq_kernel="fused").fuses_dq(128, False)
     assert not lb.QatConfig(dq_kernel="separate").fuses_dq(64, True)
     assert qat_bwd_mosaic.splits_dq_columns(128) and not qat_bwd_mosaic.splits_dq_columns(64)
