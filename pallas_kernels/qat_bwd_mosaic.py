@@ -22,8 +22,8 @@ updated in place, the two independent products of a step issued together.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
   dS·K̃ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
   ``_mosaic.reduce_add_matmul``); from head dim 128 split by columns between the two warpgroups
-  after a CTA-wide barrier (:func:`splits_dq_columns`). The default at head dim 64 and at 128
-  causal, where it is faster on the H200.
+  after a CTA-wide barrier (:func:`splits_dq_columns`). The default (faster on the H200 at every
+  benchmarked shape since the keys went into lane order).
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
