@@ -152,6 +152,14 @@ def kv_lane_order(opts: QatOptions, head_dim: int, dtype) -> bool:
     return lane_groups.ENABLED and _runs_mosaic_forward(opts, head_dim, dtype)
 
 
+def kv_in_key_order(kf: jax.Array, vf: jax.Array, opts: QatOptions, dtype) -> tuple[jax.Array, jax.Array]:
+    """The forward's K̃, Ṽ residuals (B, Hkv, Sk_pad, D) in key order, as the reference and the Triton kernels
+    take them (undoing the lane order where :func:`kv_lane_order` says the forward left it). ``dtype``: q's."""
+    if kv_lane_order(opts, kf.shape[3], dtype):
+        return lane_groups.from_lane_order(kf, 2), lane_groups.from_lane_order(vf, 2)
+    return kf, vf
+
+
 @functools.partial(jax.jit, static_argnames=("opts", "with_aux"))
 def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, with_aux: bool):
     """Forward with residuals: (o, o_aux or None, lse, m, (q̃, k̃, ṽ)).
@@ -159,13 +167,14 @@ def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, w
     Shapes as :func:`pallas_kernels.qat_fwd.qat_attention_fwd` and :func:`quantize_operands`; k̃ and ṽ
     are in lane order where :func:`kv_lane_order` says so.
     """
-    lane_order = kv_lane_order(opts, q.shape[-1], q.dtype)
+    mosaic = _runs_mosaic_forward(opts, q.shape[-1], q.dtype)
+    lane_order = mosaic and lane_groups.ENABLED  # = kv_lane_order(opts, …)
     qf, kf, vf = quantize_operands(q, k, v, opts, lane_order=lane_order)
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               out_dtype=q.dtype, with_aux=with_aux)
     if opts.implementation == "pallas":
         forward = qat_fwd_kernels.qat_attention_fwd
-        if _runs_mosaic_forward(opts, q.shape[-1], q.dtype):
+        if mosaic:
             forward = functools.partial(qat_fwd_mosaic.qat_attention_fwd_mosaic, lane_ordered=lane_order)
         o, o_aux, lse, m = forward(qf, kf, vf, interpret=opts.interpret, **kw)
     else:
@@ -187,7 +196,6 @@ def _qat_bwd(opts: QatOptions, residuals, do):
     (qf, kf, vf), o_aux, lse, m = residuals
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               naive=opts.naive_backward)
-    lane_order = kv_lane_order(opts, qf.shape[3], do.dtype)
     if opts.implementation == "pallas":
         if opts.config.bwd_backend == "mosaic" and qat_bwd_mosaic.supports(
                 sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=qf.shape[2], sk_pad=kf.shape[2], head_dim=qf.shape[3],
@@ -195,10 +203,9 @@ def _qat_bwd(opts: QatOptions, residuals, do):
             return qat_bwd_mosaic.qat_attention_bwd_mosaic(
                 qf, kf, vf, o_aux, lse, m, do, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal,
                 scale=opts.scale, naive=opts.naive_backward,
-                fused_dq=opts.config.fuses_dq(qf.shape[3], opts.causal), lane_ordered=lane_order,
-                interpret=opts.interpret)
-        if lane_order:  # the Triton kernels take keys in order
-            kf, vf = lane_groups.from_lane_order(kf, 2), lane_groups.from_lane_order(vf, 2)
+                fused_dq=opts.config.fuses_dq(qf.shape[3], opts.causal),
+                lane_ordered=kv_lane_order(opts, qf.shape[3], do.dtype), interpret=opts.interpret)
+        kf, vf = kv_in_key_order(kf, vf, opts, do.dtype)  # the Triton kernels take keys in order
         return qat_bwd_kernels.qat_attention_bwd(qf, kf, vf, o_aux, lse, m, do, interpret=opts.interpret, **kw)
     return qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, **kw)
 
