@@ -193,7 +193,7 @@ def render_backend_splits(data: dict) -> list[str]:
            "bf16, layout (B, S, H, D); the fastest sage column in bold.", "",
            "| B | S | Hq/Hkv | D | causal | cuDNN bf16 | all Triton | all Mosaic | dK/dV Triton + dQ Mosaic "
            "| dK/dV Mosaic + dQ Triton | auto |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    out[3:3] = _superseded(data)
+    out[3:3] = [*_superseded(data)[1:], ""] if data.get("superseded") else []
     for r in data["rows"]:
         ms = r["ms"]
         best = min((ms[n] for n in names[:-1] if n in ms), default=None)

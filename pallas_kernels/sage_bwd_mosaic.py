@@ -15,10 +15,14 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   compute warpgroup holds a 64-query tile and loops over the 64-key tiles:
   S, P, dP, dS as above, dQ += dŜK̂.
 * or dQ fused into ``sage_bwd_dkdv_mosaic`` (``k8_t=``; ``SageFwdConfig.dq_kernel``): the
-  per-tile dŜ is also stored transposed (through the WGMMA_TRANSPOSED register layout)
-  and each step's dŜK̂ is reduce-added by TMA into a float32 dQ (FlashAttention-3's
-  accumulation, ``_mosaic.reduce_add_matmul``): the default (``SageFwdConfig.fuses_dq``; fwd+bwd
-  23% less time on the H200 at head dim 64, 11% at 128 non-causal, 3–7% at 128 causal).
+  per-tile dŜ is also stored transposed and each step's dŜK̂ is reduce-added by TMA into a
+  float32 dQ (FlashAttention-3's accumulation, ``_mosaic.reduce_add_matmul``): the default
+  (``SageFwdConfig.fuses_dq``; fwd+bwd 23% less time on the H200 at head dim 64, 11% at 128
+  non-causal, 3–7% at 128 causal). Its K̂ and Ṽ rows are in :mod:`pallas_kernels.key_pairs`
+  order, so the transposed copy is two ``stmatrix.trans`` per thread and step instead of a
+  relayout through WGMMA_TRANSPOSED (hot loop 1146 → 1038 instructions per thread and step at
+  B16 H10/5 S2048 D64 causal; fwd+bwd 7% less time there, 4% at B8 H32 S2048 D64, 1–3% at
+  B4 H32 S4096 D128; benchmarks/NOTES.md, thirty-first session); dK and dV leave in natural order.
 
 The INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken straight from
 registers (``_mosaic.register_operand``: two lane shuffles per 4 values into the 8-bit operand
@@ -60,6 +64,7 @@ from jax import lax
 
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
+from pallas_kernels import key_pairs
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
@@ -138,10 +143,11 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
-                 *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, scale,
-                 interpret):
+                 *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, pairs,
+                 scale, interpret):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
-    (``_mosaic.reduce_add_matmul``).
+    (``_mosaic.reduce_add_matmul``). ``pairs``: K̂ and Ṽ rows in :mod:`pallas_kernels.key_pairs` order (the
+    transposed dŜ and the dK, dV tiles stored by ``stmatrix``; dK and dV leave in natural key order).
     ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, then the scratch: K̂, Ṽ, K scales[, dK], [P̂ᵀ], [dŜᵀ]
     (:func:`_smem_operands`), the row-maximum vectors, the barriers[, K̂ᵀ, dŜ, the dQ stage]."""
     refs = list(refs)
@@ -176,10 +182,12 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         dk, dv = pipeline((zeros, zeros))
         if fused_dq:  # no dK tile in SMEM (it would not fit beside the dQ buffers at D128): both through Ṽ's
             plgpu.wait_smem_to_gmem(0)  # the last dQ copy is done
-            vd_smem[...] = dk.astype(vd_smem.dtype)
-            copy_out(((vd_smem, dk_ref.at[b, rows, hkv]),))
-            vd_smem[...] = dv.astype(vd_smem.dtype)
-            copy_out(((vd_smem, dv_ref.at[b, rows, hkv]),))
+            for acc, out_ref in ((dk, dk_ref), (dv, dv_ref)):
+                if pairs:  # back to natural key order on the way to SMEM
+                    key_pairs.store_rows(vd_smem, acc.astype(vd_smem.dtype), interpret)
+                else:
+                    vd_smem[...] = acc.astype(vd_smem.dtype)
+                copy_out(((vd_smem, out_ref.at[b, rows, hkv]),))
             return
         dk_smem = dk_smem2.at[wg]
         dk_smem[...] = dk.astype(dk_smem.dtype)
@@ -204,7 +212,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
         if causal:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
-            st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True)
+            st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True,
+                             key_of_column=key_pairs.key_of_row if pairs else None)
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
@@ -220,7 +229,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             factor = ds_scale * (1.0 / LOG2E)
         ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
-            _store_transposed(dsq_smem2.at[wg], ds8)
+            if pairs:
+                key_pairs.store_transposed(dsq_smem2.at[wg], ds8, interpret)
+            else:
+                _store_transposed(dsq_smem2.at[wg], ds8)
         if fused_dq or smem_p or smem_ds:
             plgpu.commit_smem()  # P̂ or dŜ went to SMEM, or dŜ transposed
         # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
@@ -382,9 +394,13 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         raise ValueError("the fused dQ needs per-block Q/K scales and per-tile dS scales")
     if fused_dq and scale is None:
         raise ValueError("the fused dQ needs scale (the softmax scale) beside k8_t")
+    pairs = fused_dq and key_pairs.ENABLED
+    if pairs:  # the kernel's K̂ and Ṽ rows in pair order (Ṽ's permutation fuses into its dequantization)
+        k8, k_scale, vd = (key_pairs.to_pair_order(x, 2) for x in (k8, k_scale, vd))
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
-                               ds_per_row=ds_per_row, fused_dq=fused_dq, scale=scale, interpret=interpret)
+                               ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, scale=scale,
+                               interpret=interpret)
     operand_tiles = [wg_tiles(WGS, TILE, i8, TILE)] * sum(_smem_operands(d, interpret))  # P̂ᵀ, dŜᵀ if in SMEM
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
                *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), *operand_tiles, plgpu.SMEM((WGS, TILE), f32),
