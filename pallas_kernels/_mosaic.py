@@ -184,6 +184,20 @@ def query_block_keys(rows: int, sk_pad: int, block_k: int, *, sk_len: int, causa
     return start, steps, causal or sk_len != sk_pad
 
 
+def swap_within_blocks(x: jax.Array, axis: int, split: tuple[int, ...], what: str) -> jax.Array:
+    """``x`` with the entries along ``axis`` permuted inside each block of ``prod(split)``: the block read as a
+    row-major ``split`` array and its first two dims swapped (XLA: one transpose). The Mosaic kernels' key orders
+    (``lane_groups``, ``key_pairs``) are such permutations; ``what`` names the order in the error."""
+    axis %= x.ndim
+    n, block = x.shape[axis], int(np.prod(split))
+    if n % block:
+        raise ValueError(f"{what} needs a multiple of {block} keys on axis {axis}, got {n}")
+    shape = x.shape[:axis] + (n // block, *split) + x.shape[axis + 1:]
+    perm = list(range(len(shape)))
+    perm[axis + 1], perm[axis + 2] = perm[axis + 2], perm[axis + 1]
+    return jnp.transpose(x.reshape(shape), perm).reshape(x.shape)
+
+
 def first_query_tile(cta_keys, block_q: int, n_qtiles: int, *, causal: bool, offset: int):
     """The first query tile that sees a CTA's keys (from ``cta_keys`` on): 0, or if causal the
     tile of query ``cta_keys − offset``; earlier tiles are fully masked."""
@@ -588,10 +602,10 @@ def on_hopper() -> bool:
 
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
-           "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys", "first_query_tile",
-           "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul", "matmul_sum", "matmuls",
-           "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline", "key_step_specs",
-           "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator",
-           "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product", "reduce_add_matmul",
-           "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers", "PingPong",
-           "schedule_barrier"]
+           "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
+           "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
+           "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",
+           "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
+           "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
+           "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
+           "PingPong", "schedule_barrier"]

@@ -12,8 +12,8 @@ exactly one group: its maximum is a reduction over the thread's own registers (n
 scale needs computing only once per thread, row and group (n/64 per row; :func:`group_max`). The softmax sums and both products
 contract over the keys in whatever order they are stored, so the values are the reference's (up to
 accumulation order): the groups are the same 16 keys. Masks map a column to its key with
-:func:`key_of_column`; the dK/dV rows that the backward writes in lane order go back with
-:func:`from_lane_order`.
+:func:`key_of_column`; the backward's dK/dV rows go back to key order as they are stored to SMEM
+(``stmatrix.store_rows``; :func:`from_lane_order` is the same permutation in XLA).
 
 ``ENABLED`` (a module switch read at trace time, for ``benchmarks/variants.py``): off, the kernels
 take keys in natural order and FQ runs on 16-column slices (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`).
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit_jax.formats import nvfp4
-from pallas_kernels._mosaic import plgpu
+from pallas_kernels._mosaic import plgpu, swap_within_blocks
 
 #: keys per lane-order block (four lanes × 16 keys)
 BLOCK = 64
@@ -37,14 +37,7 @@ ENABLED = True
 
 
 def _reorder(x: jax.Array, axis: int, split: tuple[int, int]) -> jax.Array:
-    axis %= x.ndim
-    n = x.shape[axis]
-    if n % BLOCK:
-        raise ValueError(f"lane order needs a multiple of {BLOCK} keys on axis {axis}, got {n}")
-    shape = x.shape[:axis] + (n // BLOCK, *split, 2) + x.shape[axis + 1:]
-    perm = list(range(len(shape)))
-    perm[axis + 1], perm[axis + 2] = perm[axis + 2], perm[axis + 1]
-    return jnp.transpose(x.reshape(shape), perm).reshape(x.shape)
+    return swap_within_blocks(x, axis, (*split, 2), "lane order")
 
 
 def to_lane_order(x: jax.Array, axis: int) -> jax.Array:

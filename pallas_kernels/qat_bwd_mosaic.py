@@ -15,7 +15,8 @@ updated in place, the two independent products of a step issued together.
 * dK/dV: grid (kv head, 128-key block, batch); each warpgroup owns 64 keys and
   loops over the query tiles of every query head of its GQA group. The tiles are
   computed as (queries × keys), with K̃ and Ṽ in lane order (:mod:`pallas_kernels.lane_groups`: each
-  thread holds whole FP4 groups of 16 keys; dK and dV are restored to key order); FQ(P)·(1/l) and dS go
+  thread holds whole FP4 groups of 16 keys; dK and dV go back to key order on their way to SMEM,
+  ``stmatrix.store_rows``, instead of by an XLA transpose after the kernel); FQ(P)·(1/l) and dS go
   through SMEM and enter dV and dK as transposed A operands.
 * dQ: grid (query head, 128-query block, batch); each warpgroup owns 64 queries and
   loops over key tiles; dS is the register A operand of dS·K̃.
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.qat_reference import backward_rows
-from pallas_kernels import lane_groups
+from pallas_kernels import lane_groups, stmatrix
 from pallas_kernels._mosaic import (
     PingPong, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
     matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_out,
@@ -122,8 +123,13 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         dk, dv = pipeline((zeros, zeros))
         if split:  # the other warpgroup's last dQ products have read this K̃ tile
             cta_sync()
-        k_smem[...] = (dk * scale).astype(k_smem.dtype)  # K̃ and Ṽ are no longer needed: reuse their SMEM
-        v_smem[...] = dv.astype(v_smem.dtype)
+        # K̃ and Ṽ are no longer needed: reuse their SMEM; lane-ordered rows go back to key order on the way
+        for acc, smem in (((dk * scale), k_smem), (dv, v_smem)):
+            if lane_groups.ENABLED:
+                stmatrix.store_rows(smem, acc.astype(smem.dtype), interpret, key_of_row=lane_groups.key_of_column,
+                                    from_order=lane_groups.from_lane_order)
+            else:
+                smem[...] = acc.astype(smem.dtype)
         copy_out(((k_smem, dk_ref.at[b, rows, hkv]), (v_smem, dv_ref.at[b, rows, hkv])))
 
     def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
@@ -247,14 +253,11 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     group = hq // hkv
     dt, f32 = qf.dtype, jnp.float32
     delta, m_rows, inv_l, do_h = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=dt)
-    lane_order = lane_groups.ENABLED
-    if lane_order and not lane_ordered:  # dK and dV come out in lane order, whole padded blocks (restored below)
+    if lane_groups.ENABLED and not lane_ordered:  # the kernel stores dK and dV back in key order
         kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
-    kv_rows = kf.shape[2] if lane_order else tma_rows(sk_len)
+    kv_rows = tma_rows(sk_len)
 
     def kv_grads(dk, dv):
-        if lane_order:
-            dk, dv = lane_groups.from_lane_order(dk, 1), lane_groups.from_lane_order(dv, 1)
         return trim_rows(dk, sk_len), trim_rows(dv, sk_len)
 
     common = dict(head_dim=d, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,

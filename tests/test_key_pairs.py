@@ -1,10 +1,12 @@
-"""The pair order of the fused SageBwd kernel's keys (``pallas_kernels.key_pairs``) and its two ``stmatrix`` stores.
+"""The pair order of the fused SageBwd kernel's keys (``pallas_kernels.key_pairs``) and the ``stmatrix`` stores
+(``pallas_kernels.stmatrix``) that write pair-ordered or lane-ordered (``pallas_kernels.lane_groups``) tiles back in
+key order.
 
 The stores are checked exactly three ways: interpreted on the CPU (their jax.numpy form), lowered for an abstract
 H200 (the inline Mosaic GPU path must lower and be taken), and, on a Hopper GPU, compiled against numpy — the only
 place the hand-computed swizzled addresses run. The kernel that uses them is held to the xla reference by
-tests/test_sage_backward.py (fused dQ, causal and not, D64 and D128, in the interpreter) and on the GPU by
-``benchmarks/variants.py --check``.
+tests/test_sage_backward.py and tests/test_qat.py (the Mosaic backward kernels, causal and not, D64 and D128, in the
+interpreter) and on the GPU by ``benchmarks/variants.py --check``.
 """
 
 import jax
@@ -14,7 +16,7 @@ import pytest
 
 from benchmarks import common
 from pallas_kernels import _mosaic as mos
-from pallas_kernels import key_pairs
+from pallas_kernels import key_pairs, lane_groups, stmatrix
 
 
 def test_pair_order_round_trip_and_key_of_row():
@@ -32,7 +34,8 @@ def test_pair_order_round_trip_and_key_of_row():
 
 def _store_kernel(kind: str, n: int, dtype, interpret: bool):
     """(a (64, n) int8, e (n, n) int8 permutation) → the tile t = a·eᵀ (a WGMMA result, as int8 or ``dtype``)
-    stored by ``key_pairs.store_transposed`` (kind "transposed": out (n, 64)) or ``store_rows`` (out (64, n))."""
+    stored by ``key_pairs.store_transposed`` (kind "transposed": out (n, 64)), ``key_pairs.store_rows`` ("rows")
+    or ``stmatrix.store_rows`` with lane order's row map ("lanes"; out (64, n))."""
     def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, bar):
         for i, (src, dst) in enumerate(((a_ref, a_s), (e_ref, e_s))):
             mos.plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
@@ -40,8 +43,11 @@ def _store_kernel(kind: str, n: int, dtype, interpret: bool):
         t = mos.matmul((64, n), jnp.int32, a_s, e_s.T)
         if kind == "transposed":
             key_pairs.store_transposed(o_s, t.astype(jnp.int8), interpret)
-        else:
+        elif kind == "rows":
             key_pairs.store_rows(o_s, t.astype(jnp.float32).astype(dtype), interpret)
+        else:
+            stmatrix.store_rows(o_s, t.astype(jnp.float32).astype(dtype), interpret,
+                                key_of_row=lane_groups.key_of_column, from_order=lane_groups.from_lane_order)
         mos.copy_out(((o_s, o_ref),))
 
     i8 = jnp.int8
@@ -55,14 +61,16 @@ def _store_kernel(kind: str, n: int, dtype, interpret: bool):
 
 
 @pytest.mark.parametrize("kind, n, dtype", [("transposed", 64, jnp.int8), ("transposed", 128, jnp.int8),
-                                            ("rows", 64, jnp.bfloat16), ("rows", 128, jnp.float16)])
+                                            ("rows", 64, jnp.bfloat16), ("rows", 128, jnp.float16),
+                                            ("lanes", 64, jnp.bfloat16), ("lanes", 128, jnp.bfloat16)])
 def test_stores_put_pair_ordered_rows_in_natural_order(monkeypatch, kind, n, dtype):
     rng = np.random.default_rng(n + len(kind))
     a = rng.integers(-127, 128, (64, n)).astype(np.int8)
     perm = rng.permutation(n)
     e = np.eye(n, dtype=np.int8)[perm]  # t = a·eᵀ = a[:, perm]
     t = a[:, perm]
-    want = np.asarray(key_pairs.from_pair_order(jnp.asarray(t), 0))  # row r of t is key key_of_row(r)
+    undo = lane_groups.from_lane_order if kind == "lanes" else key_pairs.from_pair_order
+    want = np.asarray(undo(jnp.asarray(t), 0))  # row r of t holds key key_of_row(r) (key_of_column for lanes)
     want = want.T if kind == "transposed" else want.astype(np.float32)
     got = np.asarray(_store_kernel(kind, n, dtype, interpret=True)(a, e))
     np.testing.assert_array_equal(got.astype(want.dtype), want)
