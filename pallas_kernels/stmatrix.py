@@ -33,38 +33,20 @@ class Int:
     def __init__(self, value):
         self.value = value
 
-    def _apply(self, other, op):
+
+def _int_operator(name: str):
+    def apply(self: Int, other) -> Int:
         from jax._src.lib.mlir import ir
         from jax._src.lib.mlir.dialects import arith
 
         rhs = other.value if isinstance(other, Int) else arith.constant(ir.IntegerType.get_signless(32), other)
-        return Int(op(self.value, rhs))
+        return Int(getattr(arith, name)(self.value, rhs))
+    return apply
 
-    def __and__(self, other):
-        from jax._src.lib.mlir.dialects import arith
-        return self._apply(other, arith.andi)
 
-    def __or__(self, other):
-        from jax._src.lib.mlir.dialects import arith
-        return self._apply(other, arith.ori)
-
-    def __lshift__(self, other):
-        from jax._src.lib.mlir.dialects import arith
-        return self._apply(other, arith.shli)
-
-    def __rshift__(self, other):
-        from jax._src.lib.mlir.dialects import arith
-        return self._apply(other, arith.shrui)
-
-    def __add__(self, other):
-        from jax._src.lib.mlir.dialects import arith
-        return self._apply(other, arith.addi)
-
-    def __mul__(self, other):
-        from jax._src.lib.mlir.dialects import arith
-        return self._apply(other, arith.muli)
-
-    __radd__, __rmul__ = __add__, __mul__
+for _method, _op in (("__and__", "andi"), ("__or__", "ori"), ("__lshift__", "shli"), ("__rshift__", "shrui"),
+                     ("__add__", "addi"), ("__radd__", "addi"), ("__mul__", "muli"), ("__rmul__", "muli")):
+    setattr(Int, _method, _int_operator(_op))
 
 
 def lane_context(smem):
