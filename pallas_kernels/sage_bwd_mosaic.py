@@ -395,8 +395,9 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     if fused_dq and scale is None:
         raise ValueError("the fused dQ needs scale (the softmax scale) beside k8_t")
     pairs = fused_dq and key_pairs.ENABLED
-    if pairs:  # the kernel's K̂ and Ṽ rows in pair order (Ṽ's permutation fuses into its dequantization)
-        k8, k_scale, vd = (key_pairs.to_pair_order(x, 2) for x in (k8, k_scale, vd))
+    if pairs:  # the kernel's K̂ and Ṽ rows in pair order (Ṽ's permutation fuses into its dequantization); the
+        # fused dQ has per-block K scales (supports_fused_dq), equal on every key of a 16-key block: left as they are
+        k8, vd = key_pairs.to_pair_order(k8, 2), key_pairs.to_pair_order(vd, 2)
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
                                ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, scale=scale,
