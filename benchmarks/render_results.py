@@ -317,6 +317,8 @@ def render_training(data: dict) -> list[str]:
             + ". Dense alone went from " + "{:.1f} to {:.1f} ms/step within the run.".format(
                 *[(r["step_ms_rounds"][0], r["step_ms_rounds"][-1]) for r in data["rows"]
                   if r["method"] == "dense"][0])]
+    if data.get("note"):
+        out += ["", data["note"]]
     if not data.get("rounds"):
         out += ["", "Back-to-back single windows are noisy on the lent H200: on 2026-11-29 the dense step measured "
                 "62.4–86.6 ms and sage/dense 0.70–0.88 across runs (benchmarks/NOTES.md, sixth session); "

@@ -18,6 +18,9 @@ interleaved ``--repeats`` times, so drift of the machine shows as spread between
 first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``; the
 raw output goes to $OUT/ptxas_<variant>.log where $OUT is set) and stack frame (local memory per thread,
 where the spills live: times the CTA's threads, the L1 they need; benchmarks/NOTES.md, eighteenth session).
+``--profile``: also each shape's device busy time and its kernels' times per call (``benchmarks.profiling``, 10
+traced calls), so a change to one kernel and its producers shows apart from the rest (benchmarks/NOTES.md,
+thirty-second session: an XLA transpose that ate a kernel's gain).
 Writes benchmarks/results/variants.json (and $OUT/variants.json); not rendered into RESULTS.md.
 """
 
@@ -35,6 +38,7 @@ import sys
 import warnings
 
 SMOKE_SHAPE = (1, 2, 2, 128, 64, True)
+PROFILE_TOP = 8  # kernels kept per shape with --profile
 # ptxas -v: "Compiling entry function 'k'" then that kernel's "N bytes stack frame, M bytes spill stores" line.
 # (Its "Registers are spilled ... in function 'k', M bytes spill stores" warning comes *before* k's entry line,
 # so it is not matched: pairing it with the entry above gave the previous kernel k's count.)
@@ -115,13 +119,14 @@ def child(args) -> dict:
     from benchmarks.attention import make_inputs
     from benchmarks.attention_bwd import fwd_bwd
     from benchmarks.common import time_fn
+    from benchmarks.profiling import profile_calls
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     overrides = apply(parse_assignments(args.assign), method=args.method)
     interpret = jax.default_backend() != "gpu"
     attend = {"sage": lb.sage_attention, "qat": lb.qat_attention}[args.method]
     default_config = {"sage": lb.sage_fwd_config, "qat": lb.qat_config}[args.method]
-    result = {"ms": {}, "check": None}
+    result = {"ms": {}, "check": None, **({"busy_ms": {}, "kernels": {}} if args.profile else {})}
 
     def jitted(fn):  # (q, k, v, do) → (o,) or (o, dq, dk, dv)
         return jax.jit(lambda q, k, v, do: (fn(q, k, v),)) if args.part == "fwd" else fwd_bwd(fn)
@@ -140,7 +145,12 @@ def child(args) -> dict:
             got = run(q, k, v, do)
             result["check"] = {name: float(lb.rel_l1(a, r)) for name, a, r in zip(("o", "dq", "dk", "dv"), got, ref)}
         timing = dict(warmup=1, iters=1, batches=1) if interpret else {}
-        result["ms"][",".join(map(str, shape))] = time_fn(run, q, k, v, do, **timing)
+        key = ",".join(map(str, shape))
+        result["ms"][key] = time_fn(run, q, k, v, do, **timing)
+        if args.profile:
+            prof = profile_calls(lambda: jax.block_until_ready(run(q, k, v, do)), 1 if interpret else 10)
+            result["busy_ms"][key] = prof["busy_ms"]
+            result["kernels"][key] = {name: ms for name, (ms, _) in list(prof["kernels"].items())[:PROFILE_TOP]}
     return result
 
 
@@ -157,11 +167,11 @@ def spills(log: str, *, stack_frame: bool = False) -> dict[str, int]:
 
 
 def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool, part: str = "fwd_bwd",
-                env: dict[str, str] | None = None) -> dict:
+                env: dict[str, str] | None = None, profile: bool = False) -> dict:
     """One variant in a fresh child process (its ``RESULT`` dict); ``env``: extra environment variables for it
     (``benchmarks/sass_census.py`` sets the Mosaic GPU dump switches)."""
     cmd = [sys.executable, __file__, "--child", "--assign", assign, "--shapes", json.dumps(shapes),
-           "--method", method, "--part", part] + (["--check"] if check else [])
+           "--method", method, "--part", part] + (["--check"] if check else []) + (["--profile"] if profile else [])
     env = dict(os.environ, **(env or {}), **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -187,6 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="gradients vs the xla reference on the first shape")
     parser.add_argument("--ptxas", action="store_true", help="ptxas's spill report per kernel (GPU)")
+    parser.add_argument("--profile", action="store_true", help="device busy time and per-kernel times per shape")
     parser.add_argument("--smoke", action="store_true", help="one tiny shape, the committed code, one repeat")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--assign", default="", help=argparse.SUPPRESS)
@@ -209,13 +220,16 @@ def main(argv=None) -> int:
         for name, assignments in variants:
             assign = ",".join(f"{m}.{a}={v!r}" for m, a, v in assignments)
             result = run_variant(name, assign, shapes, args.method, args.check and repeat == 0, args.ptxas,
-                                 args.part)
+                                 args.part, profile=args.profile)
             payload["runs"].append(dict(variant=name, assign=assign, repeat=repeat, **result))
             print(f"{name:>16} #{repeat}: " + "  ".join(f"[{k}] {ms:.3f} ms" for k, ms in result["ms"].items())
                   + (f"  check {result['check']}" if result.get("check") else "")
                   + (f"  spills {result['spill_bytes']}" if result.get("spill_bytes") else "")
                   + (f"  stack frames {result['stack_frame_bytes']}" if result.get("stack_frame_bytes") else ""),
                   flush=True)
+            for key, kernels in result.get("kernels", {}).items():
+                print(f"{'':>16}    [{key}] busy {result['busy_ms'][key]:.3f} ms: "
+                      + "  ".join(f"{k[:32]} {ms:.4f}" for k, ms in kernels.items()), flush=True)
             write_json("variants_smoke" if args.smoke else "variants", payload)
     return 0
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,7 @@ from lowbit_jax.sage_reference import (
     sage_backward_reference,
     smoothing_bias,
 )
+from pallas_kernels import operand_order
 from pallas_kernels import quantize as quantize_kernels
 from pallas_kernels import sage_bwd as sage_bwd_kernels
 from pallas_kernels import sage_bwd_mosaic
@@ -168,7 +169,10 @@ def sage_forward(
         qk_granularity=qk_granularity, backward="int8", implementation=implementation, interpret=interpret,
         config=config,
     )
-    return _forward(q, k, v, opts=opts, transposed=False)
+    o, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
+    if operand_orders(q, k, opts).v:  # the public residuals in their documented (natural) layout
+        ops = ops._replace(vt=operand_order.from_operand_order(ops.vt, 3))
+    return o, lse, ops
 
 
 def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_q=False, qk_granularity="per_block",
@@ -197,34 +201,64 @@ def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_
 # ----------------------------------------------------------------------------- forward
 
 
+class OperandOrders(NamedTuple):
+    """Which INT8 residuals hold their tokens in :mod:`pallas_kernels.operand_order` (B operands of products whose
+    A operand comes straight from an accumulator's registers): ``v``, V̂ᵀ's keys (the Mosaic forward's PV); ``q_t``,
+    Q̂ᵀ's queries, and dÔᵀ's with them (the Mosaic dK/dV kernel's dK and dV). The rest is in natural order."""
+
+    v: bool = False
+    q_t: bool = False
+
+
+def operand_orders(q: jax.Array, k: jax.Array, opts: SageOptions) -> OperandOrders:
+    """The :class:`OperandOrders` of a call: where the Pallas kernels that take each run (the Mosaic GPU forward,
+    the Mosaic dK/dV kernel of the INT8 backward) and take operand order. ``q`` (B, Sq, Hq, D), ``k`` (B, Sk, Hkv, D)
+    (arrays or shape structs)."""
+    if opts.implementation != "pallas":
+        return OperandOrders()
+    cfg = opts.config
+    (b, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
+    pad = lambda n, block: -(-n // block) * block  # noqa: E731  (the quantize kernels' padding)
+    like = SageOperands(*(jax.ShapeDtypeStruct(shape, jnp.int8) for shape in (
+        (b, hq, pad(sq, cfg.block_q), d), (), (b, hkv, pad(sk, cfg.block_k), d), (), (), ())))
+    bias = jnp.zeros(()) if opts.smooth_q else None  # only its presence matters
+    return OperandOrders(
+        v=_mosaic_forward(like, bias, opts) and sage_fwd_mosaic.takes_operand_order(opts.interpret),
+        q_t=(opts.backward == "int8" and _mosaic_backend("dkdv", like, bias, opts)
+             and sage_bwd_mosaic.takes_operand_order(d, opts.interpret)))
+
+
 def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, transposed=False,
-                    interpret=False) -> SageOperands:
-    """Quantize with the fused Pallas kernels (see :mod:`pallas_kernels.quantize`)."""
+                    orders: OperandOrders = OperandOrders(), interpret=False) -> SageOperands:
+    """Quantize with the fused Pallas kernels (see :mod:`pallas_kernels.quantize`); V̂ᵀ and Q̂ᵀ in ``orders``."""
     k_mean, v_scale = channel_stats(k, v, smooth_k)
     q8, qs, q_mean, q8_t = quantize_kernels.sage_quantize_q(
         q, block=config.block_q, per_block=per_block, smooth_block=smooth_q, out_scale=scale * LOG2E,
-        transposed=transposed, num_warps=config.quant_warps, interpret=interpret,
+        transposed=transposed, t_operand_order=orders.q_t, num_warps=config.quant_warps, interpret=interpret,
     )
     k8, ks, vt8, k8_t = quantize_kernels.sage_quantize_kv(
         k, v, k_mean, v_scale, block=config.block_k, per_block=per_block, transposed=transposed,
-        num_warps=config.quant_warps, interpret=interpret,
+        v_operand_order=orders.v, num_warps=config.quant_warps, interpret=interpret,
     )
     return SageOperands(q8, qs, k8, ks, vt8, v_scale, q_mean, q8_t, k8_t)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "transposed"))
 def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
-    use_pallas = opts.implementation == "pallas"
-    quantize = quantize_pallas if use_pallas else quantize_reference
-    ops = quantize(q, k, v, scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q,
-                   per_block=opts.per_block, config=opts.config, transposed=transposed, interpret=opts.interpret)
+    kw = dict(scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q, per_block=opts.per_block,
+              config=opts.config, transposed=transposed, interpret=opts.interpret)
+    orders = operand_orders(q, k, opts)
+    if opts.implementation == "pallas":
+        ops = quantize_pallas(q, k, v, orders=orders, **kw)
+    else:
+        ops = quantize_reference(q, k, v, **kw)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
-    o, lse = attend_quantized(ops, bias, opts=opts, out_dtype=q.dtype)
+    o, lse = attend_quantized(ops, bias, opts=opts, out_dtype=q.dtype, v_operand_order=orders.v)
     return o, lse, ops
 
 
 def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOptions,
-                     out_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+                     out_dtype: jnp.dtype, v_operand_order: bool = False) -> tuple[jax.Array, jax.Array]:
     """The attention step of the forward on already quantized operands: the Mosaic GPU kernel where
     :func:`_mosaic_forward` picks it, else the Triton kernel (``implementation="pallas"``) or the reference.
 
@@ -233,6 +267,8 @@ def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOpt
       bias: Q-smoothing's fp32 score bias (:func:`smoothing_bias`) or None.
       opts: resolved options (:func:`resolve_options`); ``opts.seq_q``/``seq_k`` are the real lengths.
       out_dtype: dtype of o.
+      v_operand_order: ``ops.vt`` holds its keys in operand order (:func:`operand_orders` ``.v``, as
+        :func:`quantize_pallas` was told): only the Mosaic forward takes that.
     Returns:
       o (B, Sq, Hq, D) ``out_dtype`` and the base-2 LSE float32 (B, Hq, Sq).
     """
@@ -241,7 +277,9 @@ def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOpt
         return sage_fwd_mosaic.sage_attention_fwd_mosaic(
             ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=opts.seq_q, sk_len=opts.seq_k,
             causal=opts.causal, out_dtype=out_dtype, config=opts.config, per_block=opts.per_block,
-            interpret=opts.interpret)
+            v_operand_order=v_operand_order, interpret=opts.interpret)
+    if v_operand_order:
+        raise ValueError("v_operand_order: only the Mosaic forward takes V̂ᵀ in operand order")
     if use_pallas:
         attend = functools.partial(sage_fwd_kernels.sage_attention_fwd, interpret=opts.interpret)
     else:
@@ -278,11 +316,14 @@ _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _backward(ops: SageOperands, o, lse, do, *, opts: SageOptions):
     sq_len, sk_len = opts.seq_q, opts.seq_k
+    b, hq, _, d = ops.q.shape
+    orders = operand_orders(jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype),
+                            jax.ShapeDtypeStruct((b, sk_len, ops.k.shape[1], d), do.dtype), opts)
     if opts.backward == "bf16":
-        return _backward_16bit(ops, do, sq_len=sq_len, sk_len=sk_len, opts=opts)
+        return _backward_16bit(_natural_vt(ops, orders.v), do, sq_len=sq_len, sk_len=sk_len, opts=opts)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     if opts.implementation == "pallas":
-        return _backward_pallas(ops, bias, o, lse, do, opts=opts)
+        return _backward_pallas(ops, bias, o, lse, do, opts=opts, orders=orders)
     return sage_backward_reference(ops, bias, o, lse, do, sq_len=sq_len, sk_len=sk_len, causal=opts.causal,
                                    per_block=opts.per_block, scale=opts.scale, config=opts.config)
 
@@ -322,34 +363,49 @@ def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> 
         head_dim=ops.q.shape[3], causal=opts.causal, has_bias=bias is not None, config=opts.config)
 
 
-def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions):
+def _natural_vt(ops: SageOperands, v_operand_order: bool) -> SageOperands:
+    """``ops`` with V̂ᵀ in natural key order (an XLA transpose of the INT8 codes if it is in operand order)."""
+    return ops._replace(vt=operand_order.from_operand_order(ops.vt, 3)) if v_operand_order else ops
+
+
+def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
+                     orders: OperandOrders = OperandOrders()):
     """SageBwd with the Pallas kernels: the preprocess, then dK/dV and dQ on their backends.
 
     Args:
       ops: the forward's INT8 residuals (with the transposed copies Q̂ᵀ, K̂ᵀ).
       bias: Q-smoothing score bias (B, Hq, nqb, Sk_pad) or None.
       o, lse: the forward's output (B, Sq, Hq, D) and base-2 LSE (B, Hq, Sq); do: o's cotangent.
+      orders: which residuals are in operand order (:func:`operand_orders`): V̂ᵀ's keys are put back in natural
+        order as the Mosaic kernels' Ṽ is dequantized (16-bit rows, which XLA moves fast; the Triton kernels get
+        V̂ᵀ itself transposed back), and with Q̂ᵀ's queries dÔᵀ's are made so too, for the Mosaic dK/dV kernel.
     Returns:
       dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), in do's dtype.
     """
     cfg = opts.config
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
               scale=opts.scale, config=cfg, interpret=opts.interpret)
-    delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, interpret=opts.interpret)
+    delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, operand_order=orders.q_t,
+                                                                  interpret=opts.interpret)
     lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
     dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, ops, bias, opts) for name in ("dkdv", "dq"))
-    vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype) if dkdv_mosaic or dq_mosaic else None
+    vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
+          if dkdv_mosaic or dq_mosaic else None)
+    ops = _natural_vt(ops, orders.v)  # for the Triton kernels (unused, and dropped by XLA, where none runs)
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
                      ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
+    dkdv_kw = dict(mosaic_kw, operand_order_in=orders.q_t)
+    if orders.q_t and not dkdv_mosaic:
+        raise ValueError("q_t_operand_order: only the Mosaic dK/dV kernel takes Q̂ᵀ in operand order")
     fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
         head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
-            k8_t=ops.k_t, scale=opts.scale, **mosaic_kw)
+            k8_t=ops.k_t, scale=opts.scale, **dkdv_kw)
     if dkdv_mosaic:
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
-            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd, **mosaic_kw)
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd, **dkdv_kw)
     else:
         dk, dv = sage_bwd_kernels.sage_bwd_dkdv(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, ops.vt,

@@ -397,7 +397,9 @@ def int8_operand_in_smem(interpret: bool, registers: bool = True) -> bool:
 def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = True, registers: bool = True):
     """``x`` (a WGMMA-layout tile: 16-bit, or INT8 (64, K)) as the register A operand of ``wgmma``.
 
-    A 16-bit tile is used as is; an INT8 one is relaid out to WGMMA_8BIT (:func:`_install_8bit_relayout`).
+    A 16-bit tile is used as is; an INT8 one is relaid out to WGMMA_8BIT (:func:`_install_8bit_relayout`; lane
+    shuffles). Where the product's B operand can hold its contraction index permuted,
+    ``operand_order.register_operand`` takes the tile with no shuffle instead.
     The Mosaic GPU interpreter takes SMEM operands only, and an INT8 tile stays out of registers with
     ``registers=False`` or :func:`int8_in_registers` false (:func:`int8_operand_in_smem`): then ``x`` is
     stored to ``scratch`` (an SMEM tile, which is returned), followed by ``commit_smem`` unless

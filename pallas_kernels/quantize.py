@@ -19,9 +19,11 @@ import jax.numpy as jnp
 
 from lowbit_jax.formats import sage_tiles
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
+from pallas_kernels.operand_order import check_block, transposed as _transposed
 
 
-def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_block, out_scale, transposed):
+def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_block, out_scale, transposed,
+                       t_operand_order):
     refs = list(refs)
     codes_ref, scale_ref = refs.pop(0), refs.pop(0)
     mean_ref = refs.pop(0) if smooth_block else None
@@ -36,12 +38,13 @@ def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_b
     if smooth_block:
         mean_ref[...] = bmean
     if transposed:
-        codes_t_ref[...] = codes.T
+        codes_t_ref[...] = _transposed(codes, t_operand_order)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block", "per_block", "smooth_block", "out_scale", "transposed", "num_warps", "interpret"),
+    static_argnames=("block", "per_block", "smooth_block", "out_scale", "transposed", "t_operand_order", "num_warps",
+                     "interpret"),
 )
 def sage_quantize_q(
     q: jax.Array,
@@ -51,6 +54,7 @@ def sage_quantize_q(
     smooth_block: bool,
     out_scale: float,
     transposed: bool = False,
+    t_operand_order: bool = False,
     num_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
@@ -63,11 +67,15 @@ def sage_quantize_q(
       smooth_block: subtract each block's mean first (Q-smoothing).
       out_scale: folded into the scale (``softmax_scale · log2 e``).
       transposed: also write Q̂ᵀ (B, H, D, Sq_pad) for the backward's dK = dSᵀQ.
+      t_operand_order: Q̂ᵀ's tokens in :mod:`pallas_kernels.operand_order` (what the Mosaic dK/dV kernel
+        takes; ``block`` a multiple of 16).
     Returns:
       int8 (B, H, Sq_pad, D), float32 (B, H, Sq_pad), the float32 block
       means (B, H, Sq_pad // block, D) or None, and Q̂ᵀ or None.
     """
     b, s, h, d = q.shape
+    if transposed and t_operand_order:
+        check_block(block, "block")
     nblk = pl.cdiv(s, block)
     s_pad = nblk * block
     out_shape = [
@@ -93,6 +101,7 @@ def sage_quantize_q(
         smooth_block=smooth_block,
         out_scale=out_scale,
         transposed=transposed,
+        t_operand_order=t_operand_order,
     )
     outs = pl.pallas_call(
         kernel,
@@ -111,7 +120,8 @@ def sage_quantize_q(
     return q8, qs, q_mean, q8_t
 
 
-def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth, transposed):
+def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth, transposed,
+                        v_operand_order):
     refs = list(refs)
     kmean = refs.pop(0)[...] if smooth else None
     vscale_ref, kc_ref, ks_ref, vt_ref = refs[:4]
@@ -127,10 +137,11 @@ def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, 
     if transposed:
         kt_ref[...] = codes.T
     v = load_rows(v_ref, mask)
-    vt_ref[...] = sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]).T
+    vt_ref[...] = _transposed(sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]), v_operand_order)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "v_operand_order", "num_warps",
+                                             "interpret"))
 def sage_quantize_kv(
     k: jax.Array,
     v: jax.Array,
@@ -140,6 +151,7 @@ def sage_quantize_kv(
     block: int,
     per_block: bool,
     transposed: bool = False,
+    v_operand_order: bool = False,
     num_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
@@ -152,11 +164,15 @@ def sage_quantize_kv(
       block: keys per program and per K quantization block.
       per_block: one K scale per block instead of per token.
       transposed: also write K̂ᵀ (B, Hkv, D, Sk_pad) for the backward's dQ = dS·K.
+      v_operand_order: V̂ᵀ's keys in :mod:`pallas_kernels.operand_order` (what the Mosaic forward takes;
+        ``block`` a multiple of 16).
     Returns:
       K̂ int8 (B, Hkv, Sk_pad, D), its float32 scale (B, Hkv, Sk_pad),
       V̂ᵀ int8 (B, Hkv, D, Sk_pad), and K̂ᵀ or None.
     """
     b, s, h, d = k.shape
+    if v_operand_order:
+        check_block(block, "block")
     nblk = pl.cdiv(s, block)
     s_pad = nblk * block
     row_spec = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
@@ -166,7 +182,7 @@ def sage_quantize_kv(
     in_specs = [row_spec, row_spec] + [head_vec_spec] * (2 if smooth else 1)
     kernel = functools.partial(
         _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth,
-        transposed=transposed,
+        transposed=transposed, v_operand_order=v_operand_order,
     )
     out_specs = [
         pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),

@@ -41,6 +41,7 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
+from pallas_kernels.operand_order import check_block, transposed
 from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
@@ -61,23 +62,26 @@ _TILE = (0, 1)  # ψ with one scale for the whole 2-D tile (scale shape (1, 1))
 # ----------------------------------------------------------------------------- preprocess
 
 
-def _preprocess_kernel(o_ref, do_ref, delta_ref, dot_ref, dosc_ref, *, block, seq_len, ragged):
+def _preprocess_kernel(o_ref, do_ref, delta_ref, dot_ref, dosc_ref, *, block, seq_len, ragged, operand_order):
     valid = row_mask(pl.program_id(0) * block, block, seq_len)
     mask = valid if ragged else None
     o = load_rows(o_ref, mask).astype(jnp.float32)
     do = load_rows(do_ref, mask).astype(jnp.float32)
     delta_ref[...] = jnp.sum(o * do, axis=1)
     codes, scale = int8.quantize(do, _TILE)
-    dot_ref[...] = codes.T
+    dot_ref[...] = transposed(codes, operand_order)
     dosc_ref[...] = jnp.broadcast_to(scale[0], (block,))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("config", "operand_order", "interpret"))
+def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, operand_order: bool = False,
+                        interpret: bool = False):
     """D = rowsum(dO∘O) and INT8 dOᵀ.
 
     Args:
       o, do: (B, Sq, Hq, D) output and its cotangent.
+      operand_order: dÔᵀ's queries in :mod:`pallas_kernels.operand_order` (what the Mosaic dK/dV kernel takes;
+        ``config.bwd_block_q`` a multiple of 16).
     Returns:
       delta float32 (B, Hq, Sq_pad); dÔᵀ int8 (B, Hq, D, Sq_pad); dO scale float32
       (B, Hq, Sq_pad) (one value per tile, repeated).
@@ -87,7 +91,10 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, i
     sq_pad = pl.cdiv(sq, config.block_q) * config.block_q  # the forward's padding
     nqb = sq_pad // bq
     row_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
-    kernel = functools.partial(_preprocess_kernel, block=bq, seq_len=sq, ragged=sq_pad != sq)
+    if operand_order:
+        check_block(bq, "config.bwd_block_q")
+    kernel = functools.partial(_preprocess_kernel, block=bq, seq_len=sq, ragged=sq_pad != sq,
+                               operand_order=operand_order)
     return pl.pallas_call(
         kernel,
         grid=(nqb, b, hq),

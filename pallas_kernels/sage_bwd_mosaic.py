@@ -25,13 +25,17 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   B4 H32 S4096 D128; benchmarks/NOTES.md, thirty-first session); dK and dV leave in natural order.
 
 The INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken straight from
-registers (``_mosaic.register_operand``: two lane shuffles per 4 values into the 8-bit operand
-layout) instead of through SMEM and a warpgroup barrier: fwd+bwd 7% less time at B4 H32 S4096
-D128 on the H200, causal too (fourteenth session); at head dim 64, where SMEM had measured 1–3%
-faster, registers are 2–3.5% faster since the per-step scale reads were cut (B8 H32 S2048, B16
-H10/5 S2048 causal; ``REGISTER_P_MIN_HEAD_DIM``, ``REGISTER_DS_MIN_HEAD_DIM``; benchmarks/NOTES.md,
-twentieth session). The fused dQ's dŜ (queries × keys) is a transposed copy and always goes
-through SMEM.
+registers instead of through SMEM and a warpgroup barrier. The dK/dV kernel is given Q̂ᵀ and dÔᵀ with
+their queries in :mod:`pallas_kernels.operand_order` (``sage_quantize_q``, ``sage_bwd_preprocess``), so
+P̂ᵀ's and dŜᵀ's registers are the operands as they are (``operand_order.register_operand``; the fused
+kernel 3.5% faster at B16 H10/5 S2048 D64 causal, 6% at B8 H32 S2048 D64, 7% at B4 H32 S4096 D128 on the
+H200, benchmarks/NOTES.md, thirty-second session); otherwise (and in the dQ kernel)
+``_mosaic.register_operand`` relays them out by two lane shuffles per 4 values. Registers rather
+than SMEM: fwd+bwd 7% less time at B4 H32 S4096 D128 on the H200, causal too (fourteenth session);
+at head dim 64, where SMEM had measured 1–3% faster, registers are 2–3.5% faster since the per-step
+scale reads were cut (B8 H32 S2048, B16 H10/5 S2048 causal; ``REGISTER_P_MIN_HEAD_DIM``,
+``REGISTER_DS_MIN_HEAD_DIM``; benchmarks/NOTES.md, twentieth session). The fused dQ's dŜ (queries × keys)
+is a transposed copy and always goes through SMEM.
 Independent products of a step are issued before one wait: Sᵀ with dPᵀ, and (at head dim
 64) dV with dK — causal, with the fused dQ, dQ's dŜK̂ as well — after one barrier for both P̂
 and dŜ; S with dP in the dQ kernel. At head dim 128 dV and dK are waited for one at a time:
@@ -64,7 +68,7 @@ from jax import lax
 
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
-from pallas_kernels import key_pairs
+from pallas_kernels import key_pairs, operand_order
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
@@ -86,6 +90,9 @@ DQ_WITH_DKDV_CAUSAL = True
 #: from registers (``_mosaic.register_operand``) instead of through SMEM (see the module docstring)
 REGISTER_P_MIN_HEAD_DIM = 64
 REGISTER_DS_MIN_HEAD_DIM = 64
+#: the dK/dV kernel's Q̂ᵀ and dÔᵀ (the B operands of dK += dŜᵀQ̂, dV += P̂ᵀdÔ) with their queries in
+#: :mod:`pallas_kernels.operand_order`, so P̂ᵀ and dŜᵀ are A operands as the registers hold them
+OPERAND_ORDER = True
 
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
@@ -94,6 +101,13 @@ def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
     compiled, with the relayout available), so those kernels do not allocate them."""
     return (int8_operand_in_smem(interpret, head_dim >= REGISTER_P_MIN_HEAD_DIM),
             int8_operand_in_smem(interpret, head_dim >= REGISTER_DS_MIN_HEAD_DIM))
+
+
+def takes_operand_order(head_dim: int, interpret: bool) -> bool:
+    """Whether the dK/dV kernel should be given Q̂ᵀ and dÔᵀ in operand order: ``OPERAND_ORDER``,
+    ``operand_order.available`` and both INT8 A operands from registers at this head dim."""
+    return (OPERAND_ORDER and operand_order.available(interpret)
+            and head_dim >= max(REGISTER_P_MIN_HEAD_DIM, REGISTER_DS_MIN_HEAD_DIM))
 
 
 def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: int, causal: bool,
@@ -121,13 +135,17 @@ def supports_fused_dq(*, head_dim: int, per_block: bool, ds_per_row: bool) -> bo
     return head_dim in (64, 128) and per_block and not ds_per_row
 
 
-def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype) -> jax.Array:
+def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype, *, keys_in_operand_order: bool = False) -> jax.Array:
     """Ṽ = V̂·s_V in dO's dtype as (B, Hkv, Sk, D): the A operand of dPᵀ and the B operand of dP.
 
     (The Triton kernels build their Ṽ tile in-kernel from V̂ᵀ; here it is one memory-bound
-    XLA op, same values: ``sage_tiles.dequantize_v_t``.)
+    XLA op, same values: ``sage_tiles.dequantize_v_t``.) ``keys_in_operand_order``: vt8's keys are in
+    :mod:`pallas_kernels.operand_order` (the forward's); Ṽ's rows are put back in natural order, as whole 16-bit
+    rows (XLA fuses that into the dequantization; permuting the INT8 codes' columns instead was a separate
+    transpose, 0.29 ms at B4 H32 S4096 D128 on the H200, benchmarks/NOTES.md).
     """
-    return jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
+    vd = jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
+    return operand_order.from_operand_order(vd, 2) if keys_in_operand_order else vd
 
 
 def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -144,7 +162,7 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
                  *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, pairs,
-                 scale, interpret):
+                 operand, scale, interpret):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``). ``pairs``: K̂ and Ṽ rows in :mod:`pallas_kernels.key_pairs` order (the
     transposed dŜ and the dK, dV tiles stored by ``stmatrix``; dK and dV leave in natural key order).
@@ -217,7 +235,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
-        p_op = register_operand(p8, p_smem, interpret, commit=False, registers=p_in_registers)
+        if operand:
+            p_op = operand_order.register_operand(p8, p_smem, interpret, commit=False)
+        else:
+            p_op = register_operand(p8, p_smem, interpret, commit=False, registers=p_in_registers)
         dv_scale = p_scale * scalar(dosc_smem)
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
@@ -227,7 +248,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         else:
             ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row, interpret)
             factor = ds_scale * (1.0 / LOG2E)
-        ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
+        if operand:
+            ds_op = operand_order.register_operand(ds8, ds_smem, interpret, commit=False)
+        else:
+            ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             if pairs:
                 key_pairs.store_transposed(dsq_smem2.at[wg], ds8, interpret)
@@ -376,7 +400,7 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
 def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd, *,
                          sq_len: int, sk_len: int, causal: bool, per_block: bool, ds_per_row: bool = False,
                          k8_t: jax.Array | None = None, scale: float | None = None,
-                         interpret: bool = False) -> tuple[jax.Array, ...]:
+                         operand_order_in: bool = False, interpret: bool = False) -> tuple[jax.Array, ...]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
     Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding;
     ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``).
@@ -384,6 +408,10 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     With ``k8_t`` (K̂ᵀ, (B, Hkv, D, Sk)) and ``scale`` (the softmax scale) it also returns dQ
     (B, Sq, Hq, D) — the fused backward (:func:`supports_fused_dq`): each step's dŜ·K̂ is
     reduce-added into a float32 dQ (its summation order varies run to run).
+
+    ``operand_order_in``: q8_t's and do8_t's queries are in :mod:`pallas_kernels.operand_order`
+    (``sage_quantize_q``'s ``t_operand_order``, ``sage_bwd_preprocess``'s ``operand_order``): P̂ᵀ and dŜᵀ are
+    then the A operands of dV and dK as the registers hold them. Only where :func:`takes_operand_order`.
     """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
@@ -398,10 +426,13 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     if pairs:  # the kernel's K̂ and Ṽ rows in pair order (Ṽ's permutation fuses into its dequantization); the
         # fused dQ has per-block K scales (supports_fused_dq), equal on every key of a 16-key block: left as they are
         k8, vd = key_pairs.to_pair_order(k8, 2), key_pairs.to_pair_order(vd, 2)
+    if operand_order_in and not takes_operand_order(d, interpret):
+        raise ValueError("operand_order_in: the kernel takes Q̂ᵀ, dÔᵀ in operand order only where "
+                         "takes_operand_order()")
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
-                               ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, scale=scale,
-                               interpret=interpret)
+                               ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, operand=operand_order_in,
+                               scale=scale, interpret=interpret)
     operand_tiles = [wg_tiles(WGS, TILE, i8, TILE)] * sum(_smem_operands(d, interpret))  # P̂ᵀ, dŜᵀ if in SMEM
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
                *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), *operand_tiles, plgpu.SMEM((WGS, TILE), f32),

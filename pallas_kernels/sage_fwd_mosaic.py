@@ -10,8 +10,12 @@ FlashAttention-3's shape: grid (query head, 128-query block, batch); a memory
 warpgroup streams K̂ (block_k, D), its scales and V̂ᵀ (D, block_k) through a
 two-stage TMA pipeline; two compute warpgroups each own 64 query rows. Both
 products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ or
-V̂ᵀ); P̂ is the A operand straight from registers (``_mosaic.register_operand``: relaid out
-by two lane shuffles per 4 values, no SMEM round trip and no warpgroup barrier). Causal (bottom-right aligned,
+V̂ᵀ); P̂ is the A operand straight from registers, no SMEM round trip and no warpgroup barrier:
+V̂ᵀ's keys come in :mod:`pallas_kernels.operand_order` (written so by ``sage_quantize_kv``), so P̂'s registers are
+the operand as they are (``operand_order.register_operand``; without it, ``_mosaic.register_operand`` relays P̂
+out by two lane shuffles per 4 values). That cut the hot loop from 1044 to 996 instructions per thread and step
+and the forward kernel by 1.5% at B16 H10/5 S2048 D64 causal, 5.5% at B8 H32 S2048 D64, 2.8% at B4 H32 S4096 D128
+on the H200 (benchmarks/NOTES.md, thirty-second session). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
 tiles that reach the diagonal or the ragged key tail are masked element-wise, the others skip the mask.
 
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.formats import int8, sage_tiles
+from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
     key_step_specs, launch, mask_scores, matmul, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of,
@@ -56,6 +61,13 @@ PINGPONG = True
 #: fwd+bwd since the per-block scales became one scalar product (B16 H10/5 S2048 causal, B8 H32 S2048, B2 H16
 #: S8192 causal; benchmarks/NOTES.md, twentieth session)
 AUTO_MIN_HEAD_DIM = 64
+#: V̂ᵀ's keys in :mod:`pallas_kernels.operand_order`, so P̂ is PV's A operand as the registers hold it
+OPERAND_ORDER = True
+
+
+def takes_operand_order(interpret: bool) -> bool:
+    """Whether this kernel should be given V̂ᵀ in operand order (``OPERAND_ORDER`` and ``operand_order.available``)."""
+    return OPERAND_ORDER and operand_order.available(interpret)
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, has_bias: bool,
@@ -66,9 +78,9 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
-                *scratch, group, block_k, head_dim, sk_len, causal, offset, scalar_scales, interpret):
+                *scratch, group, block_k, head_dim, sk_len, causal, offset, scalar_scales, operand, interpret):
     """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
-    the barriers, the ping-pong barrier."""
+    the barriers, the ping-pong barrier. ``operand``: V̂ᵀ's keys are in :mod:`pallas_kernels.operand_order`."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
         scratch if int8_operand_in_smem(interpret) else (None, *scratch))
     b, h, wg = grid_position()
@@ -115,7 +127,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
         l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
         out_shape = (TILE, head_dim)
         p_smem = None if p_smem2 is None else p_smem2.at[wg]
-        p8 = register_operand(int8.encode_unit_interval(e, truncating_convert=True), p_smem, interpret)
+        p8 = int8.encode_unit_interval(e, truncating_convert=True)
+        p8 = (operand_order.register_operand if operand else register_operand)(p8, p_smem, interpret)
         acc = acc * rows_of(alpha, out_shape)
         if p_smem is not None:  # stored to SMEM: nothing in registers to hold back
             acc, l_new = pp.values(acc, l_new)
@@ -134,11 +147,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "per_block",
-                                             "interpret"))
+                                             "v_operand_order", "interpret"))
 def sage_attention_fwd_mosaic(
     q8: jax.Array, q_scale: jax.Array, k8: jax.Array, k_scale: jax.Array, vt8: jax.Array, v_scale: jax.Array, *,
     sq_len: int, sk_len: int, causal: bool, out_dtype: jnp.dtype, config: SageFwdConfig, per_block: bool = False,
-    interpret: bool = False,
+    v_operand_order: bool = False, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """INT8 attention forward on quantized operands (arguments as ``sage_fwd.sage_attention_fwd``, no bias).
 
@@ -153,15 +166,20 @@ def sage_attention_fwd_mosaic(
         64-row tile and each key step, so the scores take one scalar product per step (two ``_mosaic.scalar``
         reads) instead of a row and a column broadcast (fwd+bwd 1.5–2.5% faster at D128 on the H200;
         benchmarks/NOTES.md, twentieth session).
+      v_operand_order: vt8's keys are in :mod:`pallas_kernels.operand_order` (``sage_quantize_kv``'s
+        ``v_operand_order``): P̂ is then PV's A operand as the registers hold it, no lane shuffles. Only where
+        :func:`takes_operand_order`.
     Returns:
       o (B, Sq, Hq, D) out_dtype and the base-2 LSE float32 (B, Hq, Sq).
     """
     b, hq, sq_pad, d = q8.shape
     hkv = k8.shape[1]
     f32 = jnp.float32
+    if v_operand_order and not takes_operand_order(interpret):
+        raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
-                               scalar_scales=per_block and config.block_q % TILE == 0)
+                               scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order)
     p_tile = [wg_tiles(WGS, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
     scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
                *p_tile, plgpu.SMEM((WGS, TILE, d), out_dtype),

@@ -61,6 +61,24 @@ def test_variant_switches_parse_and_misspellings_fail():
         variants.apply([("config", "pingpong", False)], method="sage")
 
 
+def test_variant_child_profiles_each_shape(monkeypatch):
+    """``variants.py --profile``: the child traces each shape's calls and keeps the busy time and the top kernels
+    (``benchmarks.profiling``; the trace's GPU planes, none on the CPU, are stubbed here)."""
+    import argparse
+
+    from benchmarks import profiling, variants
+
+    seen = []
+    fake = dict(kernels={f"k{i}": (0.5 - 0.01 * i, 1.0) for i in range(12)}, busy_ms=1.25)
+    monkeypatch.setattr(profiling, "profile_calls", lambda run, calls: seen.append(run()) or fake)
+    args = argparse.Namespace(assign="", method="sage", shapes="[[1, 2, 2, 64, 64, 0]]", part="fwd", check=False,
+                              profile=True)
+    result = variants.child(args)
+    assert len(seen) == 1 and result["busy_ms"] == {"1,2,2,64,64,0": 1.25}
+    assert list(result["kernels"]["1,2,2,64,64,0"]) == [f"k{i}" for i in range(variants.PROFILE_TOP)]
+    assert "kernels" not in variants.child(argparse.Namespace(**{**vars(args), "profile": False}))
+
+
 def test_variant_spill_report_takes_each_kernels_largest():
     """Per kernel name, the largest spill (and stack frame) of ptxas -v's entry lines. ptxas warns of a
     kernel's spills *before* its "Compiling entry function" line (as on the H200 in the eighteenth
