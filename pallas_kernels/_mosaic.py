@@ -282,7 +282,7 @@ def matmul_sum(acc_shape: tuple[int, int], acc_dtype, operands: tuple, *, fused:
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
 
 
-def _wgmma_to_8bit(x):
+def _wgmma_to_8bit(x, *, shuffle: bool = True):
     """The relayout WGMMA → WGMMA_8BIT of an 8-bit ``mosaic.gpu`` FragmentedArray (shape (64·r, 16·c)).
 
     In the accumulator's WGMMA layout lane ``4·row + c`` holds columns 2c, 2c+1 of every 8-column
@@ -290,11 +290,25 @@ def _wgmma_to_8bit(x):
     packs its two pairs of a 16-column group into one 32-bit word; two ``shfl.idx`` from lanes
     4·row + 2(c mod 2) and that + 1 fetch the four bytes it needs, one ``prmt`` keeps the low
     (c < 2) or high (c ≥ 2) halves: 2 shuffles and 1 permute per 4 values, no SMEM, no barrier.
+    ``shuffle=False``: the packed words as they are (the operand whose contraction index is in
+    ``pallas_kernels.operand_order``).
     """
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, nvvm
+
+    regs = x.registers
+    new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
+    new = np.empty(new_shape, dtype=object)
+
+    def packed(idx):  # the lane's two column pairs of 16-column group idx[1], as 4 bytes
+        return mgpu_utils.vector_concat([regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)])
+
+    if not shuffle:
+        for idx in np.ndindex(*new_shape):
+            new[idx] = packed(idx)
+        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=x.is_signed)
 
     i32 = ir.IntegerType.get_signless(32)
     const = lambda v: arith.constant(i32, v)  # noqa: E731
@@ -308,13 +322,9 @@ def _wgmma_to_8bit(x):
     def shfl(word, src):
         return nvvm.shfl_sync(mgpu_utils.c(0xFFFFFFFF, i32), word, src, const(0x1F), nvvm.ShflKind.idx)
 
-    regs = x.registers
-    new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
-    new = np.empty(new_shape, dtype=object)
     vec4 = ir.VectorType.get((4,), ir.VectorType(regs.flat[0].type).element_type)
     for idx in np.ndindex(*new_shape):
-        pair = [regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)]
-        word = mgpu_utils.bitcast(mgpu_utils.vector_concat(pair), i32)
+        word = mgpu_utils.bitcast(packed(idx), i32)
         blend = mgpu_utils.prmt(shfl(word, src0), shfl(word, src1), perm)
         new[idx] = mgpu_utils.bitcast(blend, vec4)
     return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=x.is_signed)

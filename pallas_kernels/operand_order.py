@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from pallas_kernels import _mosaic
 from pallas_kernels._mosaic import RELAYOUT_8BIT, plgpu, swap_within_blocks
 
 #: entries per operand-order block (one 16-column group of the 8-bit A operand)
@@ -78,11 +79,8 @@ def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = T
     if rows != 64 or n % BLOCK or np.dtype(x.dtype).itemsize != 1:
         raise ValueError(f"register_operand takes a (64, n) 8-bit tile, n a multiple of {BLOCK}; got {x.shape} "
                          f"{x.dtype}")
-    if interpret:
-        scratch[...] = to_operand_order(x, 1)
-        if commit:
-            plgpu.commit_smem()
-        return scratch
+    if interpret:  # the SMEM operand, its columns permuted
+        return _mosaic.register_operand(to_operand_order(x, 1), scratch, interpret, commit=commit)
 
     layout = plgpu.Layout.WGMMA
 
@@ -90,14 +88,6 @@ def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = T
                        return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA_8BIT))
     def _repack(ctx, arr):
         del ctx
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-        from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-        regs = arr.registers  # index 1: the 8-column group; each register the lane's column pair
-        new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(arr.shape)  # index 1: the 16-column group
-        new = np.empty(new_shape, dtype=object)
-        for idx in np.ndindex(*new_shape):
-            new[idx] = mgpu_utils.vector_concat([regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)])
-        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=arr.is_signed)
+        return _mosaic._wgmma_to_8bit(arr, shuffle=False)
 
     return _repack(plgpu.layout_cast(x, layout))

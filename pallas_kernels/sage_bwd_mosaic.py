@@ -235,10 +235,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
         # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
         p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
-        if operand:
-            p_op = operand_order.register_operand(p8, p_smem, interpret, commit=False)
-        else:
-            p_op = register_operand(p8, p_smem, interpret, commit=False, registers=p_in_registers)
+        p_op = a_operand(p8, p_smem, p_in_registers)
         dv_scale = p_scale * scalar(dosc_smem)
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
@@ -248,10 +245,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         else:
             ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row, interpret)
             factor = ds_scale * (1.0 / LOG2E)
-        if operand:
-            ds_op = operand_order.register_operand(ds8, ds_smem, interpret, commit=False)
-        else:
-            ds_op = register_operand(ds8, ds_smem, interpret, commit=False, registers=ds_in_registers)
+        ds_op = a_operand(ds8, ds_smem, ds_in_registers)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
             if pairs:
                 key_pairs.store_transposed(dsq_smem2.at[wg], ds8, interpret)
@@ -290,6 +284,11 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
+
+    def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)
+        if operand:  # Q̂ᵀ, dÔᵀ in operand order: the registers as they are
+            return operand_order.register_operand(codes, scratch, interpret, commit=False)
+        return register_operand(codes, scratch, interpret, commit=False, registers=registers)
 
     def head_and_tile(i):  # step i → (query head of the group, query tile)
         return lax.div(i, n_vis), i_first + lax.rem(i, n_vis)
