@@ -63,6 +63,13 @@ PINGPONG = True
 AUTO_MIN_HEAD_DIM = 64
 #: V̂ᵀ's keys in :mod:`pallas_kernels.operand_order`, so P̂ is PV's A operand as the registers hold it
 OPERAND_ORDER = True
+#: with per-block scales keep the scores unscaled through the row maximum and fold the scale into the exponent
+#: (``exp2(s·c − m)``, one FFMA) instead of scaling every score first (an FMUL per score): this kernel 2.2–2.7% faster
+#: at B8 H32 S2048 D64, B4 H32 S4096 D128 and its causal twin, level at B16 H10/5 S2048 D64 causal (H200, device
+#: busy time; benchmarks/NOTES.md, thirty-third session). The dK/dV kernel's twin of it timed level and was dropped.
+SCALE_IN_EXP = True
+#: the smallest scale product used: a positive normal float, so a masked −inf score stays −inf when scaled
+MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
 
 
 def takes_operand_order(interpret: bool) -> bool:
@@ -111,15 +118,20 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
         *consumed, (acc, m_prev, l_prev) = consumed_and_carry
         s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T, issued=pp.sync).astype(jnp.float32)
-        if scalar_scales:  # one Q scale per 64-row tile, one K scale per key step: one multiply per score
+        c = None  # the scores' scale where it is folded into the exponent
+        if scalar_scales and SCALE_IN_EXP:  # s stays in units of c > 0: max(s)·c is the row max of s·c
+            c = jnp.maximum(scalar(qs_smem2.at[wg]) * scalar(ks_smem), MIN_SCALE)
+        elif scalar_scales:  # one Q scale per 64-row tile, one K scale per key step: one multiply per score
             s = s * (scalar(qs_smem2.at[wg]) * scalar(ks_smem))
         else:
             s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
         if masked:
             s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
         m_cur = jnp.max(s, axis=1)
+        if c is not None:
+            m_cur = m_cur * c
         m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
-        e = jnp.exp2(s - rows_of(m_ref, shape))
+        e = jnp.exp2((s if c is None else s * c) - rows_of(m_ref, shape))  # s·c − m: one FFMA
         m_new = jnp.maximum(m_prev, m_cur)
         m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_prev - m_new_ref)

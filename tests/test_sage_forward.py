@@ -162,3 +162,31 @@ def test_benchmark_stage_split_runs(fwd_backend):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
     _, _, _, sweep_backend = sage_parts(q, k, v, True, config, interpret=INTERPRET, backend="triton")
     assert sweep_backend == "triton"
+
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (128, 100, False)])
+def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, causal):
+    """The Mosaic forward folds the per-block score scale into the exponent (``SCALE_IN_EXP``); it must give the
+    scaled-scores path's o and log-sum-exp to float32 rounding where scores are masked (the causal diagonal, keys
+    past a ragged length: −inf times the scale must stay −inf), with GQA and a key outlier."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=31, k_outlier=4.0)
+    kernel, calls = sage_fwd_mosaic.sage_attention_fwd_mosaic, []
+    monkeypatch.setattr(sage_fwd_mosaic, "sage_attention_fwd_mosaic",
+                        lambda *a, **kw: calls.append(kw["per_block"]) or kernel(*a, **kw))
+    got = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(sage_fwd_mosaic, "SCALE_IN_EXP", enabled)
+        jax.clear_caches()
+        o, lse, _ = lb.sage_forward(q, k, v, causal=causal, config=config, implementation="pallas",
+                                    interpret=INTERPRET)
+        got[enabled] = np.asarray(o, np.float32), np.asarray(lse, np.float32)
+    assert calls == [True, True]  # the Mosaic kernel ran, with per-block scales, not a Triton fallback
+    (o_on, lse_on), (o_off, lse_off) = got[True], got[False]
+    assert np.isfinite(o_on).all() and np.isfinite(lse_on).all()
+    np.testing.assert_allclose(lse_on, lse_off, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(o_on, o_off, rtol=0, atol=1e-2 * np.abs(o_off).max())
+    assert np.abs(o_on - o_off).mean() < 1e-3 * np.abs(o_off).mean()
