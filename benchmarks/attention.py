@@ -106,7 +106,8 @@ def sage_parts(q, k, v, causal, config, interpret=False, backend="library"):
     ops = jax.block_until_ready(quant(q, k, v))
     kern = jax.jit(lambda o: sage_mod.attend_quantized(o, None, opts=opts, out_dtype=q.dtype,
                                                        v_operand_order=orders.v)[0])
-    return quant, kern, ops, "mosaic" if sage_mod._mosaic_forward(ops, None, opts) else "triton"
+    return quant, kern, ops, ("mosaic" if sage_mod._mosaic_forward(sage_mod.Padded.of_operands(ops), False, opts)
+                                else "triton")
 
 
 def sweep(shapes, configs_for_d, log):

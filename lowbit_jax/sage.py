@@ -210,22 +210,38 @@ class OperandOrders(NamedTuple):
     q_t: bool = False
 
 
+class Padded(NamedTuple):
+    """What picking a call's kernels reads of its INT8 operands: the padded query and key lengths the quantize
+    kernels give them (``config.block_q``/``block_k`` multiples) and the head dim."""
+
+    sq: int
+    sk: int
+    head_dim: int
+
+    @classmethod
+    def of_operands(cls, ops: SageOperands) -> "Padded":
+        """Of quantized operands: Q̂ (B, Hq, Sq_pad, D), K̂ (B, Hkv, Sk_pad, D)."""
+        return cls(ops.q.shape[2], ops.k.shape[2], ops.q.shape[3])
+
+    @classmethod
+    def of_inputs(cls, q: jax.Array, k: jax.Array, config: SageFwdConfig) -> "Padded":
+        """Before quantizing: q (B, Sq, Hq, D), k (B, Sk, Hkv, D) (arrays or shape structs), padded as
+        :func:`quantize_pallas` pads them."""
+        pad = lambda n, block: -(-n // block) * block  # noqa: E731
+        return cls(pad(q.shape[1], config.block_q), pad(k.shape[1], config.block_k), q.shape[3])
+
+
 def operand_orders(q: jax.Array, k: jax.Array, opts: SageOptions) -> OperandOrders:
     """The :class:`OperandOrders` of a call: where the Pallas kernels that take each run (the Mosaic GPU forward,
     the Mosaic dK/dV kernel of the INT8 backward) and take operand order. ``q`` (B, Sq, Hq, D), ``k`` (B, Sk, Hkv, D)
     (arrays or shape structs)."""
     if opts.implementation != "pallas":
         return OperandOrders()
-    cfg = opts.config
-    (b, sq, hq, d), (sk, hkv) = q.shape, k.shape[1:3]
-    pad = lambda n, block: -(-n // block) * block  # noqa: E731  (the quantize kernels' padding)
-    like = SageOperands(*(jax.ShapeDtypeStruct(shape, jnp.int8) for shape in (
-        (b, hq, pad(sq, cfg.block_q), d), (), (b, hkv, pad(sk, cfg.block_k), d), (), (), ())))
-    bias = jnp.zeros(()) if opts.smooth_q else None  # only its presence matters
+    padded = Padded.of_inputs(q, k, opts.config)
     return OperandOrders(
-        v=_mosaic_forward(like, bias, opts) and sage_fwd_mosaic.takes_operand_order(opts.interpret),
-        q_t=(opts.backward == "int8" and _mosaic_backend("dkdv", like, bias, opts)
-             and sage_bwd_mosaic.takes_operand_order(d, opts.interpret)))
+        v=_mosaic_forward(padded, opts.smooth_q, opts) and sage_fwd_mosaic.takes_operand_order(opts.interpret),
+        q_t=(opts.backward == "int8" and _mosaic_backend("dkdv", padded, opts.smooth_q, opts)
+             and sage_bwd_mosaic.takes_operand_order(padded.head_dim, opts.interpret)))
 
 
 def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, transposed=False,
@@ -273,7 +289,7 @@ def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOpt
       o (B, Sq, Hq, D) ``out_dtype`` and the base-2 LSE float32 (B, Hq, Sq).
     """
     use_pallas = opts.implementation == "pallas"
-    if use_pallas and _mosaic_forward(ops, bias, opts):
+    if use_pallas and _mosaic_forward(Padded.of_operands(ops), bias is not None, opts):
         return sage_fwd_mosaic.sage_attention_fwd_mosaic(
             ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=opts.seq_q, sk_len=opts.seq_k,
             causal=opts.causal, out_dtype=out_dtype, config=opts.config, per_block=opts.per_block,
@@ -334,8 +350,9 @@ def _mosaic_allowed(backend: str, opts: SageOptions) -> bool:
     return backend == "mosaic" or (backend == "auto" and not opts.interpret and on_hopper())
 
 
-def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
-    """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)?
+def _mosaic_forward(padded: Padded, has_bias: bool, opts: SageOptions) -> bool:
+    """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)? ``has_bias``:
+    Q-smoothing's score bias is added (the Mosaic kernel has none).
 
     "auto": on Hopper (not interpreted) from head dim ``sage_fwd_mosaic.AUTO_MIN_HEAD_DIM`` (64) up, where
     it was measured faster than Triton's (H200, forward incl. quantization: B4 H32 S4096 D128 2.30 vs 2.46 ms,
@@ -344,23 +361,23 @@ def _mosaic_forward(ops: SageOperands, bias, opts: SageOptions) -> bool:
     """
     backend = opts.config.fwd_backend
     if not _mosaic_allowed(backend, opts) or (backend == "auto"
-                                              and ops.q.shape[3] < sage_fwd_mosaic.AUTO_MIN_HEAD_DIM):
+                                              and padded.head_dim < sage_fwd_mosaic.AUTO_MIN_HEAD_DIM):
         return False
-    return sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=ops.q.shape[2],
-                                    head_dim=ops.q.shape[3], causal=opts.causal, has_bias=bias is not None,
-                                    config=opts.config)
+    return sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded.sq, head_dim=padded.head_dim,
+                                    causal=opts.causal, has_bias=has_bias, config=opts.config)
 
 
-def _mosaic_backend(kernel: str, ops: SageOperands, bias, opts: SageOptions) -> bool:
-    """Run SageBwd's ``kernel`` ("dkdv" or "dq") on the Mosaic GPU backend for this call?"""
+def _mosaic_backend(kernel: str, padded: Padded, has_bias: bool, opts: SageOptions) -> bool:
+    """Run SageBwd's ``kernel`` ("dkdv" or "dq") on the Mosaic GPU backend for this call? (Arguments as
+    :func:`_mosaic_forward`.)"""
     if not _mosaic_allowed(getattr(opts.config, f"{kernel}_backend"), opts):
         return False
     # "auto": Mosaic GPU wherever it applies (RESULTS.md, "SageBwd kernel backends"; NOTES.md, eleventh
     # session): since the Mosaic dK/dV kernel stopped spilling registers at D128 it beats Triton's there
     # too (H200, B4 H32 S4096 D128: 13.00 vs 13.39 ms, causal 7.16 vs 7.42); it already did at D64 and S16k.
     return sage_bwd_mosaic.supports(
-        kernel, sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=ops.q.shape[2], sk_pad=ops.k.shape[2],
-        head_dim=ops.q.shape[3], causal=opts.causal, has_bias=bias is not None, config=opts.config)
+        kernel, sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded.sq, sk_pad=padded.sk, head_dim=padded.head_dim,
+        causal=opts.causal, has_bias=has_bias, config=opts.config)
 
 
 def _natural_vt(ops: SageOperands, v_operand_order: bool) -> SageOperands:
@@ -388,7 +405,8 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
     delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, operand_order=orders.q_t,
                                                                   interpret=opts.interpret)
     lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
-    dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, ops, bias, opts) for name in ("dkdv", "dq"))
+    dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, Padded.of_operands(ops), bias is not None, opts)
+                              for name in ("dkdv", "dq"))
     vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
           if dkdv_mosaic or dq_mosaic else None)
     ops = _natural_vt(ops, orders.v)  # for the Triton kernels (unused, and dropped by XLA, where none runs)

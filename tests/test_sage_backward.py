@@ -288,12 +288,13 @@ def test_mosaic_backend_selection():
         sage_bwd_mosaic.supports("dp", **ok)
     q, k, v = make_qkv(1, 128, 128, 2, 2, 64)
     opts = sage_mod.resolve_options(q, k, v, implementation="pallas", interpret=True, config=lb.SageFwdConfig())
-    ops = sage_mod._forward(q, k, v, opts=opts, transposed=True)[2]
-    assert not sage_mod._mosaic_backend("dq", ops, None, opts)  # auto + interpret → Triton
+    ops = sage_mod.Padded.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2])
+    assert ops == sage_mod.Padded.of_inputs(q, k, opts.config)  # the padding the quantize kernels give
+    assert not sage_mod._mosaic_backend("dq", ops, False, opts)  # auto + interpret → Triton
     mosaic_opts = dataclasses.replace(opts, config=MOSAIC)
-    assert sage_mod._mosaic_backend("dq", ops, None, mosaic_opts)
-    assert not sage_mod._mosaic_backend("dq", ops, jnp.zeros(()), mosaic_opts)  # Q-smoothing bias → Triton
-    assert sage_mod._mosaic_backend("dq", ops, None, dataclasses.replace(mosaic_opts, causal=True))
+    assert sage_mod._mosaic_backend("dq", ops, False, mosaic_opts)
+    assert not sage_mod._mosaic_backend("dq", ops, True, mosaic_opts)  # Q-smoothing bias → Triton
+    assert sage_mod._mosaic_backend("dq", ops, False, dataclasses.replace(mosaic_opts, causal=True))
     with pytest.raises(ValueError, match="dq_backend must be one of"):
         lb.SageFwdConfig(dq_backend="cuda")
 
@@ -312,18 +313,18 @@ def test_auto_backend_on_hopper(monkeypatch, d, seq, causal, want):
     q, k, v = make_qkv(1, seq, seq, 2, 2, d)
     opts = sage_mod.resolve_options(q, k, v, causal=causal, implementation="pallas", interpret=True,
                                     config=lb.SageFwdConfig())
-    ops = sage_mod._forward(q, k, v, opts=opts, transposed=True)[2]
+    ops = sage_mod.Padded.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2])
 
     def picks(opts):
-        return dict(fwd=sage_mod._mosaic_forward(ops, None, opts),
-                    **{name: sage_mod._mosaic_backend(name, ops, None, opts) for name in ("dkdv", "dq")})
+        return dict(fwd=sage_mod._mosaic_forward(ops, False, opts),
+                    **{name: sage_mod._mosaic_backend(name, ops, False, opts) for name in ("dkdv", "dq")})
 
     assert not any(picks(opts).values())  # interpreted
     compiled = dataclasses.replace(opts, interpret=False)
     assert not any(picks(compiled).values())  # not on Hopper (this test runs off the GPU)
     monkeypatch.setattr(sage_mod, "on_hopper", lambda: True)
     assert picks(compiled) == want
-    assert not sage_mod._mosaic_forward(ops, jnp.zeros(()), compiled)  # Q-smoothing bias → Triton
+    assert not sage_mod._mosaic_forward(ops, True, compiled)  # Q-smoothing bias → Triton
 
 
 # ----------------------------------------------------------------------------- dS scale granularity
