@@ -99,15 +99,15 @@ def sage_parts(q, k, v, causal, config, interpret=False, backend="library"):
     opts = sage_mod.resolve_options(q, k, v, causal=causal, scale=None, smooth_k=True, smooth_q=False,
                                     qk_granularity="per_block", implementation="pallas", interpret=interpret,
                                     config=config)
-    orders = sage_mod.operand_orders(q, k, opts)  # V̂ᵀ's key order as the library gives it to its kernel
+    # V̂ᵀ's key order as the library gives it to its kernel
+    orders = sage_mod.operand_orders(sage_mod.Padded.of_inputs(q, k, opts.config), opts)
     quant = jax.jit(functools.partial(sage_mod.quantize_pallas, scale=opts.scale, smooth_k=True, smooth_q=False,
                                       per_block=True, config=opts.config, orders=orders._replace(q_t=False),
                                       interpret=interpret))
     ops = jax.block_until_ready(quant(q, k, v))
     kern = jax.jit(lambda o: sage_mod.attend_quantized(o, None, opts=opts, out_dtype=q.dtype,
                                                        v_operand_order=orders.v)[0])
-    return quant, kern, ops, ("mosaic" if sage_mod._mosaic_forward(sage_mod.Padded.of_operands(ops), False, opts)
-                                else "triton")
+    return quant, kern, ops, "mosaic" if sage_mod._mosaic_forward(sage_mod.Padded.of_operands(ops), opts) else "triton"
 
 
 def sweep(shapes, configs_for_d, log):

@@ -170,7 +170,8 @@ def sage_forward(
         config=config,
     )
     o, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
-    if operand_orders(q, k, opts).v:  # the public residuals in their documented (natural) layout
+    # the public residuals in their documented (natural) layout
+    if operand_orders(Padded.of_inputs(q, k, opts.config), opts).v:
         ops = ops._replace(vt=operand_order.from_operand_order(ops.vt, 3))
     return o, lse, ops
 
@@ -231,16 +232,15 @@ class Padded(NamedTuple):
         return cls(pad(q.shape[1], config.block_q), pad(k.shape[1], config.block_k), q.shape[3])
 
 
-def operand_orders(q: jax.Array, k: jax.Array, opts: SageOptions) -> OperandOrders:
-    """The :class:`OperandOrders` of a call: where the Pallas kernels that take each run (the Mosaic GPU forward,
-    the Mosaic dK/dV kernel of the INT8 backward) and take operand order. ``q`` (B, Sq, Hq, D), ``k`` (B, Sk, Hkv, D)
-    (arrays or shape structs)."""
+def operand_orders(padded: Padded, opts: SageOptions) -> OperandOrders:
+    """The :class:`OperandOrders` of a call whose INT8 operands are ``padded`` (:meth:`Padded.of_inputs` before
+    quantizing, :meth:`Padded.of_operands` after): where the Pallas kernels that take each run (the Mosaic GPU
+    forward, the Mosaic dK/dV kernel of the INT8 backward) and take operand order."""
     if opts.implementation != "pallas":
         return OperandOrders()
-    padded = Padded.of_inputs(q, k, opts.config)
     return OperandOrders(
-        v=_mosaic_forward(padded, opts.smooth_q, opts) and sage_fwd_mosaic.takes_operand_order(opts.interpret),
-        q_t=(opts.backward == "int8" and _mosaic_backend("dkdv", padded, opts.smooth_q, opts)
+        v=_mosaic_forward(padded, opts) and sage_fwd_mosaic.takes_operand_order(opts.interpret),
+        q_t=(opts.backward == "int8" and _mosaic_backend("dkdv", padded, opts)
              and sage_bwd_mosaic.takes_operand_order(padded.head_dim, opts.interpret)))
 
 
@@ -263,7 +263,7 @@ def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, tr
 def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
     kw = dict(scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q, per_block=opts.per_block,
               config=opts.config, transposed=transposed, interpret=opts.interpret)
-    orders = operand_orders(q, k, opts)
+    orders = operand_orders(Padded.of_inputs(q, k, opts.config), opts)
     if opts.implementation == "pallas":
         ops = quantize_pallas(q, k, v, orders=orders, **kw)
     else:
@@ -289,7 +289,7 @@ def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOpt
       o (B, Sq, Hq, D) ``out_dtype`` and the base-2 LSE float32 (B, Hq, Sq).
     """
     use_pallas = opts.implementation == "pallas"
-    if use_pallas and _mosaic_forward(Padded.of_operands(ops), bias is not None, opts):
+    if use_pallas and _mosaic_forward(Padded.of_operands(ops), opts):
         return sage_fwd_mosaic.sage_attention_fwd_mosaic(
             ops.q, ops.q_scale, ops.k, ops.k_scale, ops.vt, ops.v_scale, sq_len=opts.seq_q, sk_len=opts.seq_k,
             causal=opts.causal, out_dtype=out_dtype, config=opts.config, per_block=opts.per_block,
@@ -332,9 +332,7 @@ _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _backward(ops: SageOperands, o, lse, do, *, opts: SageOptions):
     sq_len, sk_len = opts.seq_q, opts.seq_k
-    b, hq, _, d = ops.q.shape
-    orders = operand_orders(jax.ShapeDtypeStruct((b, sq_len, hq, d), do.dtype),
-                            jax.ShapeDtypeStruct((b, sk_len, ops.k.shape[1], d), do.dtype), opts)
+    orders = operand_orders(Padded.of_operands(ops), opts)
     if opts.backward == "bf16":
         return _backward_16bit(_natural_vt(ops, orders.v), do, sq_len=sq_len, sk_len=sk_len, opts=opts)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
@@ -350,9 +348,9 @@ def _mosaic_allowed(backend: str, opts: SageOptions) -> bool:
     return backend == "mosaic" or (backend == "auto" and not opts.interpret and on_hopper())
 
 
-def _mosaic_forward(padded: Padded, has_bias: bool, opts: SageOptions) -> bool:
-    """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)? ``has_bias``:
-    Q-smoothing's score bias is added (the Mosaic kernel has none).
+def _mosaic_forward(padded: Padded, opts: SageOptions) -> bool:
+    """Run the forward on the Mosaic GPU backend for this call (``SageFwdConfig.fwd_backend``)? Not with
+    Q-smoothing (``opts.smooth_q``: its score bias, which the Mosaic kernels do not add).
 
     "auto": on Hopper (not interpreted) from head dim ``sage_fwd_mosaic.AUTO_MIN_HEAD_DIM`` (64) up, where
     it was measured faster than Triton's (H200, forward incl. quantization: B4 H32 S4096 D128 2.30 vs 2.46 ms,
@@ -364,10 +362,10 @@ def _mosaic_forward(padded: Padded, has_bias: bool, opts: SageOptions) -> bool:
                                               and padded.head_dim < sage_fwd_mosaic.AUTO_MIN_HEAD_DIM):
         return False
     return sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded.sq, head_dim=padded.head_dim,
-                                    causal=opts.causal, has_bias=has_bias, config=opts.config)
+                                    causal=opts.causal, has_bias=opts.smooth_q, config=opts.config)
 
 
-def _mosaic_backend(kernel: str, padded: Padded, has_bias: bool, opts: SageOptions) -> bool:
+def _mosaic_backend(kernel: str, padded: Padded, opts: SageOptions) -> bool:
     """Run SageBwd's ``kernel`` ("dkdv" or "dq") on the Mosaic GPU backend for this call? (Arguments as
     :func:`_mosaic_forward`.)"""
     if not _mosaic_allowed(getattr(opts.config, f"{kernel}_backend"), opts):
@@ -377,7 +375,7 @@ def _mosaic_backend(kernel: str, padded: Padded, has_bias: bool, opts: SageOptio
     # too (H200, B4 H32 S4096 D128: 13.00 vs 13.39 ms, causal 7.16 vs 7.42); it already did at D64 and S16k.
     return sage_bwd_mosaic.supports(
         kernel, sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded.sq, sk_pad=padded.sk, head_dim=padded.head_dim,
-        causal=opts.causal, has_bias=has_bias, config=opts.config)
+        causal=opts.causal, has_bias=opts.smooth_q, config=opts.config)
 
 
 def _natural_vt(ops: SageOperands, v_operand_order: bool) -> SageOperands:
@@ -405,8 +403,7 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
     delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, operand_order=orders.q_t,
                                                                   interpret=opts.interpret)
     lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
-    dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, Padded.of_operands(ops), bias is not None, opts)
-                              for name in ("dkdv", "dq"))
+    dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, Padded.of_operands(ops), opts) for name in ("dkdv", "dq"))
     vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
           if dkdv_mosaic or dq_mosaic else None)
     ops = _natural_vt(ops, orders.v)  # for the Triton kernels (unused, and dropped by XLA, where none runs)

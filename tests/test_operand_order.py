@@ -190,11 +190,12 @@ def test_sage_forward_returns_natural_residuals():
 
     q, k, v = make_qkv(1, 256, 256, 2, 1, 64, seed=8, k_outlier=3.0)
     opts = sage_mod.resolve_options(q, k, v, implementation="pallas", interpret=INTERPRET, config=MOSAIC)
-    assert sage_mod.operand_orders(q, k, opts).v  # the case under test: V̂ᵀ went to the kernel in operand order
+    padded = sage_mod.Padded.of_inputs(q, k, opts.config)
+    assert sage_mod.operand_orders(padded, opts).v  # the case under test: V̂ᵀ went to the kernel in operand order
     _, _, ops_p = lb.sage_forward(q, k, v, implementation="pallas", interpret=INTERPRET, config=MOSAIC)
     _, _, ops_x = lb.sage_forward(q, k, v, implementation="xla", config=MOSAIC)
     np.testing.assert_array_equal(np.asarray(ops_p.vt), np.asarray(ops_x.vt))
-    assert not sage_mod.operand_orders(q, k, dataclasses.replace(opts, implementation="xla")).v
+    assert not sage_mod.operand_orders(padded, dataclasses.replace(opts, implementation="xla")).v
 
 
 def test_forward_benchmark_times_the_librarys_operand_order(monkeypatch):

@@ -290,11 +290,12 @@ def test_mosaic_backend_selection():
     opts = sage_mod.resolve_options(q, k, v, implementation="pallas", interpret=True, config=lb.SageFwdConfig())
     ops = sage_mod.Padded.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2])
     assert ops == sage_mod.Padded.of_inputs(q, k, opts.config)  # the padding the quantize kernels give
-    assert not sage_mod._mosaic_backend("dq", ops, False, opts)  # auto + interpret → Triton
+    assert not sage_mod._mosaic_backend("dq", ops, opts)  # auto + interpret → Triton
     mosaic_opts = dataclasses.replace(opts, config=MOSAIC)
-    assert sage_mod._mosaic_backend("dq", ops, False, mosaic_opts)
-    assert not sage_mod._mosaic_backend("dq", ops, True, mosaic_opts)  # Q-smoothing bias → Triton
-    assert sage_mod._mosaic_backend("dq", ops, False, dataclasses.replace(mosaic_opts, causal=True))
+    assert sage_mod._mosaic_backend("dq", ops, mosaic_opts)
+    q_smoothed = dataclasses.replace(mosaic_opts, smooth_q=True)
+    assert not sage_mod._mosaic_backend("dq", ops, q_smoothed)  # Q-smoothing bias → Triton
+    assert sage_mod._mosaic_backend("dq", ops, dataclasses.replace(mosaic_opts, causal=True))
     with pytest.raises(ValueError, match="dq_backend must be one of"):
         lb.SageFwdConfig(dq_backend="cuda")
 
@@ -316,15 +317,15 @@ def test_auto_backend_on_hopper(monkeypatch, d, seq, causal, want):
     ops = sage_mod.Padded.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2])
 
     def picks(opts):
-        return dict(fwd=sage_mod._mosaic_forward(ops, False, opts),
-                    **{name: sage_mod._mosaic_backend(name, ops, False, opts) for name in ("dkdv", "dq")})
+        return dict(fwd=sage_mod._mosaic_forward(ops, opts),
+                    **{name: sage_mod._mosaic_backend(name, ops, opts) for name in ("dkdv", "dq")})
 
     assert not any(picks(opts).values())  # interpreted
     compiled = dataclasses.replace(opts, interpret=False)
     assert not any(picks(compiled).values())  # not on Hopper (this test runs off the GPU)
     monkeypatch.setattr(sage_mod, "on_hopper", lambda: True)
     assert picks(compiled) == want
-    assert not sage_mod._mosaic_forward(ops, True, compiled)  # Q-smoothing bias → Triton
+    assert not sage_mod._mosaic_forward(ops, dataclasses.replace(compiled, smooth_q=True))  # Q-smoothing bias → Triton
 
 
 # ----------------------------------------------------------------------------- dS scale granularity

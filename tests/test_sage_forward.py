@@ -164,7 +164,6 @@ def test_benchmark_stage_split_runs(fwd_backend):
     assert sweep_backend == "triton"
 
 
-
 @pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (128, 100, False)])
 def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, causal):
     """The Mosaic forward folds the per-block score scale into the exponent (``SCALE_IN_EXP``); it must give the
