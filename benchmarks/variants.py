@@ -167,13 +167,17 @@ def spills(log: str, *, stack_frame: bool = False) -> dict[str, int]:
 
 
 def run_variant(name: str, assign: str, shapes: list, method: str, check: bool, ptxas: bool, part: str = "fwd_bwd",
-                env: dict[str, str] | None = None, profile: bool = False) -> dict:
+                env: dict[str, str] | None = None, profile: bool = False, timeout: float | None = None) -> dict:
     """One variant in a fresh child process (its ``RESULT`` dict); ``env``: extra environment variables for it
-    (``benchmarks/sass_census.py`` sets the Mosaic GPU dump switches)."""
+    (``benchmarks/sass_census.py`` sets the Mosaic GPU dump switches); ``timeout``: seconds before the child is
+    killed and RuntimeError raised (a kernel variant that deadlocks)."""
     cmd = [sys.executable, __file__, "--child", "--assign", assign, "--shapes", json.dumps(shapes),
            "--method", method, "--part", part] + (["--check"] if check else []) + (["--profile"] if profile else [])
     env = dict(os.environ, **(env or {}), **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"variant {name} ran past {timeout} s (a hang?)") from err
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"variant {name} failed:\n{proc.stderr[-3000:]}")
@@ -198,6 +202,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="gradients vs the xla reference on the first shape")
     parser.add_argument("--ptxas", action="store_true", help="ptxas's spill report per kernel (GPU)")
     parser.add_argument("--profile", action="store_true", help="device busy time and per-kernel times per shape")
+    parser.add_argument("--child-timeout", type=float, default=None,
+                        help="seconds per variant process; one that fails or runs past it is reported and skipped")
     parser.add_argument("--smoke", action="store_true", help="one tiny shape, the committed code, one repeat")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--assign", default="", help=argparse.SUPPRESS)
@@ -219,8 +225,15 @@ def main(argv=None) -> int:
     for repeat in range(1 if args.smoke else args.repeats):
         for name, assignments in variants:
             assign = ",".join(f"{m}.{a}={v!r}" for m, a, v in assignments)
-            result = run_variant(name, assign, shapes, args.method, args.check and repeat == 0, args.ptxas,
-                                 args.part, profile=args.profile)
+            try:
+                result = run_variant(name, assign, shapes, args.method, args.check and repeat == 0, args.ptxas,
+                                     args.part, profile=args.profile, timeout=args.child_timeout)
+            except RuntimeError as err:
+                if args.child_timeout is None:
+                    raise
+                print(f"{name:>16} #{repeat}: skipped: {str(err)[-1500:]}", flush=True)
+                payload["runs"].append(dict(variant=name, assign=assign, repeat=repeat, error=str(err)[-1500:]))
+                continue
             payload["runs"].append(dict(variant=name, assign=assign, repeat=repeat, **result))
             print(f"{name:>16} #{repeat}: " + "  ".join(f"[{k}] {ms:.3f} ms" for k, ms in result["ms"].items())
                   + (f"  check {result['check']}" if result.get("check") else "")

@@ -79,6 +79,36 @@ def test_variant_child_profiles_each_shape(monkeypatch):
     assert "kernels" not in variants.child(argparse.Namespace(**{**vars(args), "profile": False}))
 
 
+def test_variant_that_fails_or_hangs_is_skipped_with_child_timeout(monkeypatch, tmp_path):
+    """``variants.py --child-timeout``: a variant whose child fails or runs past the limit (a kernel that deadlocks)
+    is reported and skipped and the others still run; without the option a failure stops the run."""
+    import subprocess
+
+    from benchmarks import common, variants
+
+    def fake_run(cmd, timeout=None, **kw):
+        assign = cmd[cmd.index("--assign") + 1]
+        if "HANG" in assign:
+            assert timeout == 5.0
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        if "FAIL" in assign:
+            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="boom")
+        return subprocess.CompletedProcess(cmd, 0, stdout='RESULT {"ms": {"s": 1.0}}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(variants, "apply", lambda *a, **kw: {})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")  # not the repository's variants.json
+    argv = ["--variant", "hang=m.HANG=1", "--variant", "fail=m.FAIL=1", "--variant", "ok=", "--shape",
+            "1,2,2,64,64,0", "--repeats", "1", "--child-timeout", "5"]
+    assert variants.main(argv) == 0
+    runs = json.loads((tmp_path / "variants.json").read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["hang", "fail", "ok"]
+    assert "ran past 5.0 s" in runs[0]["error"] and "boom" in runs[1]["error"] and runs[2]["ms"] == {"s": 1.0}
+    with pytest.raises(RuntimeError, match="boom"):
+        variants.main(argv[2:-2])
+
+
 def test_variant_spill_report_takes_each_kernels_largest():
     """Per kernel name, the largest spill (and stack frame) of ptxas -v's entry lines. ptxas warns of a
     kernel's spills *before* its "Compiling entry function" line (as on the H200 in the eighteenth
