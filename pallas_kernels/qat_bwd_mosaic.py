@@ -5,8 +5,8 @@ S = Q̃K̃ᵀ·scale·log2 e, E = exp2(S − m) with the forward's row max m, P 
 dV += (FQ(E)·(1/l))ᵀdO — FP4 fake quantization in groups of 16 keys per row, relative
 to the row max as in the forward — or PᵀdO for the naive ablation; dP = dO·Ṽᵀ;
 dS = P ∘ (dP − D) rounded to the 16-bit operand dtype; dK += dSᵀQ̃, dQ += dS·K̃, both
-times ``scale``. D = rowsum(dO ∘ O'), m, 1/l and head-major dO come from
-``qat_reference.backward_rows`` (one XLA-fused, memory-bound op).
+times ``scale``. D = rowsum(dO ∘ O'), m and 1/l come from ``qat_reference.backward_rows`` (one
+XLA-fused, memory-bound op); the kernels read dO as it is, (B, Sq, Hq, D), by TMA (:data:`DO_NATIVE`).
 
 Both kernels: a memory warpgroup streams tiles through a two-stage TMA pipeline to
 two compute warpgroups of 64 rows each, 16-bit ``wgmma`` with fp32 accumulators
@@ -59,6 +59,10 @@ LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2
 STAGES = 2
+#: the kernels read dO in its own layout (B, Sq, Hq, D), one head's rows per TMA copy, as the forward writes O,
+#: instead of a head-major copy made by an XLA transpose before them (0.027 ms of ~1.3 at B16 H10/5 S2048 D64
+#: causal in the lowered HLO's profile: benchmarks/NOTES.md, thirty-third session)
+DO_NATIVE = True
 #: the smallest head dim at which the fused dQ is split by columns between the warpgroups (:func:`splits_dq_columns`)
 DQ_SPLIT_MIN_HEAD_DIM = 128
 
@@ -95,7 +99,7 @@ def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
 
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, group, n_qtiles, head_dim, sk_len,
-                 causal, offset, score_scale, scale, naive, interpret, fused_dq, split):
+                 causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
@@ -178,16 +182,20 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
     tile = plgpu.BlockSpec((None, TILE, head_dim), lambda i: (*head_and_tile(i), 0),
                            transforms=tile_transforms(dt, head_dim))
     vec = plgpu.BlockSpec((None, TILE), head_and_tile)
-    pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES,
-                                in_specs=[tile, tile, vec, vec, vec])
     heads = pl.ds(hkv * group, group)
-    pipeline(q_ref.at[b, heads], do_ref.at[b, heads], m_ref.at[b, heads], il_ref.at[b, heads],
-             delta_ref.at[b, heads])
+    do_tile, do_heads = tile, do_ref.at[b, heads]
+    if do_native:  # dO (B, Sq_pad, Hq, D): a tile is TILE rows of one head, read by TMA with the head's stride
+        do_tile = plgpu.BlockSpec((TILE, None, head_dim), lambda i: (head_and_tile(i)[1], head_and_tile(i)[0], 0),
+                                  transforms=tile_transforms(dt, head_dim))
+        do_heads = do_ref.at[b, :, heads]
+    pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES,
+                                in_specs=[tile, do_tile, vec, vec, vec])
+    pipeline(q_ref.at[b, heads], do_heads, m_ref.at[b, heads], il_ref.at[b, heads], delta_ref.at[b, heads])
 
 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
                q_smem2, do_smem2, m_smem2, il_smem2, delta_smem2, ds_smem2, barriers,
-               *, group, head_dim, sk_len, causal, offset, score_scale, scale, interpret):
+               *, group, head_dim, sk_len, causal, offset, score_scale, scale, interpret, do_native):
     b, h, wg = grid_position()
     hkv = lax.div(h, group)
     # Causal: stop after the last key tile any query of this CTA sees.
@@ -198,7 +206,8 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
 
     def compute(pipeline):
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        copies = ((q_ref.at[b, h, rows], q_smem), (do_ref.at[b, h, rows], do_smem),
+        do_rows = do_ref.at[b, rows, h] if do_native else do_ref.at[b, h, rows]
+        copies = ((q_ref.at[b, h, rows], q_smem), (do_rows, do_smem),
                   (m_ref.at[b, h, rows], m_smem2.at[wg]), (il_ref.at[b, h, rows], il_smem2.at[wg]),
                   (delta_ref.at[b, h, rows], delta_smem2.at[wg]))
         copy_in(copies, barriers, wg)
@@ -252,7 +261,8 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     hkv = kf.shape[1]
     group = hq // hkv
     dt, f32 = qf.dtype, jnp.float32
-    delta, m_rows, inv_l, do_h = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=dt)
+    delta, m_rows, inv_l, do_in = backward_rows(o_aux, lse, m, do, seq_pad=sq_pad, dtype=dt,
+                                               head_major_do=not DO_NATIVE)
     if lane_groups.ENABLED and not lane_ordered:  # the kernel stores dK and dV back in key order
         kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
     kv_rows = tma_rows(sk_len)
@@ -261,19 +271,19 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         return trim_rows(dk, sk_len), trim_rows(dv, sk_len)
 
     common = dict(head_dim=d, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
-                  scale=scale, interpret=interpret)
+                  scale=scale, interpret=interpret, do_native=DO_NATIVE)
     kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
     split = fused_dq and splits_dq_columns(d)
     # split: dS double-buffered (the other warpgroup reads it), a (64 × D/2) stage, the CTA-wide barrier
     ds_tiles = plgpu.SMEM((2, WGS, TILE, TILE), dt, transforms=tile_transforms(dt, TILE)) if split else p_tiles
     dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, ds_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
-    dkdv_args = [qf, do_h, m_rows, inv_l, delta, kf, vf]
+    dkdv_args = [qf, do_in, m_rows, inv_l, delta, kf, vf]
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
         dkdv_scratch += [wg_tiles(WGS, TILE, f32, d // 2), schedule_barrier()] if split else [
             reduce_add_stage(WGS, TILE)]
         dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
-                                                after=do_h))
+                                                after=do_in))
     dk, dv = launch(
         functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
                           split=split, **common),
@@ -291,5 +301,5 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), do.dtype), dq_scratch,
         (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="qat_bwd_dq", compute_wgs=WGS,
         interpret=interpret,
-    )(qf, do_h, m_rows, inv_l, delta, kf, vf)
+    )(qf, do_in, m_rows, inv_l, delta, kf, vf)
     return trim_rows(dq, sq_len), *kv_grads(dk, dv)

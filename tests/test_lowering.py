@@ -5,6 +5,7 @@ gather...): this catches a kernel that only works interpreted.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -320,12 +321,15 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
                                                            pingpong=extra == ["pingpong"], dq_kernel=dq_kernel))
     opts = dataclasses.replace(opts, interpret=False)
 
-    def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+    def grads(q, k, v, w):  # a cotangent w, not a constant (XLA would fold dO's transpose into a broadcast)
+        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, opts).astype(jnp.float32) * w)  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    text = lower_for_h200(grads, q, kv, kv)
+    text = lower_for_h200(grads, q, kv, kv, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     assert "mosaic_gpu" in text and "fp4_fake_quant" in text
+    # the Mosaic backward reads dO (B, Sq, Hq, D) as it is (qat_bwd_mosaic.DO_NATIVE): no head-major copy
+    do_transposed = re.search(r"stablehlo.transpose .*dims = \[0, 2, 1, 3\].*tensor<2x8x\d+x\d+xbf16>", text)
+    assert (do_transposed is None) == (bwd == "mosaic"), do_transposed
     assert triton_named(text, "qat_attention_fwd") == (fwd == "triton")
     assert mosaic_named(text, "qat_attention_fwd") == (fwd == "mosaic")
     for name in ("qat_bwd_dkdv", "qat_bwd_dq"):
