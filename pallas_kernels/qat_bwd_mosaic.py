@@ -60,8 +60,9 @@ TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2
 STAGES = 2
 #: the kernels read dO in its own layout (B, Sq, Hq, D), one head's rows per TMA copy, as the forward writes O,
-#: instead of a head-major copy made by an XLA transpose before them (0.027 ms of ~1.3 at B16 H10/5 S2048 D64
-#: causal in the lowered HLO's profile: benchmarks/NOTES.md, thirty-third session)
+#: instead of a head-major copy made by an XLA transpose before them: on the H200 fwd+bwd busy time −2.2% at
+#: B16 H10/5 S2048 D64 causal, −0.9% at B4 H32 S4096 D128, −1.1% at B8 H32 S2048 D64, the kernels level
+#: (benchmarks/NOTES.md, thirty-fourth session)
 DO_NATIVE = True
 #: the smallest head dim at which the fused dQ is split by columns between the warpgroups (:func:`splits_dq_columns`)
 DQ_SPLIT_MIN_HEAD_DIM = 128
