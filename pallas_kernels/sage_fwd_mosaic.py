@@ -6,9 +6,10 @@ of the tile) quantized to INT8 per row (the row max maps to 127), O accumulates
 int32(P̂V̂)·β/127 with β = exp2(m_tile − m_new), s_V applied per channel at the end,
 l from the unquantized P̃, and the base-2 log-sum-exp (+inf for rows that see no key).
 
-FlashAttention-3's shape: grid (query head, 128-query block, batch); a memory
+FlashAttention-3's shape: grid (query head, query block, batch); a memory
 warpgroup streams K̂ (block_k, D), its scales and V̂ᵀ (D, block_k) through a
-two-stage TMA pipeline; two compute warpgroups each own 64 query rows. Both
+two-stage TMA pipeline; compute warpgroups each own 64 query rows: two per CTA at D128, three at D64
+(:data:`THREE_WGS`, FlashAttention-3's 192-row tile there). Both
 products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ or
 V̂ᵀ); P̂ is the A operand straight from registers, no SMEM round trip and no warpgroup barrier:
 V̂ᵀ's keys come in :mod:`pallas_kernels.operand_order` (written so by ``sage_quantize_kv``), so P̂'s registers are
@@ -21,8 +22,8 @@ tiles that reach the diagonal or the ragged key tail are masked element-wise, th
 
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
-The two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong,
-:data:`PINGPONG`). ``SageFwdConfig.fwd_backend="auto"`` (the default) takes it on Hopper at head
+Two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong,
+:data:`PINGPONG`); three run unscheduled. ``SageFwdConfig.fwd_backend="auto"`` (the default) takes it on Hopper at head
 dims 64 and 128 (:data:`AUTO_MIN_HEAD_DIM`): on the H200 (forward with quantization) it is 3–10% faster than
 the Triton kernel at D128 (B4 H32 S4096, causal too, and B1 S16384; fourteenth and fifteenth sessions), and
 with per-block scales read as one scalar product per step, 0–2% faster fwd+bwd at D64 (benchmarks/NOTES.md,
@@ -47,7 +48,21 @@ from pallas_kernels._mosaic import (
 from pallas_kernels.configs import SageFwdConfig
 
 TILE = 64  # query rows per compute warpgroup
-WGS = 2
+WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
+#: FlashAttention-3's 192-row tile at head dim 64: three compute warpgroups per CTA (no ping-pong), so each SM has
+#: a third warpgroup's softmax work to issue (152 registers each, no spills). On the H200 the forward kernel is
+#: 3.6% faster at B16 H10/5 S2048 D64 causal, 10.8% at B8 H32 S2048 D64, 9.8% at B2 H16 S8192 D64 causal
+#: (benchmarks/NOTES.md, thirty-fourth session). Rows of the last CTA past Q's padded length are read as zeros and
+#: not stored (TMA bounds; a pad copy of Q instead cost 0.026 ms at the first shape); interpreted, Q is padded to
+#: whole CTAs.
+THREE_WGS = True
+THREE_WGS_MAX_HEAD_DIM = 64
+
+
+def compute_wgs(head_dim: int) -> int:
+    """Compute warpgroups per CTA (64 query rows each) at this head dim."""
+    return 3 if THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM else WGS
+
 STAGES = 2
 #: FlashAttention-3's ping-pong between the two compute warpgroups (``_mosaic.PingPong``): one's softmax
 #: runs while the other's products occupy the tensor cores (never interpreted: it orders execution only).
@@ -80,12 +95,12 @@ def takes_operand_order(interpret: bool) -> bool:
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, has_bias: bool,
              config: SageFwdConfig) -> bool:
     """Whether the Mosaic forward covers this call (else the Triton kernel runs)."""
-    return (not has_bias and head_dim in (64, 128) and config.block_k in (64, 128) and sq_pad % (WGS * TILE) == 0
+    return (not has_bias and head_dim in (64, 128) and config.block_k in (64, 128) and sq_pad % (2 * TILE) == 0
             and (not causal or sq_len <= sk_len))
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
-                *scratch, group, block_k, head_dim, sk_len, causal, offset, scalar_scales, operand, interpret):
+                *scratch, group, block_k, head_dim, sk_len, causal, offset, scalar_scales, operand, wgs, interpret):
     """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
     the barriers, the ping-pong barrier. ``operand``: V̂ᵀ's keys are in :mod:`pallas_kernels.operand_order`."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
@@ -93,11 +108,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
     b, h, wg = grid_position()
     hkv = lax.div(h, group)
     shape = (TILE, block_k)
-    cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
+    cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
                                                     causal=causal, offset=offset)
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
-    pp = PingPong(sched, wg, PINGPONG and not interpret)
+    pp = PingPong(sched, wg, PINGPONG and wgs == 2 and not interpret)
 
     def compute(pipeline):
         copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
@@ -153,7 +168,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
             plgpu.barrier_arrive(barrier)
         return acc, m_new, l_new
 
-    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES,
+    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES,
                                 in_specs=[*key_step_specs(block_k, head_dim), transposed_step_spec(block_k, head_dim)])
     pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv])
 
@@ -189,18 +204,28 @@ def sage_attention_fwd_mosaic(
     f32 = jnp.float32
     if v_operand_order and not takes_operand_order(interpret):
         raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
+    wgs = compute_wgs(d)
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
-                               scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order)
-    p_tile = [wg_tiles(WGS, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
-    scratch = [wg_tiles(WGS, TILE, jnp.int8, d), plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, d), f32),
-               *p_tile, plgpu.SMEM((WGS, TILE, d), out_dtype),
-               plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(3, WGS)), schedule_barrier()]
+                               scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,
+                               wgs=wgs)
+    p_tile = [wg_tiles(wgs, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
+    scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
+               *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
+               plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
+    # The last CTA's rows may pass Sq_pad: compiled, TMA reads them as zeros and clips their stores; the interpreter
+    # (no such bounds) gets Q padded to whole CTAs and outputs as long.
+    cta_rows = wgs * TILE
+    n_ctas = -(-sq_pad // cta_rows)
+    sq_out = n_ctas * cta_rows if interpret else sq_pad
+    if sq_out != sq_pad:
+        q8, q_scale = (jnp.pad(x, [(0, 0), (0, 0), (0, sq_out - sq_pad)] + [(0, 0)] * (x.ndim - 3))
+                       for x in (q8, q_scale))
     # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE rows padded to Sq_pad
     # (a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
-    out_type = [jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype),
-                jax.ShapeDtypeStruct((b, hq, sq_pad), f32)]
-    o, lse = launch(kernel, out_type, scratch, (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"),
-                    name="sage_attention_fwd", compute_wgs=WGS,
+    out_type = [jax.ShapeDtypeStruct((b, sq_out if interpret else tma_rows(sq_len), hq, d), out_dtype),
+                jax.ShapeDtypeStruct((b, hq, sq_out), f32)]
+    o, lse = launch(kernel, out_type, scratch, (hq, n_ctas, b), ("heads", "q", "batch"),
+                    name="sage_attention_fwd", compute_wgs=wgs,
                     interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
     return trim_rows(o, sq_len), trim_rows(lse, sq_len, axis=2)

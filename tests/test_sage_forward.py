@@ -189,3 +189,32 @@ def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, cau
     np.testing.assert_allclose(lse_on, lse_off, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(o_on, o_off, rtol=0, atol=1e-2 * np.abs(o_off).max())
     assert np.abs(o_on - o_off).mean() < 1e-3 * np.abs(o_off).mean()
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, False)])
+def test_mosaic_three_warpgroups_match_two(monkeypatch, sq, sk, causal):
+    """At head dim 64 the Mosaic forward runs three compute warpgroups per CTA (``THREE_WGS``: 192 query rows, no
+    ping-pong). Each row's arithmetic is the same as with two, so o and the log-sum-exp must be equal exactly. Sq 250
+    (padded 256) leaves the second CTA's third warpgroup wholly past the padded rows and its second half past; causal
+    with Sq < Sk (the diagonal per CTA of 192 rows); GQA and a key outlier."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    assert sage_fwd_mosaic.compute_wgs(64) == 3 and sage_fwd_mosaic.compute_wgs(128) == 2
+    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=37, k_outlier=4.0)
+    kernel, calls = sage_fwd_mosaic.launch, []
+    monkeypatch.setattr(sage_fwd_mosaic, "launch", lambda *a, **kw: calls.append(kw["compute_wgs"]) or kernel(*a, **kw))
+    got = {}
+    for three in (True, False):
+        monkeypatch.setattr(sage_fwd_mosaic, "THREE_WGS", three)
+        jax.clear_caches()
+        o, lse, _ = lb.sage_forward(q, k, v, causal=causal, config=config, implementation="pallas",
+                                    interpret=INTERPRET)
+        got[three] = np.asarray(o, np.float32), np.asarray(lse, np.float32)
+    assert calls == [3, 2]  # the Mosaic kernel ran, with three and then two compute warpgroups
+    (o3, lse3), (o2, lse2) = got[True], got[False]
+    assert np.isfinite(o3).all() and o3.shape == (1, sq, 4, 64)
+    np.testing.assert_array_equal(lse3, lse2)
+    np.testing.assert_array_equal(o3, o2)
+    x = lb.sage_attention(q, k, v, causal=causal, config=config, implementation="xla")
+    assert metrics(o3, x)[1] < 2e-3
