@@ -216,6 +216,14 @@ def trim_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
     return x if x.shape[axis] == n else lax.slice_in_dim(x, 0, n, axis=axis)
 
 
+def query_ctas(sq_pad: int, cta_rows: int, interpret: bool) -> tuple[int, int]:
+    """(CTAs, rows of Q and of the row outputs) for a forward of ``cta_rows`` query rows per CTA over Sq_pad rows.
+    Compiled, the last CTA may pass Sq_pad: TMA reads those rows as zeros and clips their stores, so the arrays
+    keep Sq_pad rows. The interpreter has no such bounds: Q (:func:`pad_rows`) and the outputs get whole CTAs."""
+    n_ctas = -(-sq_pad // cta_rows)
+    return n_ctas, (n_ctas * cta_rows if interpret else sq_pad)
+
+
 def pad_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
     """``x`` zero-padded to ``n`` entries along ``axis`` (no copy when it already has ``n``): an input
     that a tiled TMA load reads needs :func:`tma_rows` rows."""
@@ -615,7 +623,8 @@ def on_hopper() -> bool:
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
            "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
-           "first_query_tile", "tma_rows", "trim_rows", "pad_rows", "wg_tiles", "launch", "wgmma_zeros", "matmul",
+           "first_query_tile", "tma_rows", "trim_rows", "query_ctas", "pad_rows", "wg_tiles", "launch", "wgmma_zeros",
+           "matmul",
            "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",
            "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",

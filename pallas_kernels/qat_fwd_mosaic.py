@@ -10,7 +10,8 @@ key) and the row max m.
 
 FlashAttention-3's shape, as :mod:`pallas_kernels.sage_fwd_mosaic`: grid (query
 head, 128-query block, batch); a memory warpgroup streams K̃ and Ṽ tiles through a
-two-stage TMA pipeline; two compute warpgroups each own 64 query rows. P̃ and P are
+two-stage TMA pipeline; two compute warpgroups each own 64 query rows (three at D64 with the
+:data:`THREE_WGS` probe switch, off). P̃ and P are
 the register A operands of the two PV products (16-bit, so the accumulator layout
 converts directly), issued together into the rescaled O and O' accumulators; with
 ``QatConfig.pingpong`` (the default) the two warpgroups take turns on the tensor cores
@@ -40,28 +41,37 @@ from jax import lax
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
-    PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pl, plgpu,
-    query_block_keys, register_operand, rows_of, schedule_barrier, tile_transforms, tma_rows, trim_rows, wg_tiles,
-    wgmma_zeros,
+    PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pad_rows, pl,
+    plgpu, query_block_keys, query_ctas, register_operand, rows_of, schedule_barrier, tile_transforms, tma_rows,
+    trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
 TILE = 64  # query rows per compute warpgroup
-WGS = 2
+WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
+#: probe (untimed): three compute warpgroups per CTA at head dim ≤ THREE_WGS_MAX_HEAD_DIM, no ping-pong, as
+#: ``sage_fwd_mosaic.THREE_WGS`` (which made that forward 4–11% faster at D64)
+THREE_WGS = False
+THREE_WGS_MAX_HEAD_DIM = 64
 STAGES = 2
 LOG2E = math.log2(math.e)
+
+
+def compute_wgs(head_dim: int) -> int:
+    """Compute warpgroups per CTA (64 query rows each) at this head dim."""
+    return 3 if THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM else WGS
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, out_dtype,
              config: QatConfig) -> bool:
     """Whether the Mosaic forward covers this call (else the Triton kernel runs)."""
-    return (head_dim in (64, 128) and config.block_k in (64, 128) and sq_pad % (WGS * TILE) == 0
+    return (head_dim in (64, 128) and config.block_k in (64, 128) and sq_pad % (2 * TILE) == 0
             and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and (not causal or sq_len <= sk_len))
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, causal, offset, score_scale,
-                with_aux, pingpong, interpret):
+                with_aux, pingpong, wgs, interpret):
     n_out = 4 if with_aux else 3
     outs, scratch = refs[:n_out], list(refs[n_out:])
     q_smem2 = o_smem2 = scratch.pop(0)  # Q is not read after the pipeline: O goes out through its SMEM
@@ -73,13 +83,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
     hkv = lax.div(h, group)
     shape = (TILE, block_k)
     out_shape = (TILE, head_dim)
-    cta_queries, n_steps, masked = query_block_keys(WGS * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
+    cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
                                                     causal=causal, offset=offset,
-                                                    heavy_first_of=q_ref.shape[2] // (WGS * TILE))
+                                                    heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE)))
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    pp = PingPong(sched, wg, pingpong)
+    pp = PingPong(sched, wg, pingpong and wgs == 2)
 
     def compute(pipeline):
         copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)
@@ -132,7 +142,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
     def kv_spec(dtype):
         return plgpu.BlockSpec((block_k, head_dim), lambda j: (j, 0), transforms=tile_transforms(dtype, head_dim))
 
-    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=WGS, stages=STAGES,
+    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES,
                                 in_specs=[kv_spec(k_ref.dtype), kv_spec(v_ref.dtype)])
     pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv])
 
@@ -163,27 +173,31 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
     f32 = jnp.float32
+    wgs = compute_wgs(d)
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
                                # the schedule orders warpgroups only; interpreted causal calls can starve
                                # the interpreter's warpgroup threads on small machines (a hang), so skip it
-                               pingpong=config.pingpong and not (interpret and causal), interpret=interpret)
+                               pingpong=config.pingpong and not (interpret and causal), wgs=wgs,
+                               interpret=interpret)
     if jnp.dtype(out_dtype) != qf.dtype:
         raise ValueError(f"out_dtype must be qf's dtype {qf.dtype} (O reuses Q's SMEM), got {jnp.dtype(out_dtype)}")
-    o_tiles = wg_tiles(WGS, TILE, out_dtype, d)  # Q's, then O's; O' has its own (block_k 128 then fits in SMEM)
+    o_tiles = wg_tiles(wgs, TILE, out_dtype, d)  # Q's, then O's; O' has its own (block_k 128 then fits in SMEM)
     scratch = [o_tiles, *([o_tiles] if with_aux else []),
-               plgpu.SMEM((WGS, TILE), f32), plgpu.SMEM((WGS, TILE), f32), plgpu.Barrier(num_barriers=(1, WGS)),
+               plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(1, wgs)),
                schedule_barrier()]
     if interpret:
         bk = config.block_k
-        scratch.append(plgpu.SMEM((WGS, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
+        scratch.append(plgpu.SMEM((wgs, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
     if lane_groups.ENABLED and not lane_ordered:
         kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
-    o_type = jax.ShapeDtypeStruct((b, tma_rows(sq_len), hq, d), out_dtype)
+    n_ctas, sq_out = query_ctas(sq_pad, wgs * TILE, interpret)
+    qf = pad_rows(qf, sq_out, axis=2)
+    o_type = jax.ShapeDtypeStruct((b, sq_out if interpret else tma_rows(sq_len), hq, d), out_dtype)
     # rows padded to Sq_pad: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes
-    row_type = jax.ShapeDtypeStruct((b, hq, sq_pad), f32)
+    row_type = jax.ShapeDtypeStruct((b, hq, sq_out), f32)
     *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
-                           (hq, sq_pad // (WGS * TILE), b), ("heads", "q", "batch"), name="qat_attention_fwd",
-                           compute_wgs=WGS, interpret=interpret)(qf, kf, vf)
+                           (hq, n_ctas, b), ("heads", "q", "batch"), name="qat_attention_fwd",
+                           compute_wgs=wgs, interpret=interpret)(qf, kf, vf)
     outs = [trim_rows(o, sq_len) for o in outs]
     return outs[0], outs[1] if with_aux else None, trim_rows(lse, sq_len, axis=2), trim_rows(m, sq_len, axis=2)

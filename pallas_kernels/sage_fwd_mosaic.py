@@ -42,8 +42,8 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
-    key_step_specs, launch, mask_scores, matmul, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of,
-    scalar, schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, register_operand,
+    row_vector, rows_of, scalar, schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -215,12 +215,8 @@ def sage_attention_fwd_mosaic(
                plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
     # The last CTA's rows may pass Sq_pad: compiled, TMA reads them as zeros and clips their stores; the interpreter
     # (no such bounds) gets Q padded to whole CTAs and outputs as long.
-    cta_rows = wgs * TILE
-    n_ctas = -(-sq_pad // cta_rows)
-    sq_out = n_ctas * cta_rows if interpret else sq_pad
-    if sq_out != sq_pad:
-        q8, q_scale = (jnp.pad(x, [(0, 0), (0, 0), (0, sq_out - sq_pad)] + [(0, 0)] * (x.ndim - 3))
-                       for x in (q8, q_scale))
+    n_ctas, sq_out = query_ctas(sq_pad, wgs * TILE, interpret)
+    q8, q_scale = pad_rows(q8, sq_out, axis=2), pad_rows(q_scale, sq_out, axis=2)
     # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE rows padded to Sq_pad
     # (a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
     out_type = [jax.ShapeDtypeStruct((b, sq_out if interpret else tma_rows(sq_len), hq, d), out_dtype),

@@ -382,3 +382,29 @@ def test_mixed_backends_match_xla(backends):
     ref = grads(q, k, v, do, causal=True, implementation="xla", config=lb.QatConfig())
     for name, a, x in zip(("o", "dq", "dk", "dv"), got, ref):
         assert metrics(a, x)[1] < 2e-3, name
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, False)])
+def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal):
+    """qat_fwd_mosaic.THREE_WGS (a probe switch, off by default): three compute warpgroups per CTA at head dim 64
+    do each row's arithmetic as two do, so O, O', the LSE and m must be equal exactly (interpreter; Sq 250 leaves
+    the second CTA partly past the padded rows; causal with Sq < Sk; GQA). A spy checks the warpgroup count."""
+    from lowbit_jax import qat as qat_mod
+    from pallas_kernels import qat_fwd_mosaic
+
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=sq + 5)
+    launch, counts, outs = qat_fwd_mosaic.launch, [], {}
+    monkeypatch.setattr(qat_fwd_mosaic, "launch", lambda *a, **kw: counts.append(kw["compute_wgs"]) or launch(*a, **kw))
+    cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=False)
+    for three in (True, False):
+        monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS", three)
+        jax.clear_caches()
+        opts = qat_mod.resolve_qat_options(q, k, v, causal=causal, naive_backward=False, implementation="pallas",
+                                           interpret=True, config=cfg)
+        outs[three] = qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)[:4]
+    assert counts == [3, 2]
+    for name, a, r in zip(("o", "o_aux", "lse", "m"), outs[True], outs[False]):
+        assert a.shape == r.shape, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+    x = lb.qat_attention(q, k, v, causal=causal, implementation="xla", config=lb.QatConfig())
+    assert metrics(outs[True][0], x)[1] < 2e-3
