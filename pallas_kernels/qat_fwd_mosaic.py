@@ -57,9 +57,16 @@ STAGES = 2
 LOG2E = math.log2(math.e)
 
 
-def compute_wgs(head_dim: int) -> int:
+#: interpreted, three warpgroups only when this is set (the tests that compare them with two): the Mosaic GPU
+#: interpreter runs a CTA's warpgroups as threads, and with four (three compute, one memory) a fwd+bwd test hung
+#: until its 900 s timeout in one CI run on the 2-core machine (benchmarks/NOTES.md, thirty-fourth session)
+INTERPRET_THREE_WGS = False
+
+
+def compute_wgs(head_dim: int, interpret: bool = False) -> int:
     """Compute warpgroups per CTA (64 query rows each) at this head dim."""
-    return 3 if THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM else WGS
+    three = THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM and (not interpret or INTERPRET_THREE_WGS)
+    return 3 if three else WGS
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, out_dtype,
@@ -173,7 +180,7 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
     f32 = jnp.float32
-    wgs = compute_wgs(d)
+    wgs = compute_wgs(d, interpret)
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
                                # the schedule orders warpgroups only; interpreted causal calls can starve

@@ -59,9 +59,16 @@ THREE_WGS = True
 THREE_WGS_MAX_HEAD_DIM = 64
 
 
-def compute_wgs(head_dim: int) -> int:
+#: interpreted, three warpgroups only when this is set (the tests that compare them with two): the Mosaic GPU
+#: interpreter runs a CTA's warpgroups as threads, and with four (three compute, one memory) a fwd+bwd test hung
+#: until its 900 s timeout in one CI run on the 2-core machine (benchmarks/NOTES.md, thirty-fourth session)
+INTERPRET_THREE_WGS = False
+
+
+def compute_wgs(head_dim: int, interpret: bool = False) -> int:
     """Compute warpgroups per CTA (64 query rows each) at this head dim."""
-    return 3 if THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM else WGS
+    three = THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM and (not interpret or INTERPRET_THREE_WGS)
+    return 3 if three else WGS
 
 STAGES = 2
 #: FlashAttention-3's ping-pong between the two compute warpgroups (``_mosaic.PingPong``): one's softmax
@@ -204,7 +211,7 @@ def sage_attention_fwd_mosaic(
     f32 = jnp.float32
     if v_operand_order and not takes_operand_order(interpret):
         raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
-    wgs = compute_wgs(d)
+    wgs = compute_wgs(d, interpret)
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
                                scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,

@@ -393,6 +393,7 @@ def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal
     from pallas_kernels import qat_fwd_mosaic
 
     q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=sq + 5)
+    monkeypatch.setattr(qat_fwd_mosaic, "INTERPRET_THREE_WGS", True)
     launch, counts, outs = qat_fwd_mosaic.launch, [], {}
     monkeypatch.setattr(qat_fwd_mosaic, "launch", lambda *a, **kw: counts.append(kw["compute_wgs"]) or launch(*a, **kw))
     cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=False)
