@@ -42,8 +42,8 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pad_rows, pl,
-    plgpu, query_block_keys, query_ctas, register_operand, rows_of, schedule_barrier, tile_transforms, tma_rows,
-    trim_rows, wg_tiles, wgmma_zeros,
+    plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
+    tile_transforms, tma_rows, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
@@ -57,16 +57,9 @@ STAGES = 2
 LOG2E = math.log2(math.e)
 
 
-#: interpreted, three warpgroups only when this is set (the tests that compare them with two): the Mosaic GPU
-#: interpreter runs a CTA's warpgroups as threads, and with four (three compute, one memory) a fwd+bwd test hung
-#: until its 900 s timeout in one CI run on the 2-core machine (benchmarks/NOTES.md, thirty-fourth session)
-INTERPRET_THREE_WGS = False
-
-
 def compute_wgs(head_dim: int, interpret: bool = False) -> int:
-    """Compute warpgroups per CTA (64 query rows each) at this head dim."""
-    three = THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM and (not interpret or INTERPRET_THREE_WGS)
-    return 3 if three else WGS
+    """Compute warpgroups per CTA (64 query rows each) at this head dim (``_mosaic.query_warpgroups``)."""
+    return query_warpgroups(head_dim, interpret, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, out_dtype,

@@ -42,8 +42,9 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
-    key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, register_operand,
-    row_vector, rows_of, scalar, schedule_barrier, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
+    register_operand, row_vector, rows_of, scalar, schedule_barrier, tma_rows, transposed_step_spec, trim_rows,
+    wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -57,19 +58,6 @@ WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
 #: whole CTAs.
 THREE_WGS = True
 THREE_WGS_MAX_HEAD_DIM = 64
-
-
-#: interpreted, three warpgroups only when this is set (the tests that compare them with two): the Mosaic GPU
-#: interpreter runs a CTA's warpgroups as threads, and with four (three compute, one memory) a fwd+bwd test hung
-#: until its 900 s timeout in one CI run on the 2-core machine (benchmarks/NOTES.md, thirty-fourth session)
-INTERPRET_THREE_WGS = False
-
-
-def compute_wgs(head_dim: int, interpret: bool = False) -> int:
-    """Compute warpgroups per CTA (64 query rows each) at this head dim."""
-    three = THREE_WGS and head_dim <= THREE_WGS_MAX_HEAD_DIM and (not interpret or INTERPRET_THREE_WGS)
-    return 3 if three else WGS
-
 STAGES = 2
 #: FlashAttention-3's ping-pong between the two compute warpgroups (``_mosaic.PingPong``): one's softmax
 #: runs while the other's products occupy the tensor cores (never interpreted: it orders execution only).
@@ -92,6 +80,11 @@ OPERAND_ORDER = True
 SCALE_IN_EXP = True
 #: the smallest scale product used: a positive normal float, so a masked −inf score stays −inf when scaled
 MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
+
+
+def compute_wgs(head_dim: int, interpret: bool = False) -> int:
+    """Compute warpgroups per CTA (64 query rows each) at this head dim (``_mosaic.query_warpgroups``)."""
+    return query_warpgroups(head_dim, interpret, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
 
 
 def takes_operand_order(interpret: bool) -> bool:

@@ -390,10 +390,10 @@ def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal
     do each row's arithmetic as two do, so O, O', the LSE and m must be equal exactly (interpreter; Sq 250 leaves
     the second CTA partly past the padded rows; causal with Sq < Sk; GQA). A spy checks the warpgroup count."""
     from lowbit_jax import qat as qat_mod
-    from pallas_kernels import qat_fwd_mosaic
+    from pallas_kernels import _mosaic, qat_fwd_mosaic
 
     q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=sq + 5)
-    monkeypatch.setattr(qat_fwd_mosaic, "INTERPRET_THREE_WGS", True)
+    monkeypatch.setattr(_mosaic, "INTERPRET_THREE_WGS", True)
     launch, counts, outs = qat_fwd_mosaic.launch, [], {}
     monkeypatch.setattr(qat_fwd_mosaic, "launch", lambda *a, **kw: counts.append(kw["compute_wgs"]) or launch(*a, **kw))
     cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=False)

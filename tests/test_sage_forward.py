@@ -164,6 +164,19 @@ def test_benchmark_stage_split_runs(fwd_backend):
     assert sweep_backend == "triton"
 
 
+def _forward_per_switch(monkeypatch, module, switch: str, q, k, v, causal: bool, config) -> dict:
+    """``{on: (o, lse)}`` of the Pallas ``sage_forward`` with ``module.switch`` on (first), then off; caches cleared
+    before each, so each traces anew."""
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(module, switch, on)
+        jax.clear_caches()
+        o, lse, _ = lb.sage_forward(q, k, v, causal=causal, config=config, implementation="pallas",
+                                    interpret=INTERPRET)
+        got[on] = np.asarray(o, np.float32), np.asarray(lse, np.float32)
+    return got
+
+
 @pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (128, 100, False)])
 def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, causal):
     """The Mosaic forward folds the per-block score scale into the exponent (``SCALE_IN_EXP``); it must give the
@@ -176,13 +189,7 @@ def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, cau
     kernel, calls = sage_fwd_mosaic.sage_attention_fwd_mosaic, []
     monkeypatch.setattr(sage_fwd_mosaic, "sage_attention_fwd_mosaic",
                         lambda *a, **kw: calls.append(kw["per_block"]) or kernel(*a, **kw))
-    got = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(sage_fwd_mosaic, "SCALE_IN_EXP", enabled)
-        jax.clear_caches()
-        o, lse, _ = lb.sage_forward(q, k, v, causal=causal, config=config, implementation="pallas",
-                                    interpret=INTERPRET)
-        got[enabled] = np.asarray(o, np.float32), np.asarray(lse, np.float32)
+    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SCALE_IN_EXP", q, k, v, causal, config)
     assert calls == [True, True]  # the Mosaic kernel ran, with per-block scales, not a Triton fallback
     (o_on, lse_on), (o_off, lse_off) = got[True], got[False]
     assert np.isfinite(o_on).all() and np.isfinite(lse_on).all()
@@ -197,22 +204,16 @@ def test_mosaic_three_warpgroups_match_two(monkeypatch, sq, sk, causal):
     ping-pong). Each row's arithmetic is the same as with two, so o and the log-sum-exp must be equal exactly. Sq 250
     (padded 256) leaves the second CTA's third warpgroup wholly past the padded rows and its second half past; causal
     with Sq < Sk (the diagonal per CTA of 192 rows); GQA and a key outlier."""
-    from pallas_kernels import sage_fwd_mosaic
+    from pallas_kernels import _mosaic, sage_fwd_mosaic
 
     assert sage_fwd_mosaic.compute_wgs(64) == 3 and sage_fwd_mosaic.compute_wgs(128) == 2
     assert sage_fwd_mosaic.compute_wgs(64, interpret=True) == 2  # unless INTERPRET_THREE_WGS (a hang: see there)
-    monkeypatch.setattr(sage_fwd_mosaic, "INTERPRET_THREE_WGS", True)
+    monkeypatch.setattr(_mosaic, "INTERPRET_THREE_WGS", True)
     config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
     q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=37, k_outlier=4.0)
     kernel, calls = sage_fwd_mosaic.launch, []
     monkeypatch.setattr(sage_fwd_mosaic, "launch", lambda *a, **kw: calls.append(kw["compute_wgs"]) or kernel(*a, **kw))
-    got = {}
-    for three in (True, False):
-        monkeypatch.setattr(sage_fwd_mosaic, "THREE_WGS", three)
-        jax.clear_caches()
-        o, lse, _ = lb.sage_forward(q, k, v, causal=causal, config=config, implementation="pallas",
-                                    interpret=INTERPRET)
-        got[three] = np.asarray(o, np.float32), np.asarray(lse, np.float32)
+    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "THREE_WGS", q, k, v, causal, config)
     assert calls == [3, 2]  # the Mosaic kernel ran, with three and then two compute warpgroups
     (o3, lse3), (o2, lse2) = got[True], got[False]
     assert np.isfinite(o3).all() and o3.shape == (1, sq, 4, 64)
