@@ -191,11 +191,11 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
         scratch.append(plgpu.SMEM((wgs, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
     if lane_groups.ENABLED and not lane_ordered:
         kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
-    n_ctas, sq_out = query_ctas(sq_pad, wgs * TILE, interpret)
-    qf = pad_rows(qf, sq_out, axis=2)
-    o_type = jax.ShapeDtypeStruct((b, sq_out if interpret else tma_rows(sq_len), hq, d), out_dtype)
-    # rows padded to Sq_pad: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes
-    row_type = jax.ShapeDtypeStruct((b, hq, sq_out), f32)
+    n_ctas, q_rows, row_out = query_ctas(sq_pad, wgs * TILE, interpret)  # which arrays get whole CTAs: there
+    qf = pad_rows(qf, q_rows, axis=2)
+    o_type = jax.ShapeDtypeStruct((b, q_rows if interpret else tma_rows(sq_len), hq, d), out_dtype)
+    # rows of whole CTAs (a multiple of 64: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes)
+    row_type = jax.ShapeDtypeStruct((b, hq, row_out), f32)
     *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
                            (hq, n_ctas, b), ("heads", "q", "batch"), name="qat_attention_fwd",
                            compute_wgs=wgs, interpret=interpret)(qf, kf, vf)

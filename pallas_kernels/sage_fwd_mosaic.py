@@ -213,14 +213,13 @@ def sage_attention_fwd_mosaic(
     scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
                *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
                plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
-    # The last CTA's rows may pass Sq_pad: compiled, TMA reads them as zeros and clips their stores; the interpreter
-    # (no such bounds) gets Q padded to whole CTAs and outputs as long.
-    n_ctas, sq_out = query_ctas(sq_pad, wgs * TILE, interpret)
-    q8, q_scale = pad_rows(q8, sq_out, axis=2), pad_rows(q_scale, sq_out, axis=2)
-    # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE rows padded to Sq_pad
-    # (a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
-    out_type = [jax.ShapeDtypeStruct((b, sq_out if interpret else tma_rows(sq_len), hq, d), out_dtype),
-                jax.ShapeDtypeStruct((b, hq, sq_out), f32)]
+    # The last CTA's rows may pass Sq_pad (query_ctas: which arrays get whole CTAs, and why).
+    n_ctas, q_rows, row_out = query_ctas(sq_pad, wgs * TILE, interpret)
+    q8, q_scale = pad_rows(q8, q_rows, axis=2), pad_rows(q_scale, q_rows, axis=2)
+    # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE with whole CTAs' rows (a multiple
+    # of 64: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
+    out_type = [jax.ShapeDtypeStruct((b, q_rows if interpret else tma_rows(sq_len), hq, d), out_dtype),
+                jax.ShapeDtypeStruct((b, hq, row_out), f32)]
     o, lse = launch(kernel, out_type, scratch, (hq, n_ctas, b), ("heads", "q", "batch"),
                     name="sage_attention_fwd", compute_wgs=wgs,
                     interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)

@@ -297,6 +297,43 @@ def test_sage_forward_lowers_to_mosaic_gpu(d, causal, sq, granularity):
     assert "sage_quantize_q" in text and "sage_quantize_kv" in text and mosaic_named(text, "sage_attention_fwd")
 
 
+@pytest.mark.parametrize("method", ["sage", "qat"])
+def test_mosaic_forward_row_outputs_span_whole_ctas(monkeypatch, method):
+    """The LSE (and QAT's m) of a Mosaic forward whose last CTA passes Sq_pad get rows for whole CTAs: Mosaic GPU
+    folds ``lse_ref.at[b, h, rows]``'s indexed dims into the TMA's row offset, so a store past Sq_pad is not
+    clipped but overwrites the next head's first rows (``_mosaic.query_ctas``). Sq 640 over three warpgroups' 192-row
+    CTAs: 4 CTAs, 768 rows; O keeps 640 (its stores are clipped). Only the GPU run showed the bug (the interpreter
+    pads every output), so this pins the launch's result types."""
+    from lowbit_jax import qat as qat_mod
+    from pallas_kernels import qat_fwd_mosaic, sage_fwd_mosaic
+
+    monkeypatch.setattr(sage_fwd_mosaic if method == "sage" else qat_fwd_mosaic, "THREE_WGS", True)
+    jax.clear_caches()
+    q = jax.ShapeDtypeStruct((2, 640, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 640, 2, 64), jnp.bfloat16)
+    zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)]
+    if method == "sage":
+        cfg = dataclasses.replace(lb.sage_fwd_config(64, True, "NVIDIA H200"), fwd_backend="mosaic")
+        opts = dataclasses.replace(sage_mod.resolve_options(*zeros, causal=True, implementation="pallas",
+                                                            interpret=True, config=cfg), interpret=False)
+        fn = lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False)[:2]  # noqa: E731
+        rows = 1
+    else:
+        opts = dataclasses.replace(qat_mod.resolve_qat_options(*zeros, causal=True, implementation="pallas",
+                                                               interpret=True,
+                                                               config=lb.QatConfig(fwd_backend="mosaic")),
+                                   interpret=False)
+        fn = lambda q, k, v: qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)  # noqa: E731
+        rows = 2
+    text = lower_for_h200(fn, q, kv, kv)
+    jax.clear_caches()
+    launches = re.findall(r"mosaic_gpu_v2\(.*-> \((.*)\)$", text, flags=re.M)
+    assert len(launches) == 1, launches
+    results = re.findall(r"tensor<([\dx]+)x(bf16|f32)>", launches[0])
+    assert [shape for shape, dtype in results if dtype == "f32"] == ["2x8x768"] * rows, results
+    assert all(shape == "2x640x8x64" for shape, dtype in results if dtype == "bf16"), results
+
+
 @pytest.mark.parametrize("d, causal, naive", [(128, False, False), (64, True, False), (128, True, True)])
 @pytest.mark.parametrize("backends", [("mosaic", "triton"), ("mosaic", "mosaic"), ("triton", "mosaic"),
                                       ("mosaic", "mosaic", "pingpong"), ("mosaic", "mosaic", "fused"),
