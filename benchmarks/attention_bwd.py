@@ -256,7 +256,9 @@ def check_gradients(log, smoke=False):
              (1, 512, 512, 4, 2, 128, False, "per_block", False, "mosaic+ds_row"),
              # Sq not a multiple of 8 (the TMA tiling's rows) on the Mosaic kernels
              (2, 380, 512, 4, 2, 64, False, "per_block", False, "default"),
-             (1, 380, 512, 4, 2, 128, True, "per_token", False, "mosaic+ds_row")]
+             (1, 380, 512, 4, 2, 128, True, "per_token", False, "mosaic+ds_row"),
+             # Sq_pad 1024 over the D64 forward's 192-row CTAs: the last CTA passes it (_mosaic.query_ctas)
+             (2, 1000, 1000, 4, 2, 64, True, "per_block", False, "default")]
     impl = dict(implementation="pallas", interpret=True) if smoke else dict(implementation="pallas")
     for b, sq, sk, hq, hkv, d, causal, gran, smooth_q, backend in cases[:1] if smoke else cases:
         kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(sq * sk), 4)

@@ -14,8 +14,8 @@ method's config on top of the library's per-shape default (``config.fwd_backend=
 process (nothing cached from another variant), and times one jitted fwd+bwd of ``lb.sage_attention`` or
 ``lb.qat_attention`` (``--part fwd``: the forward alone) per shape (B, Hq, Hkv, S, D, causal). Variants run
 interleaved ``--repeats`` times, so drift of the machine shows as spread between repeats.
-``--check``: each variant's gradients against the xla reference (rel-L1, same quantization) on the
-first shape. ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``; the
+``--check``: each variant's o and gradients against the xla reference (rel-L1, same quantization) on the
+first shape, and the forward's row outputs (the LSE; Attn-QAT's m and O′: :func:`row_outputs_check`). ``--ptxas``: ptxas's register-spill report per Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTXAS``; the
 raw output goes to $OUT/ptxas_<variant>.log where $OUT is set) and stack frame (local memory per thread,
 where the spills live: times the CTA's threads, the L1 they need; benchmarks/NOTES.md, eighteenth session).
 ``--profile``: also each shape's device busy time and its kernels' times per call (``benchmarks.profiling``, 10
@@ -144,6 +144,8 @@ def child(args) -> dict:
             ref = jitted(ref_fn)(q, k, v, do)
             got = run(q, k, v, do)
             result["check"] = {name: float(lb.rel_l1(a, r)) for name, a, r in zip(("o", "dq", "dk", "dv"), got, ref)}
+            result["check"].update(row_outputs_check(args.method, q, k, v, causal=bool(causal), config=config,
+                                                     interpret=interpret))
         timing = dict(warmup=1, iters=1, batches=1) if interpret else {}
         key = ",".join(map(str, shape))
         result["ms"][key] = time_fn(run, q, k, v, do, **timing)
@@ -152,6 +154,35 @@ def child(args) -> dict:
             result["busy_ms"][key] = prof["busy_ms"]
             result["kernels"][key] = {name: ms for name, (ms, _) in list(prof["kernels"].items())[:PROFILE_TOP]}
     return result
+
+
+def row_outputs_check(method: str, q, k, v, *, causal: bool, config, interpret: bool) -> dict[str, float]:
+    """rel-L1 of the forward's row outputs against the xla reference's: the LSE (and Attn-QAT's m and O′), which
+    only the backward reads, so a forward-only check of o misses them (benchmarks/NOTES.md, thirty-fifth session:
+    a three-warpgroup forward's LSE stores landed in the next head's rows while o matched)."""
+    import jax.numpy as jnp
+
+    import lowbit_jax as lb
+    from lowbit_jax import qat
+
+    def forward(implementation):
+        if method == "sage":
+            _, lse, _ = lb.sage_forward(q, k, v, causal=causal, config=config, implementation=implementation,
+                                        interpret=interpret)
+            return {"lse": lse}
+        opts = qat.resolve_qat_options(q, k, v, causal=causal, config=config, implementation=implementation,
+                                       interpret=interpret)
+        _, o_aux, lse, m, _ = qat.qat_forward(q, k, v, opts=opts, with_aux=True)
+        return {"o_aux": o_aux, "lse": lse, "m": m}
+
+    def rel_l1(a, r):  # rows that see no key have an LSE of +inf in both: compared as a pattern, not in the sum
+        finite = jnp.isfinite(r)
+        if bool(jnp.any(jnp.isfinite(a) != finite)):
+            return float("inf")
+        return float(lb.rel_l1(jnp.where(finite, a, 0), jnp.where(finite, r, 0)))
+
+    got, ref = forward("pallas"), forward("xla")
+    return {name: rel_l1(got[name], ref[name]) for name in got}
 
 
 def spills(log: str, *, stack_frame: bool = False) -> dict[str, int]:

@@ -79,6 +79,34 @@ def test_variant_child_profiles_each_shape(monkeypatch):
     assert "kernels" not in variants.child(argparse.Namespace(**{**vars(args), "profile": False}))
 
 
+def test_variant_check_compares_the_row_outputs(monkeypatch):
+    """``variants.py --check`` also compares the forward's row outputs with the xla reference's (the LSE; QAT's m
+    and O′): the backward alone reads them, and a forward whose LSE stores went to the wrong head passed a check
+    of o (benchmarks/NOTES.md, thirty-fifth session). An LSE with its heads swapped must show."""
+    import jax
+    import jax.numpy as jnp
+
+    import lowbit_jax as lb
+    from benchmarks import variants
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (1, 96, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, 80, 2, 64), jnp.bfloat16) for key in keys[1:])
+    configs = {"sage": lb.sage_fwd_config(64, True), "qat": lb.qat_config(64, True)}
+    for method, names in (("sage", {"lse"}), ("qat", {"lse", "m", "o_aux"})):
+        got = variants.row_outputs_check(method, q, k, v, causal=True, config=configs[method], interpret=True)
+        assert set(got) == names and max(got.values()) < 1e-4, (method, got)
+    sage_forward = lb.sage_forward
+
+    def swapped_heads(*args, implementation, **kw):
+        o, lse, ops = sage_forward(*args, implementation=implementation, **kw)
+        return o, (jnp.flip(lse, axis=1) if implementation == "pallas" else lse), ops
+
+    monkeypatch.setattr(lb, "sage_forward", swapped_heads)
+    got = variants.row_outputs_check("sage", q, k, v, causal=True, config=configs["sage"], interpret=True)
+    assert got["lse"] > 1e-2, got
+
+
 def test_variant_that_fails_or_hangs_is_skipped_with_child_timeout(monkeypatch, tmp_path):
     """``variants.py --child-timeout``: a variant whose child fails or runs past the limit (a kernel that deadlocks)
     is reported and skipped and the others still run; without the option a failure stops the run."""
