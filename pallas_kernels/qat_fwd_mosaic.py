@@ -49,8 +49,10 @@ from pallas_kernels.configs import QatConfig
 
 TILE = 64  # query rows per compute warpgroup
 WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
-#: probe (untimed): three compute warpgroups per CTA at head dim ≤ THREE_WGS_MAX_HEAD_DIM, no ping-pong, as
-#: ``sage_fwd_mosaic.THREE_WGS`` (which made that forward 4–11% faster at D64)
+#: probe: three compute warpgroups per CTA at head dim ≤ THREE_WGS_MAX_HEAD_DIM, no ping-pong, as
+#: ``sage_fwd_mosaic.THREE_WGS`` (which made that forward 4–11% faster at D64). Off: here it is slower — forward
+#: kernel 0.473 → 0.510 ms at B16 H10/5 S2048 D64 causal, 1.299 → 1.356 at B8 H32 S2048 D64, no spills
+#: (benchmarks/NOTES.md, thirty-fifth session)
 THREE_WGS = False
 THREE_WGS_MAX_HEAD_DIM = 64
 STAGES = 2
