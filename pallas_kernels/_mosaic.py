@@ -231,12 +231,14 @@ def query_warpgroups(head_dim: int, interpret: bool, *, three: bool, max_head_di
 def query_ctas(sq_pad: int, cta_rows: int, interpret: bool) -> tuple[int, int, int]:
     """(CTAs, rows of Q, rows of the row outputs) for a forward of ``cta_rows`` query rows per CTA over Sq_pad rows.
 
-    The last CTA may pass Sq_pad. Compiled, TMA reads Q's rows past it as zeros (Q keeps Sq_pad rows) and clips
-    O's stores, but the row outputs (B, Hq, rows) — the LSE, QAT's m — get rows for whole CTAs all the same:
-    Mosaic GPU folds the indexed leading dims of ``ref.at[b, h, rows]`` into the TMA's row offset, so a store
-    past Sq_pad is not clipped but lands in the next head's first rows (measured on the H200: the three-warpgroup
-    forwards' gradients went wrong; benchmarks/NOTES.md, thirty-fifth session). The interpreter has no bounds:
-    there Q is padded (:func:`pad_rows`) to whole CTAs too."""
+    The last CTA may pass Sq_pad. Compiled, Q keeps Sq_pad rows: the rows past it read whatever TMA gives (the
+    next head's rows, as below, or zeros past the array's end), which only those rows' outputs see. O's stores
+    (``o_ref.at[b, rows, h]``: the rows keep their own TMA dimension) are clipped. The row outputs (B, Hq, rows)
+    — the LSE, QAT's m — get rows for whole CTAs: Mosaic GPU folds the indexed leading dims of
+    ``ref.at[b, h, rows]`` into the TMA's row offset, so a store past Sq_pad is not clipped but lands in the next
+    head's first rows (measured on the H200: the three-warpgroup forwards' gradients went wrong;
+    benchmarks/NOTES.md, thirty-fifth session). The interpreter has no bounds: there Q is padded
+    (:func:`pad_rows`) to whole CTAs too."""
     n_ctas = -(-sq_pad // cta_rows)
     whole = n_ctas * cta_rows
     return n_ctas, (whole if interpret else sq_pad), whole
