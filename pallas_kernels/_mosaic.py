@@ -17,6 +17,7 @@ jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`regist
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -228,20 +229,32 @@ def query_warpgroups(head_dim: int, interpret: bool, *, three: bool, max_head_di
     return 3 if three and head_dim <= max_head_dim and (not interpret or INTERPRET_THREE_WGS) else two
 
 
-def query_ctas(sq_pad: int, cta_rows: int, interpret: bool) -> tuple[int, int, int]:
-    """(CTAs, rows of Q, rows of the row outputs) for a forward of ``cta_rows`` query rows per CTA over Sq_pad rows.
+class QueryRows(NamedTuple):
+    """:func:`query_ctas`: the CTAs of a forward over the query rows, and the rows each array gets."""
+
+    ctas: int  # CTAs along the query rows
+    q: int  # rows of Q (and of its per-row scales)
+    o: int  # rows of O (B, rows, Hq, D)
+    #: rows of the row outputs (B, Hq, rows), the LSE and QAT's m: whole CTAs, a multiple of 64 (a TMA copy needs
+    #: every GMEM stride but the last a multiple of 16 bytes)
+    row_outputs: int
+
+
+def query_ctas(sq_pad: int, sq_len: int, cta_rows: int, interpret: bool) -> QueryRows:
+    """The CTAs of a forward of ``cta_rows`` query rows per CTA over Sq_pad rows, and each array's rows.
 
     The last CTA may pass Sq_pad. Compiled, Q keeps Sq_pad rows: the rows past it read whatever TMA gives (the
-    next head's rows, as below, or zeros past the array's end), which only those rows' outputs see. O's stores
-    (``o_ref.at[b, rows, h]``: the rows keep their own TMA dimension) are clipped. The row outputs (B, Hq, rows)
-    — the LSE, QAT's m — get rows for whole CTAs: Mosaic GPU folds the indexed leading dims of
-    ``ref.at[b, h, rows]`` into the TMA's row offset, so a store past Sq_pad is not clipped but lands in the next
-    head's first rows (measured on the H200: the three-warpgroup forwards' gradients went wrong;
-    benchmarks/NOTES.md, thirty-fifth session). The interpreter has no bounds: there Q is padded
-    (:func:`pad_rows`) to whole CTAs too."""
+    next head's rows, as below, or zeros past the array's end), which only those rows' outputs see. O has
+    :func:`tma_rows` (Sq) rows and its stores (``o_ref.at[b, rows, h]``: the rows keep their own TMA dimension)
+    are clipped. The row outputs (B, Hq, rows) get rows for whole CTAs: Mosaic GPU folds the indexed leading dims
+    of ``ref.at[b, h, rows]`` into the TMA's row offset, so a store past Sq_pad is not clipped but lands in the
+    next head's first rows (measured on the H200: the three-warpgroup forwards' gradients went wrong;
+    benchmarks/NOTES.md, thirty-fifth session). The interpreter has no bounds: there Q (:func:`pad_rows`) and O
+    get whole CTAs too. Every output is cut to Sq after (:func:`trim_rows`)."""
     n_ctas = -(-sq_pad // cta_rows)
     whole = n_ctas * cta_rows
-    return n_ctas, (whole if interpret else sq_pad), whole
+    return QueryRows(n_ctas, q=whole if interpret else sq_pad, o=whole if interpret else tma_rows(sq_len),
+                     row_outputs=whole)
 
 
 def pad_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
@@ -643,8 +656,8 @@ def on_hopper() -> bool:
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
            "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
-           "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "query_ctas", "pad_rows", "wg_tiles",
-           "launch", "wgmma_zeros", "matmul",
+           "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "QueryRows", "query_ctas", "pad_rows",
+           "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",
            "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",

@@ -43,7 +43,7 @@ from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pad_rows, pl,
     plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
-    tile_transforms, tma_rows, trim_rows, wg_tiles, wgmma_zeros,
+    tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
@@ -193,13 +193,12 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
         scratch.append(plgpu.SMEM((wgs, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
     if lane_groups.ENABLED and not lane_ordered:
         kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
-    n_ctas, q_rows, row_out = query_ctas(sq_pad, wgs * TILE, interpret)  # which arrays get whole CTAs: there
-    qf = pad_rows(qf, q_rows, axis=2)
-    o_type = jax.ShapeDtypeStruct((b, q_rows if interpret else tma_rows(sq_len), hq, d), out_dtype)
-    # rows of whole CTAs (a multiple of 64: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes)
-    row_type = jax.ShapeDtypeStruct((b, hq, row_out), f32)
+    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
+    qf = pad_rows(qf, rows.q, axis=2)
+    o_type = jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype)
+    row_type = jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)
     *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
-                           (hq, n_ctas, b), ("heads", "q", "batch"), name="qat_attention_fwd",
+                           (hq, rows.ctas, b), ("heads", "q", "batch"), name="qat_attention_fwd",
                            compute_wgs=wgs, interpret=interpret)(qf, kf, vf)
     outs = [trim_rows(o, sq_len) for o in outs]
     return outs[0], outs[1] if with_aux else None, trim_rows(lse, sq_len, axis=2), trim_rows(m, sq_len, axis=2)

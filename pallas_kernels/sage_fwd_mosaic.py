@@ -43,7 +43,7 @@ from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
     key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
-    register_operand, row_vector, rows_of, scalar, schedule_barrier, tma_rows, transposed_step_spec, trim_rows,
+    register_operand, row_vector, rows_of, scalar, schedule_barrier, transposed_step_spec, trim_rows,
     wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
@@ -53,9 +53,8 @@ WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
 #: FlashAttention-3's 192-row tile at head dim 64: three compute warpgroups per CTA (no ping-pong), so each SM has
 #: a third warpgroup's softmax work to issue (152 registers each, no spills). On the H200 the forward kernel is
 #: 3.6% faster at B16 H10/5 S2048 D64 causal, 10.8% at B8 H32 S2048 D64, 9.8% at B2 H16 S8192 D64 causal
-#: (benchmarks/NOTES.md, thirty-fourth session). Rows of the last CTA past Q's padded length are read as zeros and
-#: not stored (TMA bounds; a pad copy of Q instead cost 0.026 ms at the first shape); interpreted, Q is padded to
-#: whole CTAs.
+#: (benchmarks/NOTES.md, thirty-fourth session). The last CTA may pass Q's padded length: ``_mosaic.query_ctas``
+#: gives each array's rows (compiled, Q is not padded: a pad copy cost 0.026 ms at the first shape).
 THREE_WGS = True
 THREE_WGS_MAX_HEAD_DIM = 64
 STAGES = 2
@@ -213,14 +212,11 @@ def sage_attention_fwd_mosaic(
     scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
                *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
                plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
-    # The last CTA's rows may pass Sq_pad (query_ctas: which arrays get whole CTAs, and why).
-    n_ctas, q_rows, row_out = query_ctas(sq_pad, wgs * TILE, interpret)
-    q8, q_scale = pad_rows(q8, q_rows, axis=2), pad_rows(q_scale, q_rows, axis=2)
-    # O with tma_rows(Sq) rows (a tiled TMA store needs a multiple of 8); the LSE with whole CTAs' rows (a multiple
-    # of 64: a TMA copy needs every GMEM stride but the last a multiple of 16 bytes).
-    out_type = [jax.ShapeDtypeStruct((b, q_rows if interpret else tma_rows(sq_len), hq, d), out_dtype),
-                jax.ShapeDtypeStruct((b, hq, row_out), f32)]
-    o, lse = launch(kernel, out_type, scratch, (hq, n_ctas, b), ("heads", "q", "batch"),
+    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
+    q8, q_scale = pad_rows(q8, rows.q, axis=2), pad_rows(q_scale, rows.q, axis=2)
+    out_type = [jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype),
+                jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)]
+    o, lse = launch(kernel, out_type, scratch, (hq, rows.ctas, b), ("heads", "q", "batch"),
                     name="sage_attention_fwd", compute_wgs=wgs,
                     interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
     return trim_rows(o, sq_len), trim_rows(lse, sq_len, axis=2)

@@ -311,18 +311,14 @@ def test_mosaic_forward_row_outputs_span_whole_ctas(monkeypatch, method):
     jax.clear_caches()
     q = jax.ShapeDtypeStruct((2, 640, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 640, 2, 64), jnp.bfloat16)
-    zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)]
     if method == "sage":
         cfg = dataclasses.replace(lb.sage_fwd_config(64, True, "NVIDIA H200"), fwd_backend="mosaic")
-        opts = dataclasses.replace(sage_mod.resolve_options(*zeros, causal=True, implementation="pallas",
-                                                            interpret=True, config=cfg), interpret=False)
+        opts = compiled_options(sage_mod.resolve_options, q, kv, causal=True, config=cfg)
         fn = lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False)[:2]  # noqa: E731
         rows = 1
     else:
-        opts = dataclasses.replace(qat_mod.resolve_qat_options(*zeros, causal=True, implementation="pallas",
-                                                               interpret=True,
-                                                               config=lb.QatConfig(fwd_backend="mosaic")),
-                                   interpret=False)
+        opts = compiled_options(qat_mod.resolve_qat_options, q, kv, causal=True,
+                                config=lb.QatConfig(fwd_backend="mosaic"))
         fn = lambda q, k, v: qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)  # noqa: E731
         rows = 2
     text = lower_for_h200(fn, q, kv, kv)
