@@ -217,16 +217,14 @@ def trim_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
     return x if x.shape[axis] == n else lax.slice_in_dim(x, 0, n, axis=axis)
 
 
-#: interpreted, three compute warpgroups only when this is set (the tests that compare them with two): the Mosaic GPU
-#: interpreter runs a CTA's warpgroups as threads, and with four (three compute, one memory) a fwd+bwd test hung
-#: until its 900 s timeout in one CI run on the 2-core machine (benchmarks/NOTES.md, thirty-fourth session)
-INTERPRET_THREE_WGS = False
-
-
-def query_warpgroups(head_dim: int, interpret: bool, *, three: bool, max_head_dim: int, two: int = 2) -> int:
+def query_warpgroups(head_dim: int, *, three: bool, max_head_dim: int, two: int = 2) -> int:
     """Compute warpgroups per CTA of a forward kernel: 3 where its switch ``three`` is on and ``head_dim`` ≤
-    ``max_head_dim`` (interpreted only with :data:`INTERPRET_THREE_WGS`), else ``two``."""
-    return 3 if three and head_dim <= max_head_dim and (not interpret or INTERPRET_THREE_WGS) else two
+    ``max_head_dim``, else ``two``; interpreted as compiled. (The Mosaic GPU interpreter runs each warpgroup as a
+    thread whose barrier waits hold a thread of XLA's CPU intra-op pool, max(cores, host devices) threads: with
+    four warpgroups and four host devices on a 2-core machine the pool ran out and the kernel deadlocked.
+    tests/conftest.py forces eight host devices; a script that interprets these kernels needs as many.
+    benchmarks/NOTES.md, thirty-sixth session.)"""
+    return 3 if three and head_dim <= max_head_dim else two
 
 
 class QueryRows(NamedTuple):

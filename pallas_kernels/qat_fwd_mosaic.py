@@ -59,9 +59,9 @@ STAGES = 2
 LOG2E = math.log2(math.e)
 
 
-def compute_wgs(head_dim: int, interpret: bool = False) -> int:
+def compute_wgs(head_dim: int) -> int:
     """Compute warpgroups per CTA (64 query rows each) at this head dim (``_mosaic.query_warpgroups``)."""
-    return query_warpgroups(head_dim, interpret, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
+    return query_warpgroups(head_dim, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, out_dtype,
@@ -175,12 +175,10 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
     f32 = jnp.float32
-    wgs = compute_wgs(d, interpret)
+    wgs = compute_wgs(d)
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
-                               # the schedule orders warpgroups only; interpreted causal calls can starve
-                               # the interpreter's warpgroup threads on small machines (a hang), so skip it
-                               pingpong=config.pingpong and not (interpret and causal), wgs=wgs,
+                               pingpong=config.pingpong, wgs=wgs,
                                interpret=interpret)
     if jnp.dtype(out_dtype) != qf.dtype:
         raise ValueError(f"out_dtype must be qf's dtype {qf.dtype} (O reuses Q's SMEM), got {jnp.dtype(out_dtype)}")

@@ -59,7 +59,8 @@ THREE_WGS = True
 THREE_WGS_MAX_HEAD_DIM = 64
 STAGES = 2
 #: FlashAttention-3's ping-pong between the two compute warpgroups (``_mosaic.PingPong``): one's softmax
-#: runs while the other's products occupy the tensor cores (never interpreted: it orders execution only).
+#: runs while the other's products occupy the tensor cores (interpreted too: it orders execution only, and the
+#: interpreter checks its barrier protocol).
 #: With P̂ in registers it pays (H200, forward incl. quantization, ping-pong vs not: B4 H32 S4096 D128
 #: 2.30 vs 2.40 ms, B8 H32 S2048 D64 1.005 vs 1.03, B16 H10/5 S2048 D64 causal 0.442 vs 0.451;
 #: benchmarks/NOTES.md, fourteenth session)
@@ -81,9 +82,9 @@ SCALE_IN_EXP = True
 MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
 
 
-def compute_wgs(head_dim: int, interpret: bool = False) -> int:
+def compute_wgs(head_dim: int) -> int:
     """Compute warpgroups per CTA (64 query rows each) at this head dim (``_mosaic.query_warpgroups``)."""
-    return query_warpgroups(head_dim, interpret, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
+    return query_warpgroups(head_dim, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
 
 
 def takes_operand_order(interpret: bool) -> bool:
@@ -111,7 +112,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
                                                     causal=causal, offset=offset)
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
-    pp = PingPong(sched, wg, PINGPONG and wgs == 2 and not interpret)
+    pp = PingPong(sched, wg, PINGPONG and wgs == 2)
 
     def compute(pipeline):
         copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
@@ -203,7 +204,7 @@ def sage_attention_fwd_mosaic(
     f32 = jnp.float32
     if v_operand_order and not takes_operand_order(interpret):
         raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
-    wgs = compute_wgs(d, interpret)
+    wgs = compute_wgs(d)
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
                                scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,

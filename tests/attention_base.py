@@ -51,7 +51,7 @@ def shard_map_grads(attention, q, k, v):
 
     devices = jax.devices()[:4]
     if len(devices) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices on CPU)")
     mesh = Mesh(np.array(devices), ("data",))
     grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
     spec = PartitionSpec("data")

@@ -4,10 +4,18 @@ import os
 import sys
 from pathlib import Path
 
-# Four host devices for the multi-device tests (must precede the first jax import). On a host without an NVIDIA
-# GPU also LLVM's lowest optimization level for the CPU code XLA emits: the interpret-mode tests compile many large
-# programs and run each briefly (2 cores: tests/test_thrift.py 85 → 62 s, every result the same).
-_FLAGS = ["--xla_force_host_platform_device_count=4"]
+# Eight host devices (must precede the first jax import). The multi-device tests use four of them. Eight, not four,
+# for the Mosaic GPU interpreter: it runs each warpgroup of a CTA as a thread, and its XLA CPU execution runs its
+# callbacks (the pallas_call's own, and each barrier wait) on XLA's intra-op pool, whose threads ("tf_XLAEigen")
+# number max(cores, host devices): 4 with four devices on this 2-core machine. A kernel of four warpgroups (three
+# compute, one memory) needs the call's callback plus three blocked waits plus one thread for the warpgroup they
+# wait for: with four devices it deadlocked (one CI run; 2 of 2 loaded stress runs within their third call), with
+# eight 60 of 60 calls ran (benchmarks/NOTES.md, thirty-sixth session).
+# On a host without an NVIDIA GPU also LLVM's lowest optimization level for the CPU code XLA emits: the
+# interpret-mode tests compile many large programs and run each briefly (2 cores: tests/test_thrift.py 85 → 62 s,
+# every result the same).
+HOST_DEVICES = 8
+_FLAGS = [f"--xla_force_host_platform_device_count={HOST_DEVICES}"]
 if not Path("/dev/nvidiactl").exists():
     _FLAGS.append("--xla_backend_optimization_level=0")
 os.environ.setdefault("XLA_FLAGS", " ".join(_FLAGS))

@@ -159,11 +159,11 @@ def test_data_parallel_smoke_agrees_with_one_device():
     """benchmarks/data_parallel.py --smoke on the CPU's forced devices: bf16 steps on 1 and on 4 devices
     from the same start give the same losses up to rounding, and every part of the JSON is filled."""
     if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices on CPU)")
     from benchmarks import data_parallel
     from benchmarks.common import RESULTS_DIR
 
-    assert data_parallel.main(["--smoke", "--methods", "sage", "--check-steps", "2"]) == 0
+    assert data_parallel.main(["--smoke", "--devices", "4", "--methods", "sage", "--check-steps", "2"]) == 0
     out = json.loads((RESULTS_DIR / "data_parallel_smoke.json").read_text())
     (row,) = out["agreement"]
     assert out["devices"] == 4 and row["method"] == "sage" and len(row["loss_many"]) == 2

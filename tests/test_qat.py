@@ -95,24 +95,32 @@ def test_mosaic_kernels_match_xla(case, monkeypatch):
     np.testing.assert_array_equal(np.asarray(o_only, np.float32), np.asarray(g_m[0], np.float32))
 
 
-def test_mosaic_forward_pingpong_same_values():
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_forward_pingpong_same_values(monkeypatch, causal):
     """QatConfig(pingpong=True): the Mosaic forward's schedule barrier (interpreter, two query blocks, ragged
-    Sq, GQA) orders the warpgroups only — O, O' and the LSE equal the unscheduled kernel's, and O the xla
-    twin's. Non-causal only: interpreted causal calls skip the schedule (they can starve the interpreter's
-    warpgroup threads on a 2-core machine: a hang); the lowering test and the GPU benchmark cover it."""
+    Sq, GQA; causal with Sq < Sk, where the CTAs' pipelines differ in length) orders the warpgroups only — O, O',
+    the LSE and m equal the unscheduled kernel's, and O the xla twin's. A spy checks that the kernel was built
+    with the schedule on, then off. (Interpreted causal calls used to skip the schedule: the interpreter's
+    warpgroup threads could starve with four host devices; tests/conftest.py now forces eight.)"""
     from lowbit_jax import qat as qat_mod
+    from pallas_kernels import qat_fwd_mosaic
 
+    kernel, built = qat_fwd_mosaic._fwd_kernel, []
+    monkeypatch.setattr(qat_fwd_mosaic, "_fwd_kernel",
+                        lambda *a, **kw: built.append(kw["pingpong"]) or kernel(*a, **kw))
     q, k, v = make_qkv(1, 200, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=31)
     outs = []
-    for pingpong in (False, True):
+    for pingpong in (True, False):
+        jax.clear_caches()
         cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=pingpong)
-        opts = qat_mod.resolve_qat_options(q, k, v, causal=False, naive_backward=False, implementation="pallas",
+        opts = qat_mod.resolve_qat_options(q, k, v, causal=causal, naive_backward=False, implementation="pallas",
                                            interpret=True, config=cfg)
         outs.append(qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)[:4])
+    assert built[0] is True and built[-1] is False and set(built) == {True, False}
     for name, a, r in zip(("o", "o_aux", "lse", "m"), *outs):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
-    x = lb.qat_attention(q, k, v, implementation="xla", config=lb.QatConfig())
-    assert metrics(outs[1][0], x)[1] < 2e-3
+    x = lb.qat_attention(q, k, v, causal=causal, implementation="xla", config=lb.QatConfig())
+    assert metrics(outs[0][0], x)[1] < 2e-3
 
 
 @pytest.mark.parametrize("case", [(1, 130, 200, 4, 2, 64, True), (1, 128, 256, 2, 1, 128, True)])
@@ -390,10 +398,9 @@ def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal
     do each row's arithmetic as two do, so O, O', the LSE and m must be equal exactly (interpreter; Sq 250 leaves
     the second CTA partly past the padded rows; causal with Sq < Sk; GQA). A spy checks the warpgroup count."""
     from lowbit_jax import qat as qat_mod
-    from pallas_kernels import _mosaic, qat_fwd_mosaic
+    from pallas_kernels import qat_fwd_mosaic
 
     q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=sq + 5)
-    monkeypatch.setattr(_mosaic, "INTERPRET_THREE_WGS", True)
     launch, counts, outs = qat_fwd_mosaic.launch, [], {}
     monkeypatch.setattr(qat_fwd_mosaic, "launch", lambda *a, **kw: counts.append(kw["compute_wgs"]) or launch(*a, **kw))
     cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=False)

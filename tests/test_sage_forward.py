@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,17 @@ def _forward_per_switch(monkeypatch, module, switch: str, q, k, v, causal: bool,
     return got
 
 
+def _assert_same_forward(got: dict, q, k, v, causal: bool, config) -> None:
+    """``got`` from :func:`_forward_per_switch` of a switch that orders execution or splits work only: o and the
+    log-sum-exp equal exactly with it on and off; o finite, of q's shape, and near the xla path's."""
+    (o_on, lse_on), (o_off, lse_off) = got[True], got[False]
+    assert np.isfinite(o_on).all() and o_on.shape == q.shape
+    np.testing.assert_array_equal(lse_on, lse_off)
+    np.testing.assert_array_equal(o_on, o_off)
+    x = lb.sage_attention(q, k, v, causal=causal, config=config, implementation="xla")
+    assert metrics(o_on, x)[1] < 2e-3
+
+
 @pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (128, 100, False)])
 def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, causal):
     """The Mosaic forward folds the per-block score scale into the exponent (``SCALE_IN_EXP``); it must give the
@@ -198,26 +210,54 @@ def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, cau
     assert np.abs(o_on - o_off).mean() < 1e-3 * np.abs(o_off).mean()
 
 
+@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (200, 200, False)])
+def test_mosaic_pingpong_same_values(monkeypatch, sq, sk, causal):
+    """At head dim 128 the Mosaic forward's two compute warpgroups take turns (``PINGPONG``, FlashAttention-3's
+    schedule barrier): it orders execution only, so o and the log-sum-exp equal the unscheduled kernel's exactly
+    (interpreted: ragged Sq, causal with Sq < Sk, GQA, a key outlier). A spy checks the schedule was on, then off."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    schedule, enabled = sage_fwd_mosaic.PingPong, []
+
+    def spy(barrier, wg, on):
+        enabled.append(on)
+        return schedule(barrier, wg, on)
+
+    monkeypatch.setattr(sage_fwd_mosaic, "PingPong", spy)
+    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 128, dtype=jnp.bfloat16, seed=41, k_outlier=4.0)
+    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "PINGPONG", q, k, v, causal, config)
+    assert enabled[0] is True and enabled[-1] is False and set(enabled) == {True, False}
+    _assert_same_forward(got, q, k, v, causal, config)
+
+
+def test_interpreter_pool_fits_four_warpgroups():
+    """The D64 Mosaic forward runs four warpgroups per CTA (three compute, one memory); interpreted, each is a thread
+    whose barrier waits hold a thread of XLA's CPU intra-op pool ("tf_XLAEigen", max(cores, host devices) threads),
+    and the pallas_call's own callback holds one more. Three waiting warpgroups, that callback and the warpgroup they
+    wait for need five: with four (four host devices, 2 cores) the interpreter deadlocked. tests/conftest.py forces
+    eight host devices; this fails if that is lost (instead of an intermittent hang)."""
+    tasks = Path("/proc/self/task")
+    if jax.default_backend() != "cpu" or not tasks.exists():
+        pytest.skip("counts XLA's CPU threads on Linux: only the CPU runs the interpreter")
+    jax.jit(lambda x: x @ x)(jnp.ones((64, 64))).block_until_ready()
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir() if (t / "comm").exists()]
+    assert names.count("tf_XLAEigen") >= 5, (len(jax.devices()), sorted(set(names)))
+
+
 @pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, False)])
 def test_mosaic_three_warpgroups_match_two(monkeypatch, sq, sk, causal):
     """At head dim 64 the Mosaic forward runs three compute warpgroups per CTA (``THREE_WGS``: 192 query rows, no
     ping-pong). Each row's arithmetic is the same as with two, so o and the log-sum-exp must be equal exactly. Sq 250
     (padded 256) leaves the second CTA's third warpgroup wholly past the padded rows and its second half past; causal
     with Sq < Sk (the diagonal per CTA of 192 rows); GQA and a key outlier."""
-    from pallas_kernels import _mosaic, sage_fwd_mosaic
+    from pallas_kernels import sage_fwd_mosaic
 
     assert sage_fwd_mosaic.compute_wgs(64) == 3 and sage_fwd_mosaic.compute_wgs(128) == 2
-    assert sage_fwd_mosaic.compute_wgs(64, interpret=True) == 2  # unless INTERPRET_THREE_WGS (a hang: see there)
-    monkeypatch.setattr(_mosaic, "INTERPRET_THREE_WGS", True)
     config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
     q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=37, k_outlier=4.0)
     kernel, calls = sage_fwd_mosaic.launch, []
     monkeypatch.setattr(sage_fwd_mosaic, "launch", lambda *a, **kw: calls.append(kw["compute_wgs"]) or kernel(*a, **kw))
     got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "THREE_WGS", q, k, v, causal, config)
     assert calls == [3, 2]  # the Mosaic kernel ran, with three and then two compute warpgroups
-    (o3, lse3), (o2, lse2) = got[True], got[False]
-    assert np.isfinite(o3).all() and o3.shape == (1, sq, 4, 64)
-    np.testing.assert_array_equal(lse3, lse2)
-    np.testing.assert_array_equal(o3, o2)
-    x = lb.sage_attention(q, k, v, causal=causal, config=config, implementation="xla")
-    assert metrics(o3, x)[1] < 2e-3
+    _assert_same_forward(got, q, k, v, causal, config)

@@ -19,7 +19,8 @@ from train.checkpoint import Checkpoints, read_config
 from train.data import ByteTokenizer, PackedBatches, load_corpus, stdlib_files, train_val_split
 from train.loop import TrainConfig, TrainingDiverged, build, train
 
-FAST = dict(preset="tiny", batch=4, seq=32, max_corpus_mb=1, eval_batches=2, lr=3e-3, warmup=2)
+# devices=4: data parallel over four of tests/conftest.py's eight host devices (batch 4 does not divide eight)
+FAST = dict(preset="tiny", batch=4, seq=32, max_corpus_mb=1, eval_batches=2, lr=3e-3, warmup=2, devices=4)
 
 
 def test_builtin_corpus_and_split_are_deterministic():
@@ -63,7 +64,7 @@ def test_loss_decreases_and_resume_is_exact(tmp_path):
 
 def test_nan_guard_keeps_last_good_checkpoint(tmp_path):
     cfg = TrainConfig(out=str(tmp_path), steps=8, batch=4, seq=32, lr=1e7, warmup=1, clip=1e30, ckpt_every=2,
-                      eval_every=100, method="dense", max_corpus_mb=1)
+                      eval_every=100, method="dense", max_corpus_mb=1, devices=4)
     with pytest.raises(TrainingDiverged, match="non-finite .* Last good checkpoint: step 2"):
         train(cfg, log=lambda *_: None)
     assert Checkpoints(tmp_path / "checkpoints").latest_step() == 2
@@ -72,7 +73,7 @@ def test_nan_guard_keeps_last_good_checkpoint(tmp_path):
 @pytest.mark.parametrize("method", ["dense", "sage"])
 def test_data_parallel_step_equals_single_device(method):
     if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices on CPU)")
     cfg = TrainConfig(method=method, accum=2, dtype="float32", **FAST).resolved()
     batch = jnp.asarray(PackedBatches(load_corpus(None, 2**20), 32, 4, 2, seed=0).batch(0))
     results = []
@@ -106,7 +107,7 @@ def test_two_processes_train_and_resume_as_one(tmp_path):
     """Two jax.distributed processes (2 CPU devices each), preempted and resumed, give the losses of one
     uninterrupted 4-device process; only process 0 writes metrics, the plot and the report."""
     if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices on CPU)")
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices on CPU)")
     cfg = dict(FAST, steps=4, eval_every=2, ckpt_every=2, method="sage")
     train(TrainConfig(out=str(tmp_path / "one"), **cfg), log=lambda *_: None)
     port = _free_port()
@@ -149,7 +150,7 @@ def test_remat_lowers_the_train_steps_temporary_memory():
     temporary memory than with every residual stored (on the H200 at the 50m preset: 1.55 vs 8.00 GiB)."""
     temp = {}
     for remat in ("none", "block", "dots"):
-        b = build(TrainConfig(method="sage", implementation="pallas", remat=remat, devices=1, **FAST).resolved())
+        b = build(TrainConfig(method="sage", implementation="pallas", remat=remat, **{**FAST, "devices": 1}).resolved())
         tokens = jnp.zeros((1, FAST["batch"], FAST["seq"] + 1), jnp.int32)
         step = b["train_step"].lower(b["params"], b["tx"].init(b["params"]), tokens).compile()
         temp[remat] = step.memory_analysis().temp_size_in_bytes
@@ -182,10 +183,10 @@ def test_bad_training_config(tmp_path, overrides, err, match):
 def test_cli_pretrain_qat_generate(tmp_path, capsys):
     run = tmp_path / "pre"
     assert pretrain.main(["--out", str(run), "--steps", "4", "--batch", "4", "--seq", "32", "--eval-every", "4",
-                          "--max-corpus-mb", "1", "--method", "dense", "--tokens-per-step", "256"]) == 0
+                          "--max-corpus-mb", "1", "--method", "dense", "--tokens-per-step", "256", "--devices", "4"]) == 0
     assert json.loads((run / "summary.json").read_text())["step"] == 4
     assert qat.main(["--from", str(run), "--out", str(tmp_path / "qat"), "--steps", "2",
-                     "--eval-every", "2", "--max-corpus-mb", "1"]) == 0
+                     "--eval-every", "2", "--max-corpus-mb", "1", "--devices", "4"]) == 0
     first_qat = json.loads((tmp_path / "qat" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     first_pre = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert first_qat < first_pre  # it started from the pretrained weights
