@@ -32,7 +32,7 @@ from benchmarks.attention import make_inputs
 from benchmarks.attention_bwd import attention_fn, fwd_bwd
 from benchmarks.common import environment, write_json
 from benchmarks.dq_kernel import method_fn
-from benchmarks.profiling import grouped, profile_calls
+from benchmarks.profiling import grouped, kinds_in_group, profile_calls
 from benchmarks.training import prepare
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -60,7 +60,8 @@ def summary(prof: dict, per: int = 1) -> dict:
     return dict(wall_ms=prof["wall_ms"] / per, busy_ms=prof["busy_ms"] / per, kernel_ms=prof["kernel_ms"] / per,
                 groups={g: ms / per for g, ms in grouped(prof["kernels"], GROUPS).items()},
                 launches=sum(c for _, c in prof["kernels"].values()) / per,
-                top=[(n[:90], ms / per, c / per) for n, (ms, c) in list(prof["kernels"].items())[:25]])
+                top=[(n[:90], ms / per, c / per) for n, (ms, c) in list(prof["kernels"].items())[:25]],
+                other_kinds=[(k[:90], ms / per, c / per) for k, ms, c in kinds_in_group(prof["kernels"], GROUPS)])
 
 
 def training_part(methods, preset, batch, seq, steps, rounds, log) -> dict:
@@ -78,7 +79,21 @@ def training_part(methods, preset, batch, seq, steps, rounds, log) -> dict:
             + ", ".join(f"{g} {ms:.1f}" for g, ms in sorted(last["groups"].items())))
         for name, ms, cnt in last["top"][:18]:
             log(f"   {ms:8.3f} ms  x{cnt:5.1f}  {name}")
+    log(other_kinds_table({m: out[m][-1]["other_kinds"] for m in methods}))
     return out
+
+
+def other_kinds_table(kinds: dict[str, list], rows: int = 20) -> str:
+    """The "other" kernels' ms per step by kind, one column per method (``summary``'s ``other_kinds``), the kinds
+    whose times differ most between the methods first: where a method's step spends outside attention and the
+    matrix products."""
+    methods = list(kinds)
+    ms = {m: {k: t for k, t, _ in rows_} for m, rows_ in kinds.items()}
+    names = sorted({k for m in methods for k in ms[m]},
+                   key=lambda k: (min(ms[m].get(k, 0.0) for m in methods) - max(ms[m].get(k, 0.0) for m in methods), k))
+    lines = ["\n== other kernels by kind, ms/step: " + " | ".join(methods)]
+    lines += [f"   {' | '.join(f'{ms[m].get(k, 0.0):7.3f}' for m in methods)}  {k}" for k in names[:rows]]
+    return "\n".join(lines)
 
 
 def attention_part(shapes, interpret, log) -> list[dict]:

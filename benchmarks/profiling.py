@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,12 +70,29 @@ def profile_calls(run: Callable[[], object], calls: int = 5) -> dict:
                 kernel_ms=sum(ms for ms, _ in kernels.values()), wall_ms=wall * 1e3, calls=calls)
 
 
+def group_of(name: str, groups: dict[str, tuple[str, ...]]) -> str:
+    """The first group one of whose keys the lower-cased ``name`` contains, else "other"."""
+    low = name.lower()
+    return next((g for g, keys in groups.items() if any(k in low for k in keys)), "other")
+
+
 def grouped(kernels: dict, groups: dict[str, tuple[str, ...]]) -> dict[str, float]:
     """Sum ms per call over kernels whose lower-cased name contains one of a group's keys
     (first matching group wins; the rest goes to "other")."""
     out = collections.Counter()
     for name, (ms, _) in kernels.items():
-        low = name.lower()
-        group = next((g for g, keys in groups.items() if any(k in low for k in keys)), "other")
-        out[group] += ms
+        out[group_of(name, groups)] += ms
     return dict(out)
+
+
+def kinds_in_group(kernels: dict, groups: dict[str, tuple[str, ...]], group: str = "other") -> list:
+    """``[(kind, ms, count)]`` per call of the kernels in ``group``, by kind, most time first. A kernel's kind is
+    its name less a trailing ``_<number>``: XLA numbers its fusions per program (``loop_convert_fusion_44``), so
+    two programs' kernels compare by kind, not by name."""
+    out = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (ms, count) in kernels.items():
+        if group_of(name, groups) == group:
+            kind = re.sub(r"_\d+$", "", name)
+            out[kind][0] += ms
+            out[kind][1] += count
+    return sorted(((k, ms, c) for k, (ms, c) in out.items()), key=lambda row: -row[1])

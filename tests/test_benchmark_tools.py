@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.profiling import _union_ns, grouped, profile_calls
+from benchmarks.profiling import _union_ns, grouped, kinds_in_group, profile_calls
 
 
 def test_union_counts_overlaps_once():
@@ -21,6 +21,28 @@ def test_grouped_first_matching_group_wins():
     kernels = {"sage_bwd_dkdv": (2.0, 1), "nvjet_sm90_gemm": (1.5, 3), "loop_add_fusion": (0.5, 2)}
     groups = {"attention": ("sage",), "matmul": ("gemm", "nvjet")}
     assert grouped(kernels, groups) == {"attention": 2.0, "matmul": 1.5, "other": 0.5}
+
+
+def test_other_kernels_compare_by_kind():
+    """XLA numbers its fusions per program, so breakdown.py compares the "other" kernels of two methods by kind
+    (the name less a trailing number); kernels of the named groups are left out."""
+    from benchmarks.breakdown import other_kinds_table
+
+    groups = {"attention": ("sage", "cudnn"), "matmul": ("nvjet",)}
+    dense = {"cudnn_sdpa": (5.0, 1), "loop_convert_fusion_10": (2.0, 11), "loop_convert_fusion_33": (0.5, 23),
+             "nvjet_sm90": (3.0, 34), "fusion_4183": (0.4, 11)}
+    sage = {"sage_bwd_dkdv": (6.0, 1), "loop_convert_fusion_10": (2.0, 11), "loop_convert_fusion_44": (0.875, 11),
+            "fusion_4271": (0.4, 11), "input_reduce_fusion_3": (0.25, 11), "fusion": (0.1, 1)}
+    assert kinds_in_group(dense, groups) == [("loop_convert_fusion", 2.5, 34), ("fusion", 0.4, 11)]
+    assert kinds_in_group(sage, groups) == [("loop_convert_fusion", 2.875, 22), ("fusion", 0.5, 12),
+                                            ("input_reduce_fusion", 0.25, 11)]
+    assert kinds_in_group(sage, groups, "attention") == [("sage_bwd_dkdv", 6.0, 1)]
+    table = other_kinds_table({"dense": kinds_in_group(dense, groups), "sage": kinds_in_group(sage, groups)})
+    lines = table.strip().splitlines()
+    assert lines[0].endswith("dense | sage") and len(lines) == 4
+    # the kinds whose times differ most come first: 0.375 (convert), 0.25 (reduce), 0.1 (fusion)
+    assert [line.split()[-1] for line in lines[1:]] == ["loop_convert_fusion", "input_reduce_fusion", "fusion"]
+    assert lines[2].split()[:3] == ["0.000", "|", "0.250"]
 
 
 def test_profile_calls_traces_a_jitted_function():
