@@ -93,6 +93,15 @@ REGISTER_DS_MIN_HEAD_DIM = 64
 #: the dK/dV kernel's Q̂ᵀ and dÔᵀ (the B operands of dK += dŜᵀQ̂, dV += P̂ᵀdÔ) with their queries in
 #: :mod:`pallas_kernels.operand_order`, so P̂ᵀ and dŜᵀ are A operands as the registers hold them
 OPERAND_ORDER = True
+#: probe, off: causal, a dK/dV warpgroup skips the query tiles that see none of its 64 keys. A CTA starts at the
+#: first query tile that sees its *first* key, one tile before the second warpgroup's first (per query head of the
+#: group); the skipped step would add exact zeros to dK, dV and dQ (P = 0, so P̂ = dŜ = 0). 3% of the warpgroups'
+#: steps at Sq = Sk = 2048 (:func:`needed_query_tile`), but on the H200 the fused kernel did not get faster (0.6844 /
+#: 0.6848 vs 0.6828 / 0.6839 ms at B16 H10/5 S2048 D64 causal, 1.1215 / 1.1294 vs 1.1229 / 1.1225 at B8 H32 S2048
+#: D64 causal; the forward's twin, ``sage_fwd_mosaic.SKIP_EMPTY_STEPS``, gained 5–6%; benchmarks/NOTES.md,
+#: thirty-seventh session): a CTA's two warpgroups meet at the pipeline's barriers every step, so the one that skips
+#: waits for the other.
+SKIP_EMPTY_STEPS = False
 
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
@@ -146,6 +155,17 @@ def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype, *, keys_in_operand_
     """
     vd = jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
     return operand_order.from_operand_order(vd, 2) if keys_in_operand_order else vd
+
+
+def needed_query_tile(tile: jax.Array, wg_keys: jax.Array, *, offset: int) -> jax.Array:
+    """Causal (bottom-right aligned): whether query tile ``tile`` (64 rows) sees any of the 64 keys from
+    ``wg_keys`` on, i.e. its last row's diagonal reaches the first of them."""
+    return wg_keys <= tile * TILE + (TILE - 1) + offset
+
+
+def _skipped_step(carry):
+    """A dK/dV step :func:`needed_query_tile` rules out: the dK, dV accumulators as they are."""
+    return carry
 
 
 def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -212,9 +232,19 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         vd_smem[...] = dv.astype(vd_smem.dtype)  # Ṽ is no longer needed: reuse its SMEM
         copy_out(((dk_smem, dk_ref.at[b, rows, hkv]), (vd_smem, dv_ref.at[b, rows, hkv])))
 
-    def step(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem,
-             *consumed_and_carry):
-        *consumed, (dk_acc, dv_acc) = consumed_and_carry
+    def step(idx, *args):  # args: the eight tiles, the consumed barriers, the carry
+        tiles, consumed, carry = args[:8], args[8:-1], args[-1]
+        if causal and SKIP_EMPTY_STEPS:  # a query tile that sees none of this warpgroup's keys adds nothing
+            needed = needed_query_tile(head_and_tile(idx[0])[1], cta_keys + wg * TILE, offset=offset)
+            carry = lax.cond(needed, lambda c: backprop(idx, *tiles, c), _skipped_step, carry)
+        else:
+            carry = backprop(idx, *tiles, carry)
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+        return carry
+
+    def backprop(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, carry):
+        dk_acc, dv_acc = carry
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
         p_smem = p_smem2.at[wg] if smem_p else None
         ds_smem = ds_smem2.at[wg] if smem_ds else None
@@ -281,8 +311,6 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         elif fused_dq:
             reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor)
-        for barrier in consumed:
-            plgpu.barrier_arrive(barrier)
         return dk_acc, dv_acc
 
     def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)

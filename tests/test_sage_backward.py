@@ -377,3 +377,35 @@ def test_ds_row_scales_are_more_accurate():
 def test_bad_ds_scale():
     with pytest.raises(ValueError, match="ds_scale must be one of"):
         lb.SageFwdConfig(ds_scale="block")
+
+
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
+                                  (1, 256, 384, 2, 1, 128, "per_token")])
+def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
+    """Causal: a dK/dV warpgroup skips the query tiles that see none of its keys (``SKIP_EMPTY_STEPS``). The
+    gradients equal the kernel's that runs those steps (the interpreter sums the fused dQ in a fixed order), with
+    the fused dQ (per-block scales) and without it (per-token: the dQ kernel), ragged Sq < Sk, GQA. It must really
+    skip: a skipped step that returned a wrong dK accumulator changes dK."""
+    from pallas_kernels import sage_bwd_mosaic
+
+    b, sq, sk, hq, hkv, d, gran = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 1, k_outlier=3.0)
+    do = cotangent(q)
+
+    def run():
+        jax.clear_caches()
+        return grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, causal=True, qk_granularity=gran,
+                     config=MOSAIC)
+
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(sage_bwd_mosaic, "SKIP_EMPTY_STEPS", on)
+        got[on] = [np.asarray(g, np.float32) for g in run()]
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        assert np.isfinite(a).all(), name
+        np.testing.assert_array_equal(a, r, err_msg=name)
+    monkeypatch.setattr(sage_bwd_mosaic, "SKIP_EMPTY_STEPS", True)
+    monkeypatch.setattr(sage_bwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, carry[1]))
+    wrong = [np.asarray(g, np.float32) for g in run()]
+    assert not np.array_equal(wrong[2], got[False][2])
+    np.testing.assert_array_equal(wrong[3], got[False][3])  # dV untouched: only the dK accumulator was spoiled
