@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import traceback
 import warnings
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import attention_flops, environment, time_fn, write_json
+from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
 from lowbit_jax import sage as sage_mod
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="use the configs' heuristic instead of a sweep")
     parser.add_argument("--name", default="attention", help="results file name")
     parser.add_argument("--skip-checks", action="store_true", help="skip the small-shape correctness checks")
+    parser.add_argument("--checks-only", action="store_true",
+                        help="only the small-shape correctness checks, written into the existing results file")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/attention.py needs a GPU (default backend is %s)" % jax.default_backend())
@@ -245,6 +248,14 @@ def main(argv=None) -> int:
 
     env = environment()
     log(f"# {env}")
+    if args.checks_only:  # re-run the checks into the existing results file (the table stays as it was)
+        path = RESULTS_DIR / f"{args.name}.json"
+        payload = json.loads(path.read_text()) if path.exists() else dict(env=env)
+        payload.update(checks=check_small(log), checks_command="PYTHONPATH=. python benchmarks/attention.py "
+                       "--checks-only", checks_date=env["date"])
+        for p in write_json(args.name, payload):
+            log(f"wrote {p}")
+        return 0
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     best, sweep_rows = {}, []
     if not args.no_sweep:

@@ -383,6 +383,9 @@ def main(argv=None) -> int:
                         help="only the peak-memory table, written into the existing attention_bwd.json")
     parser.add_argument("--checks-only", action="store_true",
                         help="only the compiled-gradient checks, written into the existing attention_bwd.json")
+    parser.add_argument("--skip-checks", action="store_true",
+                        help="keep the existing attention_bwd.json's gradient checks (and their command and date) "
+                             "instead of re-running them: for a table of kernels whose values did not change")
     parser.add_argument("--sweep-dq", action="store_true", help="only sweep the dQ kernel's tiles")
     parser.add_argument("--backends", action="store_true",
                         help="only time each (dK/dV, dQ) kernel backend pair (the 'auto' rule's table)")
@@ -444,7 +447,14 @@ def main(argv=None) -> int:
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/attention_bwd.py " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     log(f"# {payload['env']}")
-    payload["gradient_checks"] = check_gradients(log, smoke=args.smoke)
+    if args.skip_checks:
+        path = RESULTS_DIR / f"{name}.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        payload["gradient_checks"] = old.get("gradient_checks", [])
+        payload["gradient_checks_command"] = old.get("gradient_checks_command", old.get("command"))
+        payload["gradient_checks_date"] = old.get("gradient_checks_date", old.get("env", {}).get("date"))
+    else:
+        payload["gradient_checks"] = check_gradients(log, smoke=args.smoke)
     write_json(name, payload)
 
     def save(rows):

@@ -85,7 +85,10 @@ def render_attention(data: dict) -> list[str]:
         worst = max(r["kernel_vs_xla"]["rel_l1"] for r in data["checks"])
         out += ["", f"Compiled-kernel checks on awkward shapes (ragged, GQA/MQA, causal Sq≠Sk, per-token, "
                 f"Q-smoothing): {len(data['checks'])} cases, worst kernel-vs-reference rel-L1 {worst:.1e}, "
-                f"NaN in none: {not any(r['nan'] for r in data['checks'])}."]
+                f"NaN in none: {not any(r['nan'] for r in data['checks'])}"
+                + (f" (run apart from the table: `{data['checks_command']}`, {data.get('checks_date', '')})."
+                   if data.get("checks_command") else ".")]
+        out += ["", data["checks_note"]] if data.get("checks_note") else []
     return out
 
 
@@ -150,7 +153,7 @@ def render_backward(data: dict) -> list[str]:
     if data.get("gradient_checks"):
         heading = "Compiled kernels vs the xla reference (same quantization), gradients, on awkward shapes"
         if data.get("gradient_checks_command"):
-            heading += (f" (re-run alone after the table above: `{data['gradient_checks_command']}`, "
+            heading += (f" (run apart from the table above: `{data['gradient_checks_command']}`, "
                         f"{data.get('gradient_checks_date', '')})")
         out += ["", heading + ":", "",
                 "| case (B, Sq, Sk, Hq, Hkv, D, causal) | granularity | Q-smoothing | kernels | dQ / dK / dV rel-L1 vs "
@@ -422,14 +425,33 @@ def render_breakdown(data: dict) -> list[str]:
         for m, rounds in tr["rounds"].items():
             out += ["", f"Largest kernels per step, {m}: " + "; ".join(
                 f"`{n[:60]}` {ms:.2f} ms ×{c:.0f}" for n, ms, c in rounds[-1]["top"][:6])]
+        out += _other_kinds_table(tr["rounds"])
     if data.get("attention"):
-        out += ["", "One attention fwd+bwd (`jax.vjp` + pullback), per kernel:", "",
+        since = f" (from the run of {data['attention_from']}, not this one)" if data.get("attention_from") else ""
+        out += ["", f"One attention fwd+bwd (`jax.vjp` + pullback), per kernel{since}:", "",
                 "| B, Hq/Hkv, S, D, causal | method | busy ms | kernels (ms) |", "|---|---|---|---|"]
         for r in data["attention"]:
             b, hq, hkv, s, d, causal = r["shape"]
             kernels = ", ".join(f"`{n[:48]}` {ms:.3f}" for n, ms, _ in r["top"][:5])
             out.append(f"| {b}, {hq}/{hkv}, {s}, {d}, {causal} | {r['method']} | {r['busy_ms']:.3f} | {kernels} |")
     return out + _superseded(data)
+
+
+def _other_kinds_table(rounds: dict, top: int = 8) -> list[str]:
+    """The "other" kernels by kind (``breakdown.py``'s ``other_kinds``), ms per step in the last round, one column
+    per method, the kinds whose times differ most between methods first; [] for runs that did not keep them."""
+    kinds = {m: {k: ms for k, ms, _ in r[-1].get("other_kinds", [])} for m, r in rounds.items()}
+    if not any(kinds.values()):
+        return []
+    names = sorted({k for per in kinds.values() for k in per},
+                   key=lambda k: -(max(per.get(k, 0.0) for per in kinds.values())
+                                   - min(per.get(k, 0.0) for per in kinds.values())))
+    methods = list(kinds)
+    out = ["", f"\"Other\" kernels by kind (the name less XLA's fusion number), ms per step, the {top} that differ "
+           "most between methods:", "", "| kind | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for k in names[:top]:
+        out.append(f"| `{k}` | " + " | ".join(f"{kinds[m].get(k, 0.0):.3f}" for m in methods) + " |")
+    return out
 
 
 def render_thrift(data: dict) -> list[str]:

@@ -254,7 +254,7 @@ def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, tr
     )
     k8, ks, vt8, k8_t = quantize_kernels.sage_quantize_kv(
         k, v, k_mean, v_scale, block=config.block_k, per_block=per_block, transposed=transposed,
-        v_operand_order=orders.v, num_warps=config.quant_warps, interpret=interpret,
+        v_operand_order=orders.v, num_warps=config.kv_quant_warps, interpret=interpret,
     )
     return SageOperands(q8, qs, k8, ks, vt8, v_scale, q_mean, q8_t, k8_t)
 

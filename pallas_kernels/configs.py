@@ -42,7 +42,11 @@ class SageFwdConfig:
       block_k: keys per inner step (also the K quantization block); ≥ 32 so the
         INT8 P·V product has a K dimension the tensor cores like.
       num_warps, num_stages: Triton launch parameters of the attention kernel.
-      quant_warps: warps of the memory-bound quantize kernels.
+      quant_warps: warps of the memory-bound quantize kernels (Q's; the preprocess of the backward).
+      kv_quant_warps: warps of the K/V quantize kernel (``sage_quantize_kv``: two tiles, three INT8
+        outputs, two of them transposed); None: ``quant_warps``. The H200 entries take 8 at head dim
+        128 (0.237 → 0.189 ms at B4 H32 S4096, its 128 × 128 tiles per program) and 4 at 64 (8 was
+        0.0282 → 0.0292 ms at B16 H5 S2048; benchmarks/NOTES.md, thirty-seventh session).
       bwd_block_q, bwd_block_k: tiles of the SageBwd kernels (dO and dS are
         quantized per such tile); they must divide block_q / block_k so the
         forward's per-block Q/K scales are constant on every backward tile.
@@ -89,6 +93,7 @@ class SageFwdConfig:
     num_warps: int = 4
     num_stages: int = 3
     quant_warps: int = 4
+    kv_quant_warps: int | None = None  # default quant_warps
     bwd_block_q: int | None = None  # default min(64, block_q)
     bwd_block_k: int | None = None  # default min(64, block_k)
     bwd_warps: int = 4  # H200 sweep 2026-11-29 (second session): 64x64 w4 s2 13.6 ms vs w8 27.0 ms
@@ -115,11 +120,11 @@ class SageFwdConfig:
         if self.bwd_block_k is None:
             object.__setattr__(self, "bwd_block_k", min(64, self.block_k))
         for name, default in (("dq_block_k", self.bwd_block_k), ("dq_warps", self.bwd_warps),
-                              ("dq_stages", self.bwd_stages)):
+                              ("dq_stages", self.bwd_stages), ("kv_quant_warps", self.quant_warps)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
-        for name in ("block_q", "block_k", "num_warps", "bwd_block_q", "bwd_block_k", "bwd_warps", "dq_block_k",
-                     "dq_warps"):
+        for name in ("block_q", "block_k", "num_warps", "quant_warps", "kv_quant_warps", "bwd_block_q", "bwd_block_k",
+                     "bwd_warps", "dq_block_k", "dq_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or not _is_pow2(value):
                 raise ValueError(f"SageFwdConfig.{name} must be a power of two, got {value!r}")
@@ -170,9 +175,11 @@ def next_pow2(n: int) -> int:
 # B8 H32 S2048 D64, causal and not, over 128x128 w8 s2/s3, 64x64, 128x64, 64x256, 128x256.
 # Backward (benchmarks/results/attention_bwd_sweep.json, attention_bwd_dq_sweep.json, third session): dK/dV
 # 64x64 w4 s2; the dQ kernel 64 keys w4 s3 (12.99 ms vs 13.10 with s2; 128-key dQ tiles 15.5-17.5 ms).
+# The K/V quantize kernel: 8 warps at head dim 128, 4 at 64 (thirty-seventh session, kv_quant_warps).
 _H200_BEST = SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3, dq_stages=3)
 TUNED_SAGE_FWD: dict[tuple[str, int, bool], SageFwdConfig] = {
-    ("NVIDIA H200", d, c): _H200_BEST for d in (64, 128) for c in (False, True)
+    ("NVIDIA H200", d, c): dataclasses.replace(_H200_BEST, kv_quant_warps=8 if d == 128 else 4)
+    for d in (64, 128) for c in (False, True)
 }
 
 

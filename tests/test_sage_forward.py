@@ -147,6 +147,33 @@ def test_config_fitted_to_short_sequences():
         lb.SageFwdConfig(block_k=48)
 
 
+def test_kv_quantize_kernel_takes_its_own_warps(monkeypatch):
+    """``kv_quant_warps`` launches the K/V quantize kernel (None: ``quant_warps``), ``quant_warps`` Q's; the H200
+    entries take 8 for K/V at head dim 128 only; not a power of two is rejected."""
+    from pallas_kernels import quantize as quantize_kernels
+
+    assert lb.SageFwdConfig(quant_warps=2).kv_quant_warps == 2
+    with pytest.raises(ValueError, match="kv_quant_warps"):
+        lb.SageFwdConfig(kv_quant_warps=6)
+    assert [lb.sage_fwd_config(d, c, "NVIDIA H200").kv_quant_warps for d in (64, 128) for c in (False, True)] == [
+        4, 4, 8, 8]
+    seen = {}
+    for name in ("sage_quantize_q", "sage_quantize_kv"):
+        real = getattr(quantize_kernels, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            seen[_name] = kw["num_warps"]
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(quantize_kernels, name, spy)
+    q, k, v = make_qkv(1, 40, 50, 2, 1, 64, seed=13)
+    config = dataclasses.replace(SMALL, quant_warps=2, kv_quant_warps=8)
+    o = lb.sage_attention(q, k, v, config=config, implementation="pallas", interpret=INTERPRET)
+    assert seen == {"sage_quantize_q": 2, "sage_quantize_kv": 8}
+    ref = lb.sage_attention(q, k, v, config=SMALL, implementation="pallas", interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(ref, np.float32))
+
+
 @pytest.mark.parametrize("fwd_backend", ["triton", "mosaic"])
 def test_benchmark_stage_split_runs(fwd_backend):
     """benchmarks/attention.py times quantization and the kernel apart; that split must compute sage, with the
@@ -261,3 +288,20 @@ def test_mosaic_three_warpgroups_match_two(monkeypatch, sq, sk, causal):
     got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "THREE_WGS", q, k, v, causal, config)
     assert calls == [3, 2]  # the Mosaic kernel ran, with three and then two compute warpgroups
     _assert_same_forward(got, q, k, v, causal, config)
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, True), (250, 250, False)])
+def test_mosaic_skipped_steps_same_values(monkeypatch, sq, sk, causal):
+    """With three compute warpgroups (D64) a warpgroup skips the key tiles past its last row's diagonal (causal) and
+    every step if its rows are all padding (``SKIP_EMPTY_STEPS``): o and the log-sum-exp equal the kernel's that runs
+    them. Causal, it must really skip: a skipped step that returned a wrong accumulator changes o."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=43, k_outlier=4.0)
+    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, causal, config)
+    _assert_same_forward(got, q, k, v, causal, config)
+    if causal:
+        monkeypatch.setattr(sage_fwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, *carry[1:]))
+        wrong = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, causal, config)
+        assert not np.array_equal(wrong[True][0], got[False][0])
