@@ -19,6 +19,8 @@ and the forward kernel by 1.5% at B16 H10/5 S2048 D64 causal, 5.5% at B8 H32 S20
 on the H200 (benchmarks/NOTES.md, thirty-second session). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
 tiles that reach the diagonal or the ragged key tail are masked element-wise, the others skip the mask.
+Without ping-pong (three warpgroups), a warpgroup also skips the tiles past its own last row's diagonal and, in the
+last CTA, every tile if its rows are all padding (:data:`SKIP_EMPTY_STEPS`).
 
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias,
 head dims other than 64/128, key tiles other than 64/128, Sq_pad not a multiple of 128.
