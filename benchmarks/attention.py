@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 import traceback
 import warnings
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
+from benchmarks.common import attention_flops, environment, read_json, time_fn, write_json
 from lowbit_jax import sage as sage_mod
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
@@ -249,8 +248,7 @@ def main(argv=None) -> int:
     env = environment()
     log(f"# {env}")
     if args.checks_only:  # re-run the checks into the existing results file (the table stays as it was)
-        path = RESULTS_DIR / f"{args.name}.json"
-        payload = json.loads(path.read_text()) if path.exists() else dict(env=env)
+        payload = read_json(args.name) or dict(env=env)
         payload.update(checks=check_small(log), checks_command="PYTHONPATH=. python benchmarks/attention.py "
                        "--checks-only", checks_date=env["date"])
         for p in write_json(args.name, payload):

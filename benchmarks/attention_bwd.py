@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
-from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
+from benchmarks.common import attention_flops, environment, read_json, time_fn, write_json
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -433,8 +433,7 @@ def main(argv=None) -> int:
         return 0
     name = "attention_bwd_smoke" if args.smoke else "attention_bwd"
     if args.checks_only or args.memory_only:  # re-run one part into the existing results file
-        path = RESULTS_DIR / f"{name}.json"
-        payload = json.loads(path.read_text()) if path.exists() else dict(env=environment())
+        payload = read_json(name) or dict(env=environment())
         part, flag = ("gradient_checks", "--checks-only") if args.checks_only else ("memory", "--memory-only")
         payload[part] = check_gradients(log, smoke=args.smoke) if args.checks_only else memory_table(log)
         payload[f"{part}_command"] = f"PYTHONPATH=. python benchmarks/attention_bwd.py {flag}"
@@ -448,8 +447,7 @@ def main(argv=None) -> int:
         argv if argv is not None else sys.argv[1:]))
     log(f"# {payload['env']}")
     if args.skip_checks:
-        path = RESULTS_DIR / f"{name}.json"
-        old = json.loads(path.read_text()) if path.exists() else {}
+        old = read_json(name)
         payload["gradient_checks"] = old.get("gradient_checks", [])
         payload["gradient_checks_command"] = old.get("gradient_checks_command", old.get("command"))
         payload["gradient_checks_date"] = old.get("gradient_checks_date", old.get("env", {}).get("date"))

@@ -33,6 +33,7 @@ from benchmarks.attention_bwd import attention_fn, fwd_bwd
 from benchmarks.common import environment, write_json
 from benchmarks.dq_kernel import method_fn
 from benchmarks.profiling import grouped, kinds_in_group, profile_calls
+from benchmarks.render_results import kinds_by_spread
 from benchmarks.training import prepare
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -89,8 +90,7 @@ def other_kinds_table(kinds: dict[str, list], rows: int = 20) -> str:
     matrix products."""
     methods = list(kinds)
     ms = {m: {k: t for k, t, _ in rows_} for m, rows_ in kinds.items()}
-    names = sorted({k for m in methods for k in ms[m]},
-                   key=lambda k: (min(ms[m].get(k, 0.0) for m in methods) - max(ms[m].get(k, 0.0) for m in methods), k))
+    names = kinds_by_spread(ms)
     lines = ["\n== other kernels by kind, ms/step: " + " | ".join(methods)]
     lines += [f"   {' | '.join(f'{ms[m].get(k, 0.0):7.3f}' for m in methods)}  {k}" for k in names[:rows]]
     return "\n".join(lines)

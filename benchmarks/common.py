@@ -71,6 +71,13 @@ def copy_to_out(path: Path) -> None:
         shutil.copy(path, Path(os.environ["OUT"]) / path.name)
 
 
+def read_json(name: str) -> dict:
+    """benchmarks/results/<name>.json as :func:`write_json` left it, or {} if there is none (to re-run one part of a
+    results file and keep the rest)."""
+    path = RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def write_json(name: str, payload: dict) -> list[Path]:
     """Write results to benchmarks/results/<name>.json and, on the lent GPU, under $OUT."""
     paths = [RESULTS_DIR / f"{name}.json"]

@@ -437,15 +437,22 @@ def render_breakdown(data: dict) -> list[str]:
     return out + _superseded(data)
 
 
+def kinds_by_spread(per_method: dict[str, dict[str, float]]) -> list[str]:
+    """The kinds of ``benchmarks.profiling.kinds_in_group`` ({method: {kind: ms}}), the one whose times differ
+    most between the methods first (a kind a method lacks counts 0 ms there); ties by name. Kept here, where no jax
+    is imported, so that breakdown.py's log and this module's table share it."""
+    methods = list(per_method)
+    times = lambda k: [per_method[m].get(k, 0.0) for m in methods]  # noqa: E731
+    return sorted({k for per in per_method.values() for k in per}, key=lambda k: (min(times(k)) - max(times(k)), k))
+
+
 def _other_kinds_table(rounds: dict, top: int = 8) -> list[str]:
     """The "other" kernels by kind (``breakdown.py``'s ``other_kinds``), ms per step in the last round, one column
     per method, the kinds whose times differ most between methods first; [] for runs that did not keep them."""
     kinds = {m: {k: ms for k, ms, _ in r[-1].get("other_kinds", [])} for m, r in rounds.items()}
     if not any(kinds.values()):
         return []
-    names = sorted({k for per in kinds.values() for k in per},
-                   key=lambda k: -(max(per.get(k, 0.0) for per in kinds.values())
-                                   - min(per.get(k, 0.0) for per in kinds.values())))
+    names = kinds_by_spread(kinds)
     methods = list(kinds)
     out = ["", f"\"Other\" kernels by kind (the name less XLA's fusion number), ms per step, the {top} that differ "
            "most between methods:", "", "| kind | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]

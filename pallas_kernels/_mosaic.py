@@ -548,6 +548,17 @@ def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 
         compute_context=compute, in_specs=in_specs)
 
 
+def guarded_step(run, carry, consumed, *, needed=None, skipped=None):
+    """One :func:`compute_pipeline` step of a compute warpgroup: ``run(carry)``, or, given ``needed`` (a traced
+    bool), ``lax.cond(needed, run, skipped, carry)``, where ``skipped`` returns what ``run`` would for a step that
+    leaves the carry as it is (a warpgroup skipping work that is empty for its rows). Either way the warpgroup then
+    arrives on the step's consumed barriers, so the memory warpgroup's protocol is the same."""
+    carry = run(carry) if needed is None else lax.cond(needed, run, skipped, carry)
+    for barrier in consumed:
+        plgpu.barrier_arrive(barrier)
+    return carry
+
+
 def key_step_specs(block: int, head_dim: int) -> list:
     """BlockSpecs of one key step's K̂ (block, D) int8 tile and its (block,) scales, step j → keys j·block…"""
     return [plgpu.BlockSpec((block, head_dim), lambda j: (j, 0), transforms=tile_transforms(jnp.int8, head_dim)),
@@ -657,7 +668,7 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "QueryRows", "query_ctas", "pad_rows",
            "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",
-           "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
+           "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
            "PingPong", "schedule_barrier"]

@@ -70,7 +70,8 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import key_pairs, operand_order
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, key_step_specs,
+    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, guarded_step,
+    key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
     row_vector, rows_of, scalar, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
@@ -234,14 +235,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
 
     def step(idx, *args):  # args: the eight tiles, the consumed barriers, the carry
         tiles, consumed, carry = args[:8], args[8:-1], args[-1]
-        if causal and SKIP_EMPTY_STEPS:  # a query tile that sees none of this warpgroup's keys adds nothing
-            needed = needed_query_tile(head_and_tile(idx[0])[1], cta_keys + wg * TILE, offset=offset)
-            carry = lax.cond(needed, lambda c: backprop(idx, *tiles, c), _skipped_step, carry)
-        else:
-            carry = backprop(idx, *tiles, carry)
-        for barrier in consumed:
-            plgpu.barrier_arrive(barrier)
-        return carry
+        # a query tile that sees none of this warpgroup's keys adds nothing (see SKIP_EMPTY_STEPS)
+        needed = (needed_query_tile(head_and_tile(idx[0])[1], cta_keys + wg * TILE, offset=offset)
+                  if causal and SKIP_EMPTY_STEPS else None)
+        return guarded_step(lambda c: backprop(idx, *tiles, c), carry, consumed, needed=needed, skipped=_skipped_step)
 
     def backprop(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, carry):
         dk_acc, dv_acc = carry

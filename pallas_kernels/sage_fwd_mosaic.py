@@ -43,8 +43,8 @@ from jax import lax
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
-    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, int8_operand_in_smem,
-    key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
+    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
+    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
     register_operand, row_vector, rows_of, scalar, schedule_barrier, transposed_step_spec, trim_rows,
     wg_tiles, wgmma_zeros,
 )
@@ -161,14 +161,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
 
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
         *consumed, carry = consumed_and_carry
-        if skips:  # an empty step leaves the carry as it is (see SKIP_EMPTY_STEPS)
-            needed = needed_step(idx[0], q_start, block_k=block_k, sq_len=sq_len, causal=causal, offset=offset)
-            carry = lax.cond(needed, lambda c: attend(idx, k_smem, ks_smem, vt_smem, c), _skipped_step, carry)
-        else:
-            carry = attend(idx, k_smem, ks_smem, vt_smem, carry)
-        for barrier in consumed:
-            plgpu.barrier_arrive(barrier)
-        return carry
+        # an empty step leaves the carry as it is (see SKIP_EMPTY_STEPS)
+        needed = (needed_step(idx[0], q_start, block_k=block_k, sq_len=sq_len, causal=causal, offset=offset)
+                  if skips else None)
+        return guarded_step(lambda c: attend(idx, k_smem, ks_smem, vt_smem, c), carry, consumed, needed=needed,
+                            skipped=_skipped_step)
 
     def attend(idx, k_smem, ks_smem, vt_smem, carry):
         acc, m_prev, l_prev = carry
