@@ -262,7 +262,15 @@ def main(argv=None) -> int:
             sweep_shapes += [(8, 32, 2048, 64, False), (8, 32, 2048, 64, True)]
         best, sweep_rows = sweep(sweep_shapes, lambda d: SWEEP_D128 if d == 128 else SWEEP_D64, log)
         log(f"# best tiles: { {k: dataclasses.asdict(v) for k, v in best.items()} }")
-    check_rows = [] if args.skip_checks else check_small(log)
+    carried = {}
+    if args.skip_checks:  # keep the earlier run's checks, with where they came from
+        old = read_json(args.name)
+        carried = dict(checks_command=old.get("checks_command", old.get("command")),
+                       checks_date=old.get("checks_date", old.get("env", {}).get("date")),
+                       **({"checks_note": old["checks_note"]} if "checks_note" in old else {}))
+        check_rows = old.get("checks", [])
+    else:
+        check_rows = check_small(log)
     acc_rows = []
     for causal in (False, True):
         try:
@@ -271,7 +279,8 @@ def main(argv=None) -> int:
             log(traceback.format_exc())
     payload = dict(env=env, command="PYTHONPATH=. python benchmarks/attention.py " + " ".join(argv or sys.argv[1:]),
                    sweep=sweep_rows, checks=check_rows, accuracy=acc_rows, throughput=[],
-                   best_configs={f"D{k[0]}{'_causal' if k[1] else ''}": dataclasses.asdict(v) for k, v in best.items()})
+                   best_configs={f"D{k[0]}{'_causal' if k[1] else ''}": dataclasses.asdict(v) for k, v in best.items()},
+                   **carried)
 
     def save(rows):  # after every shape, so a run cut short keeps what it measured
         payload["throughput"] = rows

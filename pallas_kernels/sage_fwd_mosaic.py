@@ -17,7 +17,8 @@ the operand as they are (``operand_order.register_operand``; without it, ``_mosa
 out by two lane shuffles per 4 values). That cut the hot loop from 1044 to 996 instructions per thread and step
 and the forward kernel by 1.5% at B16 H10/5 S2048 D64 causal, 5.5% at B8 H32 S2048 D64, 2.8% at B4 H32 S4096 D128
 on the H200 (benchmarks/NOTES.md, thirty-second session). Causal (bottom-right aligned,
-Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, and
+Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, the heaviest query blocks launch
+first (:data:`HEAVY_FIRST`), and
 tiles that reach the diagonal or the ragged key tail are masked element-wise, the others skip the mask.
 Without ping-pong (three warpgroups), a warpgroup also skips the tiles past its own last row's diagonal and, in the
 last CTA, every tile if its rows are all padding (:data:`SKIP_EMPTY_STEPS`).
@@ -92,6 +93,13 @@ MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
 #: session). The skipping warpgroup still arrives on the pipeline's barriers, and the others no longer share the
 #: SM's issue slots with its empty work.
 SKIP_EMPTY_STEPS = True
+#: causal: grid index 0 along the query blocks takes the last block, which sees the most keys
+#: (``_mosaic.query_block_keys(heavy_first_of=…)``, as the Attn-QAT forward), so the longest CTAs are not the last
+#: ones launched (in launch order the grid went light → heavy within each batch, and the last batch's heaviest
+#: CTAs trailed the grid). On the H200 this kernel is 2.1% faster at B16 H10/5 S2048 D64 causal (0.2688 / 0.2686 →
+#: 0.2631 / 0.2629 ms), 1.4% at B8 H32 S2048 D64 causal (0.4227 / 0.4234 → 0.4172 / 0.4172), 3.1% at B4 H32 S4096
+#: D128 causal (0.9617 / 0.9632 → 0.9342 / 0.9317); same values (benchmarks/NOTES.md, thirty-eighth session).
+HEAVY_FIRST = True
 
 
 def compute_wgs(head_dim: int) -> int:
@@ -127,7 +135,7 @@ def _skipped_step(carry):
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
                 *scratch, group, block_k, head_dim, sq_len, sk_len, causal, offset, scalar_scales, operand, wgs,
-                interpret):
+                ctas, interpret):
     """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
     the barriers, the ping-pong barrier. ``operand``: V̂ᵀ's keys are in :mod:`pallas_kernels.operand_order`."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
@@ -136,7 +144,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
     hkv = lax.div(h, group)
     shape = (TILE, block_k)
     cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
-                                                    causal=causal, offset=offset)
+                                                    causal=causal, offset=offset,
+                                                    heavy_first_of=ctas if HEAVY_FIRST else None)
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
     pp = PingPong(sched, wg, PINGPONG and wgs == 2)
@@ -240,16 +249,16 @@ def sage_attention_fwd_mosaic(
     if v_operand_order and not takes_operand_order(interpret):
         raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
     wgs = compute_wgs(d)
+    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sq_len=sq_len,
                                sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
                                scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,
-                               wgs=wgs)
+                               wgs=wgs, ctas=rows.ctas)
     p_tile = [wg_tiles(wgs, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
     scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
                *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
                plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
-    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     q8, q_scale = pad_rows(q8, rows.q, axis=2), pad_rows(q_scale, rows.q, axis=2)
     out_type = [jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype),
                 jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)]

@@ -290,6 +290,27 @@ def test_mosaic_three_warpgroups_match_two(monkeypatch, sq, sk, causal):
     _assert_same_forward(got, q, k, v, causal, config)
 
 
+@pytest.mark.parametrize("sq, sk, d", [(250, 300, 64), (384, 384, 64), (200, 260, 128)])
+def test_mosaic_heavy_first_same_values(monkeypatch, sq, sk, d):
+    """Causal, the forward's grid index 0 takes the last query block (``HEAVY_FIRST``: the CTAs that see the most keys
+    launch first). Each CTA still computes its own rows, so o and the log-sum-exp equal the grid in order. Sq 250 over
+    192-row CTAs (D64, three warpgroups) leaves a last CTA past Sq_pad, so the reversal must use the CTA count, not
+    Sq_pad // rows; D128 has two warpgroups and ping-pong. A spy checks the count it reverses over, then that off
+    means no reversal."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, d, dtype=jnp.bfloat16, seed=47, k_outlier=4.0)
+    blocks, seen = sage_fwd_mosaic.query_block_keys, []
+    monkeypatch.setattr(sage_fwd_mosaic, "query_block_keys",
+                        lambda *a, **kw: seen.append(kw.get("heavy_first_of")) or blocks(*a, **kw))
+    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "HEAVY_FIRST", q, k, v, True, config)
+    rows = sage_fwd_mosaic.compute_wgs(d) * sage_fwd_mosaic.TILE
+    ctas = -(-(-(-sq // 128) * 128) // rows)  # over Sq padded to 128
+    assert seen[0] == ctas and seen[-1] is None, (seen, ctas)
+    _assert_same_forward(got, q, k, v, True, config)
+
+
 @pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, True), (250, 250, False)])
 def test_mosaic_skipped_steps_same_values(monkeypatch, sq, sk, causal):
     """With three compute warpgroups (D64) a warpgroup skips the key tiles past its last row's diagonal (causal) and
