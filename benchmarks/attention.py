@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import attention_flops, environment, read_json, time_fn, write_json
+from benchmarks.common import attention_flops, carried_part, environment, rerun_part, time_fn, write_json
 from lowbit_jax import sage as sage_mod
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
@@ -248,9 +248,8 @@ def main(argv=None) -> int:
     env = environment()
     log(f"# {env}")
     if args.checks_only:  # re-run the checks into the existing results file (the table stays as it was)
-        payload = read_json(args.name) or dict(env=env)
-        payload.update(checks=check_small(log), checks_command="PYTHONPATH=. python benchmarks/attention.py "
-                       "--checks-only", checks_date=env["date"])
+        payload = rerun_part(args.name, "checks", check_small(log),
+                             command="PYTHONPATH=. python benchmarks/attention.py --checks-only", env=env)
         for p in write_json(args.name, payload):
             log(f"wrote {p}")
         return 0
@@ -262,15 +261,8 @@ def main(argv=None) -> int:
             sweep_shapes += [(8, 32, 2048, 64, False), (8, 32, 2048, 64, True)]
         best, sweep_rows = sweep(sweep_shapes, lambda d: SWEEP_D128 if d == 128 else SWEEP_D64, log)
         log(f"# best tiles: { {k: dataclasses.asdict(v) for k, v in best.items()} }")
-    carried = {}
-    if args.skip_checks:  # keep the earlier run's checks, with where they came from
-        old = read_json(args.name)
-        carried = dict(checks_command=old.get("checks_command", old.get("command")),
-                       checks_date=old.get("checks_date", old.get("env", {}).get("date")),
-                       **({"checks_note": old["checks_note"]} if "checks_note" in old else {}))
-        check_rows = old.get("checks", [])
-    else:
-        check_rows = check_small(log)
+    # --skip-checks keeps the earlier run's checks, with where they came from
+    checks = carried_part(args.name, "checks") if args.skip_checks else dict(checks=check_small(log))
     acc_rows = []
     for causal in (False, True):
         try:
@@ -278,9 +270,9 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
     payload = dict(env=env, command="PYTHONPATH=. python benchmarks/attention.py " + " ".join(argv or sys.argv[1:]),
-                   sweep=sweep_rows, checks=check_rows, accuracy=acc_rows, throughput=[],
+                   sweep=sweep_rows, accuracy=acc_rows, throughput=[],
                    best_configs={f"D{k[0]}{'_causal' if k[1] else ''}": dataclasses.asdict(v) for k, v in best.items()},
-                   **carried)
+                   **checks)
 
     def save(rows):  # after every shape, so a run cut short keeps what it measured
         payload["throughput"] = rows

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
-from benchmarks.common import attention_flops, environment, read_json, time_fn, write_json
+from benchmarks.common import attention_flops, carried_part, environment, rerun_part, time_fn, write_json
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -433,13 +433,10 @@ def main(argv=None) -> int:
         return 0
     name = "attention_bwd_smoke" if args.smoke else "attention_bwd"
     if args.checks_only or args.memory_only:  # re-run one part into the existing results file
-        payload = read_json(name) or dict(env=environment())
         part, flag = ("gradient_checks", "--checks-only") if args.checks_only else ("memory", "--memory-only")
-        payload[part] = check_gradients(log, smoke=args.smoke) if args.checks_only else memory_table(log)
-        payload[f"{part}_command"] = f"PYTHONPATH=. python benchmarks/attention_bwd.py {flag}"
-        payload[f"{part}_date"] = environment()["date"]
-        for stale in (f"{part}_from", f"{part}_note"):  # said of an older run's table
-            payload.pop(stale, None)
+        value = check_gradients(log, smoke=args.smoke) if args.checks_only else memory_table(log)
+        payload = rerun_part(name, part, value, command=f"PYTHONPATH=. python benchmarks/attention_bwd.py {flag}",
+                             env=environment())
         for p in write_json(name, payload):
             log(f"wrote {p}")
         return 0
@@ -447,10 +444,7 @@ def main(argv=None) -> int:
         argv if argv is not None else sys.argv[1:]))
     log(f"# {payload['env']}")
     if args.skip_checks:
-        old = read_json(name)
-        payload["gradient_checks"] = old.get("gradient_checks", [])
-        payload["gradient_checks_command"] = old.get("gradient_checks_command", old.get("command"))
-        payload["gradient_checks_date"] = old.get("gradient_checks_date", old.get("env", {}).get("date"))
+        payload.update(carried_part(name, "gradient_checks"))
     else:
         payload["gradient_checks"] = check_gradients(log, smoke=args.smoke)
     write_json(name, payload)

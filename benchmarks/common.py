@@ -78,6 +78,29 @@ def read_json(name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def rerun_part(name: str, part: str, value, *, command: str, env: dict) -> dict:
+    """The results file ``name`` (:func:`read_json`; a new one with ``env`` if there is none) with ``part`` replaced
+    by ``value`` from a run of that part alone, which ``command`` and ``env``'s date record as ``<part>_command`` and
+    ``<part>_date``; ``<part>_from`` and ``<part>_note``, said of an older run's part, are dropped."""
+    payload = read_json(name) or dict(env=env)
+    payload.update({part: value, f"{part}_command": command, f"{part}_date": env["date"]})
+    for stale in (f"{part}_from", f"{part}_note"):
+        payload.pop(stale, None)
+    return payload
+
+
+def carried_part(name: str, part: str) -> dict:
+    """``part`` of the results file ``name`` with where it came from, for a run that skips re-running it:
+    ``{part, <part>_command, <part>_date[, <part>_note]}``; the command and date are the file's own where the part
+    came with its run ([] and None if there is no file)."""
+    old = read_json(name)
+    out = {part: old.get(part, []), f"{part}_command": old.get(f"{part}_command", old.get("command")),
+           f"{part}_date": old.get(f"{part}_date", old.get("env", {}).get("date"))}
+    if f"{part}_note" in old:
+        out[f"{part}_note"] = old[f"{part}_note"]
+    return out
+
+
 def write_json(name: str, payload: dict) -> list[Path]:
     """Write results to benchmarks/results/<name>.json and, on the lent GPU, under $OUT."""
     paths = [RESULTS_DIR / f"{name}.json"]

@@ -45,6 +45,29 @@ def test_other_kernels_compare_by_kind():
     assert lines[2].split()[:3] == ["0.000", "|", "0.250"]
 
 
+def test_results_parts_rerun_alone_or_carried(monkeypatch, tmp_path):
+    """``common.rerun_part`` replaces one part of a results file and records its own command and date, dropping the
+    older run's note about that part; ``common.carried_part`` keeps a part for a run that skips it, with the command
+    and date it came from (its own, else the file's) and its note."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    assert common.carried_part("r", "checks") == {"checks": [], "checks_command": None, "checks_date": None}
+    env = {"date": "d1"}
+    common.write_json("r", dict(env={"date": "d0"}, command="full", checks=[1], rows=[7]))
+    assert common.carried_part("r", "checks") == {"checks": [1], "checks_command": "full", "checks_date": "d0"}
+    payload = common.rerun_part("r", "checks", [2], command="alone", env=env)
+    assert payload == dict(env={"date": "d0"}, command="full", checks=[2], rows=[7], checks_command="alone",
+                           checks_date="d1")
+    common.write_json("r", dict(payload, checks_note="carried", checks_from="old"))
+    assert common.carried_part("r", "checks") == {"checks": [2], "checks_command": "alone", "checks_date": "d1",
+                                                   "checks_note": "carried"}
+    again = common.rerun_part("r", "checks", [3], command="alone", env={"date": "d2"})
+    assert "checks_note" not in again and "checks_from" not in again and again["checks_date"] == "d2"
+    assert common.rerun_part("new", "memory", [4], command="m", env=env) == dict(
+        env=env, memory=[4], memory_command="m", memory_date="d1")
+
+
 def test_profile_calls_traces_a_jitted_function():
     f = jax.jit(lambda x: jnp.sin(x @ x).sum())
     x = jax.random.normal(jax.random.key(0), (64, 64))
