@@ -135,7 +135,7 @@ def _skipped_step(carry):
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
                 *scratch, group, block_k, head_dim, sq_len, sk_len, causal, offset, scalar_scales, operand, wgs,
-                ctas, interpret):
+                interpret):
     """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
     the barriers, the ping-pong barrier. ``operand``: V̂ᵀ's keys are in :mod:`pallas_kernels.operand_order`."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
@@ -145,7 +145,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
     shape = (TILE, block_k)
     cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
                                                     causal=causal, offset=offset,
-                                                    heavy_first_of=ctas if HEAVY_FIRST else None)
+                                                    heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE))
+                                                    if HEAVY_FIRST else None)
     q_start = cta_queries + wg * TILE
     rows = pl.ds(q_start, TILE)
     pp = PingPong(sched, wg, PINGPONG and wgs == 2)
@@ -249,16 +250,16 @@ def sage_attention_fwd_mosaic(
     if v_operand_order and not takes_operand_order(interpret):
         raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
     wgs = compute_wgs(d)
-    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sq_len=sq_len,
                                sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
                                scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,
-                               wgs=wgs, ctas=rows.ctas)
+                               wgs=wgs)
     p_tile = [wg_tiles(wgs, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
     scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
                *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
                plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
+    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     q8, q_scale = pad_rows(q8, rows.q, axis=2), pad_rows(q_scale, rows.q, axis=2)
     out_type = [jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype),
                 jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)]
