@@ -52,7 +52,6 @@ from lowbit_jax.formats import sage_tiles
 from lowbit_jax.formats.sage_tiles import SageOperands
 from lowbit_jax.reference import reference_attention
 from lowbit_jax.sage_reference import (
-    channel_stats,
     quantize_reference,
     sage_attention_reference,
     sage_backward_reference,
@@ -247,7 +246,7 @@ def operand_orders(padded: Padded, opts: SageOptions) -> OperandOrders:
 def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, transposed=False,
                     orders: OperandOrders = OperandOrders(), interpret=False) -> SageOperands:
     """Quantize with the fused Pallas kernels (see :mod:`pallas_kernels.quantize`); V̂ᵀ and Q̂ᵀ in ``orders``."""
-    k_mean, v_scale = channel_stats(k, v, smooth_k)
+    k_mean, v_scale = quantize_kernels.sage_channel_stats(k, v, smooth_k=smooth_k, interpret=interpret)
     q8, qs, q_mean, q8_t = quantize_kernels.sage_quantize_q(
         q, block=config.block_q, per_block=per_block, smooth_block=smooth_q, out_scale=scale * LOG2E,
         transposed=transposed, t_operand_order=orders.q_t, num_warps=config.quant_warps, interpret=interpret,
@@ -404,9 +403,6 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
                                                                   interpret=opts.interpret)
     lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
     dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, Padded.of_operands(ops), opts) for name in ("dkdv", "dq"))
-    vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
-          if dkdv_mosaic or dq_mosaic else None)
-    ops = _natural_vt(ops, orders.v)  # for the Triton kernels (unused, and dropped by XLA, where none runs)
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
                      ds_per_row=cfg.ds_scale == "row", interpret=opts.interpret)
     dkdv_kw = dict(mosaic_kw, operand_order_in=orders.q_t)
@@ -414,6 +410,16 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
         raise ValueError("q_t_operand_order: only the Mosaic dK/dV kernel takes Q̂ᵀ in operand order")
     fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
         head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
+    if fuse_dq and sage_bwd_mosaic.takes_pair_ordered_inputs(fused_dq=True):
+        # one kernel, dQ reduce-added by the dK/dV kernel; its K̂ and Ṽ in pair order from one Triton pass
+        k8, vd = sage_bwd_kernels.sage_bwd_kv_operands(ops.k, ops.vt, ops.v_scale, dtype=do.dtype,
+                                                       v_operand_order=orders.v, interpret=opts.interpret)
+        return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, k8, ops.k_scale, vd,
+            k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=True, **dkdv_kw)
+    vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
+          if dkdv_mosaic or dq_mosaic else None)
+    ops = _natural_vt(ops, orders.v)  # for the Triton kernels (unused, and dropped by XLA, where none runs)
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,

@@ -8,6 +8,8 @@ same functions the pure-JAX reference runs.
   [, block means (B, H, Sq_pad/bq, D) with Q-smoothing].
 * ``sage_quantize_kv``: K, V (B, Sk, Hkv, D) → K̂ (B, Hkv, Sk_pad, D) after
   K-smoothing, scale (B, Hkv, Sk_pad), V̂ᵀ (B, Hkv, D, Sk_pad).
+* ``sage_channel_stats``: what ``sage_quantize_kv`` needs first, K's token mean and V's per-channel
+  scale (B, Hkv, D), from one pass over K and V.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import sage_tiles
+from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 from pallas_kernels.operand_order import check_block, transposed as _transposed
 
@@ -208,3 +210,68 @@ def sage_quantize_kv(
         name="sage_quantize_kv",
     )(*args)
     return outs[0], outs[1], outs[2], (outs[3] if transposed else None)
+
+
+#: tokens per program of :func:`sage_channel_stats` (H200, B16 S2048 Hkv5 D64, inputs re-read: 7.7 µs with 256
+#: rows and 4 warps, 9.5 with 128, 8.5 with 512, 9.2–11.9 with 8 warps, XLA's two column reductions 22.4 µs; inside
+#: a fwd+bwd 16.2 µs against XLA's 33; level at B8 S2048 H32 D64 and B4 S4096 H32 D128, where all of them read at
+#: about 3.7 TB/s; benchmarks/NOTES.md, thirty-ninth session)
+STATS_CHUNK = 256
+STATS_WARPS = 4
+
+
+def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth):
+    refs = list(refs)
+    k_ref = refs.pop(0) if smooth else None
+    v_ref = refs.pop(0)
+    ksum_ref = refs.pop(0) if smooth else None
+    vmax_ref = refs.pop(0)
+    valid = row_mask(pl.program_id(2) * chunk, chunk, seq_len) if ragged else None  # padding rows load as 0
+    if smooth:
+        ksum_ref[...] = jnp.sum(load_rows(k_ref, valid).astype(jnp.float32), axis=0, keepdims=True)
+    vmax_ref[...] = jnp.max(jnp.abs(load_rows(v_ref, valid).astype(jnp.float32)), axis=0, keepdims=True)
+
+
+@functools.partial(jax.jit, static_argnames=("smooth_k", "chunk", "num_warps", "interpret"))
+def sage_channel_stats(
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    smooth_k: bool,
+    chunk: int = STATS_CHUNK,
+    num_warps: int = STATS_WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array | None, jax.Array]:
+    """K's token mean and V's per-channel INT8 scale, the inputs of :func:`sage_quantize_kv`.
+
+    The values of :func:`lowbit_jax.sage_reference.channel_stats` (XLA's column reductions): the V scale
+    equal (a maximum does not depend on the order), the K mean to float32 rounding (partial sums per
+    ``chunk`` tokens, then summed). One program per (batch, kv head, chunk) writes its partial sum and
+    maximum; XLA adds up the few partials. Faster than XLA's two reductions at small sizes, where theirs
+    are latency-bound (see ``STATS_CHUNK``).
+
+    Args:
+      k, v: (B, Sk, Hkv, D) bf16/fp16/fp32.
+      smooth_k: whether K's mean is wanted (K-smoothing); without it K is not read.
+      chunk: tokens per program.
+    Returns:
+      float32 (B, Hkv, D) K mean or None, float32 (B, Hkv, D) V scale (``int8.scale_from_amax`` of |V|'s
+      maximum over tokens).
+    """
+    b, s, h, d = v.shape
+    nch = pl.cdiv(s, chunk)
+    row = pl.BlockSpec((None, chunk, None, d), lambda bi, hi, i: (bi, i, hi, 0))
+    part = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0))
+    n_out = 2 if smooth_k else 1
+    outs = pl.pallas_call(
+        functools.partial(_channel_stats_kernel, chunk=chunk, seq_len=s, ragged=s % chunk != 0, smooth=smooth_k),
+        grid=(b, h, nch),
+        in_specs=[row] * n_out,
+        out_specs=[part] * n_out,
+        out_shape=[jax.ShapeDtypeStruct((b, h, nch, d), jnp.float32)] * n_out,
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="sage_channel_stats",
+    )(*((k, v) if smooth_k else (v,)))
+    k_mean = jnp.sum(outs[0], axis=2) / s if smooth_k else None
+    return k_mean, int8.scale_from_amax(jnp.max(outs[-1], axis=2))

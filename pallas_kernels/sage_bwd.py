@@ -5,6 +5,11 @@ Kernels (shared/SPEC.md §1, backward):
 * ``sage_bwd_preprocess`` — per query tile: D = rowsum(dO∘O) in fp32 and dO
   quantized to INT8 with one scale per tile, written transposed (D, Sq) so
   dV = P̂ᵀ·dÔ contracts over contiguous memory.
+* ``sage_bwd_kv_operands`` — per key block: the fused Mosaic dK/dV/dQ kernel's K̂ and Ṽ
+  (V̂ᵀ dequantized and transposed) with their keys in ``key_pairs`` order, one pass
+  instead of XLA's two transposes (B16 H10/5 S2048 D64 causal: fwd+bwd busy 1.137 →
+  1.128 ms on the H200; B4 H32 S4096 D128: 8.60 → 8.54; benchmarks/NOTES.md,
+  thirty-ninth session).
 * ``sage_bwd_dkdv`` — one program per key tile (and batch, kv head), looping over
   the query tiles of every query head of its GQA group: recompute Sᵀ = K̂Q̂ᵀ (INT8),
   Pᵀ = exp2(Sᵀ − L); dV += P̂ᵀdÔ (INT8, P per key row of the tile, dO per tile);
@@ -41,7 +46,8 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
-from pallas_kernels.operand_order import check_block, transposed
+from pallas_kernels import key_pairs
+from pallas_kernels.operand_order import check_block, from_operand_order, transposed
 from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
@@ -113,6 +119,58 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, o
         interpret=interpret,
         name="sage_bwd_preprocess",
     )(o, do)
+
+
+# ----------------------------------------------------------------------------- K̂ and Ṽ for the fused Mosaic kernel
+
+#: keys per program of :func:`sage_bwd_kv_operands`
+KV_OPERAND_BLOCK = 128
+
+
+def _kv_operands_kernel(k_ref, vt_ref, vs_ref, kp_ref, vd_ref, *, v_operand_order):
+    kp_ref[...] = key_pairs.to_pair_order(k_ref[...], 0)
+    vd = dequantize_v_t(vt_ref[...], vs_ref[...], vd_ref.dtype).T  # (keys, D)
+    if v_operand_order:
+        vd = from_operand_order(vd, 0)
+    vd_ref[...] = key_pairs.to_pair_order(vd, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "v_operand_order", "block", "num_warps", "interpret"))
+def sage_bwd_kv_operands(k8: jax.Array, vt8: jax.Array, v_scale: jax.Array, *, dtype, v_operand_order: bool = False,
+                         block: int = KV_OPERAND_BLOCK, num_warps: int = 4,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The fused Mosaic dK/dV/dQ kernel's K̂ and Ṽ, keys in :mod:`pallas_kernels.key_pairs` order, in one pass.
+
+    The values of ``key_pairs.to_pair_order(k8, 2)`` and of ``to_pair_order(sage_bwd_mosaic.dequantized_v(vt8,
+    v_scale, dtype, keys_in_operand_order=v_operand_order), 2)``, which XLA computes as two transposes
+    (:func:`lowbit_jax.formats.sage_tiles.dequantize_v_t` is the dequantization here too).
+
+    Args:
+      k8: int8 (B, Hkv, Sk_pad, D) K̂ in natural key order.
+      vt8: int8 (B, Hkv, D, Sk_pad) V̂ᵀ; its keys in :mod:`pallas_kernels.operand_order` if ``v_operand_order``
+        (the Mosaic forward's).
+      v_scale: float32 (B, Hkv, D) per-channel V scale.
+      dtype: Ṽ's dtype (dO's).
+      block: keys per program at most (the largest divisor of Sk_pad that divides it; a multiple of 16).
+    Returns:
+      K̂ int8 (B, Hkv, Sk_pad, D) and Ṽ (B, Hkv, Sk_pad, D) in ``dtype``, keys in pair order.
+    """
+    b, h, s_pad, d = k8.shape
+    block = math.gcd(block, s_pad)  # the largest divisor of Sk_pad that divides block
+    if block % key_pairs.BLOCK:
+        raise ValueError(f"Sk_pad={s_pad} and block must share a multiple of {key_pairs.BLOCK} keys, got {block}")
+    rows = pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0))
+    return pl.pallas_call(
+        functools.partial(_kv_operands_kernel, v_operand_order=v_operand_order),
+        grid=(b, h, s_pad // block),
+        in_specs=[rows, pl.BlockSpec((None, None, d, block), lambda bi, hi, i: (bi, hi, 0, i)),
+                  pl.BlockSpec((None, None, d), lambda bi, hi, i: (bi, hi, 0))],
+        out_specs=[rows, rows],
+        out_shape=[jax.ShapeDtypeStruct(k8.shape, jnp.int8), jax.ShapeDtypeStruct(k8.shape, dtype)],
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="sage_bwd_kv_operands",
+    )(k8, vt8, v_scale)
 
 
 # ----------------------------------------------------------------------------- dK, dV

@@ -103,6 +103,9 @@ OPERAND_ORDER = True
 #: thirty-seventh session): a CTA's two warpgroups meet at the pipeline's barriers every step, so the one that skips
 #: waits for the other.
 SKIP_EMPTY_STEPS = False
+#: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
+#: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)
+KV_OPERANDS_KERNEL = True
 
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
@@ -136,6 +139,13 @@ def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int,
     if kernel == "dq":
         return common and config.dq_block_k == TILE and sq_pad % (WGS * TILE) == 0 and sk_pad % TILE == 0
     raise ValueError(f"kernel must be 'dkdv' or 'dq', got {kernel!r}")
+
+
+def takes_pair_ordered_inputs(*, fused_dq: bool) -> bool:
+    """Whether :func:`sage_bwd_dkdv_mosaic` should be given K̂ and Ṽ already in :mod:`pallas_kernels.key_pairs`
+    order (``keys_in_pair_order=True``): with the fused dQ, pair order on (``key_pairs.ENABLED``) and
+    ``KV_OPERANDS_KERNEL``."""
+    return fused_dq and key_pairs.ENABLED and KV_OPERANDS_KERNEL
 
 
 def supports_fused_dq(*, head_dim: int, per_block: bool, ds_per_row: bool) -> bool:
@@ -424,7 +434,8 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
 def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd, *,
                          sq_len: int, sk_len: int, causal: bool, per_block: bool, ds_per_row: bool = False,
                          k8_t: jax.Array | None = None, scale: float | None = None,
-                         operand_order_in: bool = False, interpret: bool = False) -> tuple[jax.Array, ...]:
+                         operand_order_in: bool = False, keys_in_pair_order: bool = False,
+                         interpret: bool = False) -> tuple[jax.Array, ...]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
     Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding;
     ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``).
@@ -436,6 +447,10 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     ``operand_order_in``: q8_t's and do8_t's queries are in :mod:`pallas_kernels.operand_order`
     (``sage_quantize_q``'s ``t_operand_order``, ``sage_bwd_preprocess``'s ``operand_order``): P̂ᵀ and dŜᵀ are
     then the A operands of dV and dK as the registers hold them. Only where :func:`takes_operand_order`.
+
+    ``keys_in_pair_order``: k8's and vd's keys are already in :mod:`pallas_kernels.key_pairs` order
+    (``sage_bwd.sage_bwd_kv_operands``); only with the fused dQ and pair order on. Otherwise they are natural
+    and permuted here by XLA.
     """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
@@ -447,8 +462,12 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     if fused_dq and scale is None:
         raise ValueError("the fused dQ needs scale (the softmax scale) beside k8_t")
     pairs = fused_dq and key_pairs.ENABLED
-    if pairs:  # the kernel's K̂ and Ṽ rows in pair order (Ṽ's permutation fuses into its dequantization); the
-        # fused dQ has per-block K scales (supports_fused_dq), equal on every key of a 16-key block: left as they are
+    if keys_in_pair_order and not pairs:
+        raise ValueError("keys_in_pair_order: K̂ and Ṽ come in pair order only with the fused dQ and "
+                         "key_pairs.ENABLED")
+    if pairs and not keys_in_pair_order:  # the kernel's K̂ and Ṽ rows in pair order (Ṽ's permutation fuses into
+        # its dequantization); the fused dQ has per-block K scales (supports_fused_dq), equal on every key of a
+        # 16-key block: left as they are
         k8, vd = key_pairs.to_pair_order(k8, 2), key_pairs.to_pair_order(vd, 2)
     if operand_order_in and not takes_operand_order(d, interpret):
         raise ValueError("operand_order_in: the kernel takes Q̂ᵀ, dÔᵀ in operand order only where "

@@ -16,7 +16,7 @@ from benchmarks import common
 from lowbit_jax import sage as sage_mod
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-FWD_KERNELS = ("sage_quantize_q", "sage_quantize_kv", "sage_attention_fwd")
+FWD_KERNELS = ("sage_channel_stats", "sage_quantize_q", "sage_quantize_kv", "sage_attention_fwd")
 BWD_KERNELS = ("sage_bwd_preprocess", "sage_bwd_dkdv", "sage_bwd_dq")
 
 CASES = [
@@ -273,7 +273,9 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = lower_for_h200(grads, *specs)
-    assert text.count(TRITON_CALL) == len(FWD_KERNELS) + 1  # the forward and the bwd preprocess
+    # the forward and the bwd preprocess; fused, the pair-ordered K̂ and Ṽ (``sage_bwd_kv_operands``) too
+    assert text.count(TRITON_CALL) == len(FWD_KERNELS) + 1 + fused
+    assert triton_named(text, "sage_bwd_kv_operands") == fused
     assert not triton_named(text, "sage_bwd_dkdv") and not triton_named(text, "sage_bwd_dq")
     assert text.count("mosaic_gpu_v2(") == (1 if fused else 2)
     assert mosaic_named(text, "sage_bwd_dkdv_dq" if fused else "sage_bwd_dkdv")
@@ -293,8 +295,8 @@ def test_sage_forward_lowers_to_mosaic_gpu(d, causal, sq, granularity):
     cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), fwd_backend="mosaic")
     specs, opts = specs_and_options(sq, 512, 8, 2, d, causal, granularity, False, cfg)
     text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
-    assert text.count(TRITON_CALL) == 2  # sage_quantize_q, sage_quantize_kv; no Triton attention kernel
-    assert "sage_quantize_q" in text and "sage_quantize_kv" in text and mosaic_named(text, "sage_attention_fwd")
+    assert text.count(TRITON_CALL) == 3  # sage_channel_stats, sage_quantize_q, sage_quantize_kv; no Triton attention
+    assert "sage_channel_stats" in text and "sage_quantize_q" in text and "sage_quantize_kv" in text and mosaic_named(text, "sage_attention_fwd")
 
 
 @pytest.mark.parametrize("method", ["sage", "qat"])

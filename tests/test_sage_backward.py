@@ -409,3 +409,53 @@ def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
     wrong = [np.asarray(g, np.float32) for g in run()]
     assert not np.array_equal(wrong[2], got[False][2])
     np.testing.assert_array_equal(wrong[3], got[False][3])  # dV untouched: only the dK accumulator was spoiled
+
+
+@pytest.mark.parametrize("sk_pad, v_operand_order, dtype", [(128, True, jnp.bfloat16), (192, False, jnp.float16),
+                                                             (64, True, jnp.float16)])
+def test_kv_operands_kernel_matches_xla_transposes(sk_pad, v_operand_order, dtype):
+    """``sage_bwd_kv_operands`` (one Triton pass): K̂ and Ṽ in pair order, exactly what the XLA route gives
+    (``key_pairs.to_pair_order`` of K̂ and of ``sage_bwd_mosaic.dequantized_v``), with V̂ᵀ's keys in operand
+    order or not; Sk_pad 192 is not a multiple of the 128-key program (64-key programs then)."""
+    from pallas_kernels import key_pairs, sage_bwd, sage_bwd_mosaic
+
+    rng = np.random.default_rng(sk_pad)
+    k8 = jnp.asarray(rng.integers(-127, 128, (2, 3, sk_pad, 64)), jnp.int8)
+    vt8 = jnp.asarray(rng.integers(-127, 128, (2, 3, 64, sk_pad)), jnp.int8)
+    v_scale = jnp.asarray(rng.uniform(0.001, 0.1, (2, 3, 64)), jnp.float32)
+    kp, vd = sage_bwd.sage_bwd_kv_operands(k8, vt8, v_scale, dtype=dtype, v_operand_order=v_operand_order,
+                                           interpret=INTERPRET)
+    ref_v = sage_bwd_mosaic.dequantized_v(vt8, v_scale, dtype, keys_in_operand_order=v_operand_order)
+    assert vd.dtype == dtype and kp.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(kp), np.asarray(key_pairs.to_pair_order(k8, 2)))
+    np.testing.assert_array_equal(np.asarray(vd, np.float32), np.asarray(key_pairs.to_pair_order(ref_v, 2), np.float32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sage_bwd.sage_bwd_kv_operands(k8[:, :, :8], vt8[..., :8], v_scale, dtype=dtype, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, True), (1, 256, 256, 2, 2, 128, False)])
+def test_fused_backward_takes_kv_operands_kernel(case, monkeypatch):
+    """The fused Mosaic backward gets K̂ and Ṽ in pair order from ``sage_bwd_kv_operands`` (``KV_OPERANDS_KERNEL``):
+    o and every gradient equal the XLA transposes' route exactly (ragged causal GQA at D64, D128; compiled, dQ to
+    its summation order); a spy sees
+    the kernel called once with V̂ᵀ in the forward's operand order."""
+    from pallas_kernels import sage_bwd, sage_bwd_mosaic
+
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d + 9, k_outlier=3.0)
+    do = cotangent(q)
+    real, seen = sage_bwd.sage_bwd_kv_operands, []
+    monkeypatch.setattr(sage_bwd, "sage_bwd_kv_operands", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(sage_bwd_mosaic, "KV_OPERANDS_KERNEL", on)
+        jax.clear_caches()
+        got[on] = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas",
+                                                            interpret=INTERPRET, causal=causal, config=MOSAIC)]
+    assert len(seen) == 1 and seen[0]["v_operand_order"] is True  # the Mosaic forward's V̂ᵀ
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        assert np.isfinite(a).all(), name
+        if name == "dq" and not INTERPRET:  # compiled, the TMA reduce-add sums dQ in a varying order
+            np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, r, err_msg=name)

@@ -326,3 +326,23 @@ def test_mosaic_skipped_steps_same_values(monkeypatch, sq, sk, causal):
         monkeypatch.setattr(sage_fwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, *carry[1:]))
         wrong = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, causal, config)
         assert not np.array_equal(wrong[True][0], got[False][0])
+
+
+@pytest.mark.parametrize("s, chunk, smooth_k", [(300, 128, True), (256, 256, True), (77, 256, False)])
+def test_channel_stats_kernel_matches_xla(s, chunk, smooth_k):
+    """``sage_channel_stats`` (one pass over K and V, partials per chunk of tokens): V's scale equal to XLA's
+    (``sage_reference.channel_stats``), K's mean to float32 rounding, ragged lengths (the last chunk's padding
+    rows must not count), a K with a large channel offset, no K mean without smoothing."""
+    from lowbit_jax.sage_reference import channel_stats
+    from pallas_kernels import quantize as quantize_kernels
+
+    _, k, v = make_qkv(2, 8, s, 3, 3, 64, seed=s + chunk, k_outlier=5.0)
+    v = v.at[1, s - 1, 2, 7].set(-40.0)  # the maximum sits in the last, partial chunk
+    k_mean, v_scale = quantize_kernels.sage_channel_stats(k, v, smooth_k=smooth_k, chunk=chunk, interpret=INTERPRET)
+    ref_mean, ref_scale = channel_stats(k, v, smooth_k)
+    np.testing.assert_array_equal(np.asarray(v_scale), np.asarray(ref_scale))
+    assert float(v_scale[1, 2, 7]) == np.float32(40.0) / np.float32(127.0)
+    if smooth_k:
+        np.testing.assert_allclose(np.asarray(k_mean), np.asarray(ref_mean), rtol=2e-6, atol=1e-7)
+    else:
+        assert k_mean is None and ref_mean is None

@@ -49,8 +49,8 @@ def _round_with_magic(x: jax.Array, magic: jax.Array) -> jax.Array:
     """x rounded half to even to a multiple of ``step``, given ``magic = 1.5·2**23·step`` (``step`` a power
     of two, 0 ≤ x < 2**22·step).
 
-    One float add and one float subtract, no int→float conversion (a quarter-rate
-    instruction on the GPU). Callers fold 1.5·2**23 into the constant that already
+    One float add and one float subtract instead of a float→int→float round trip (two
+    conversions). Callers fold 1.5·2**23 into the constant that already
     scales their step (one multiply per element fewer). The magic depends on the data,
     so XLA does not fold ``(x + m) − m`` back to x, as it does for a constant magic
     (seen with jax 0.11.2 on the CPU); the bit-exact tests against ml_dtypes would
