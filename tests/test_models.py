@@ -391,6 +391,20 @@ def test_thrift_model_decodes_a_long_chunk_after_cached_tokens_in_decode_calls()
             q[:, :, :cfg.num_kv_heads], q[:, :, :cfg.num_kv_heads]))
 
 
+def _assert_same_but_rounding(got, want) -> None:
+    """Equal values, but for XLA compiling one of the two programs differently: a matmul over 90 tokens and one
+    over 1 token, or two fusions, may round a bf16 value to its other neighbour (seen on the CPU: one element of
+    16384, one ulp apart). So at most 0.1% of the elements differ, floats by at most one bf16 ulp (a 4-bit code
+    or scale of such a value may then differ too); a real difference (another selection, position or token)
+    changes far more."""
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    differ = g != w
+    assert differ.mean() < 1e-3, (differ.sum(), differ.size)
+    if jnp.issubdtype(jnp.asarray(want).dtype, jnp.floating):
+        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0**-100))) - 7)  # bf16 spacing at each value
+        assert (np.abs(g - w) <= ulp).all(), np.abs(g - w).max()
+
+
 @pytest.mark.parametrize("t", [2, 90])
 def test_thrift_model_prefills_a_prompt_as_its_forward_pass(t):
     """A prompt into a thrift model's empty caches is ThriftAttention's prefill: the forward pass's logits (its
@@ -401,7 +415,7 @@ def test_thrift_model_prefills_a_prompt_as_its_forward_pass(t):
     tokens = jax.random.randint(jax.random.PRNGKey(t), (2, t + 1), 0, 256)
     logits, caches = jax.jit(model.decode)(tokens[:, :t], model.init_cache(2))
     want = jax.jit(lambda x: model(x))(tokens[:, :t])
-    np.testing.assert_allclose(np.asarray(logits, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-5)
+    _assert_same_but_rounding(logits, want)
     # per-token decodes are another computation (the decode's own selection and 4-bit reads): not these logits
     stepwise, c = [], model.init_cache(2)
     for i in range(t):
@@ -412,7 +426,7 @@ def test_thrift_model_prefills_a_prompt_as_its_forward_pass(t):
     assert [int(x.length) for x in caches] == [int(x.length) for x in c] == [t] * cfg.num_layers
     # the first layer's K/V depend on the tokens alone: the prompt's cache equals t appends of one token
     for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(c[0])):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        _assert_same_but_rounding(a, b)
     nxt, after = jax.jit(model.decode)(tokens[:, t:], caches)
     assert nxt.shape == (2, 1, cfg.vocab_size) and int(after[0].length) == t + 1
 
