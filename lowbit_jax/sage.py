@@ -410,20 +410,19 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
         raise ValueError("q_t_operand_order: only the Mosaic dK/dV kernel takes Q̂ᵀ in operand order")
     fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
         head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
-    if fuse_dq and sage_bwd_mosaic.takes_pair_ordered_inputs(fused_dq=True):
-        # one kernel, dQ reduce-added by the dK/dV kernel; its K̂ and Ṽ in pair order from one Triton pass
+    pair_ordered = fuse_dq and sage_bwd_mosaic.takes_pair_ordered_inputs(fused_dq=True)
+    if pair_ordered:  # the fused kernel's K̂ and Ṽ in pair order from one Triton pass
         k8, vd = sage_bwd_kernels.sage_bwd_kv_operands(ops.k, ops.vt, ops.v_scale, dtype=do.dtype,
                                                        v_operand_order=orders.v, interpret=opts.interpret)
-        return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
-            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, k8, ops.k_scale, vd,
-            k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=True, **dkdv_kw)
-    vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
-          if dkdv_mosaic or dq_mosaic else None)
+    else:
+        k8 = ops.k
+        vd = (sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
+              if dkdv_mosaic or dq_mosaic else None)
     ops = _natural_vt(ops, orders.v)  # for the Triton kernels (unused, and dropped by XLA, where none runs)
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
-            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd,
-            k8_t=ops.k_t, scale=opts.scale, **dkdv_kw)
+            ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, k8, ops.k_scale, vd,
+            k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=pair_ordered, **dkdv_kw)
     if dkdv_mosaic:
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd, **dkdv_kw)
