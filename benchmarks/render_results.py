@@ -34,7 +34,8 @@ def render_attention(data: dict) -> list[str]:
         *_command_block(data),
         "TFLOP/s (TOP/s for INT8) count 4·B·H·S²·D, halved if causal, for every method; "
         "times are per call with calls queued back to back (device time). "
-        "`sage` is the whole op (K-mean/V-amax reductions + fused quantize kernels + attention kernel); "
+        "`sage` is the whole op (the K-mean/V-amax pass + fused quantize kernels + attention kernel; the pass was "
+        "two XLA reductions before 2026-12-02 19:00, one Triton kernel, `sage_channel_stats`, since); "
         "`kernel` is an attention kernel alone on pre-quantized operands: the one the whole op runs where the "
         "row says `mosaic` (the Mosaic GPU forward, `fwd_backend` \"auto\" on Hopper), else the Triton kernel "
         "(`sage_fwd.sage_attention_fwd`; the runs up to 2026-12-01 04:05 timed it whatever the op ran, so "
