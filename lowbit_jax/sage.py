@@ -410,7 +410,7 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
         raise ValueError("q_t_operand_order: only the Mosaic dK/dV kernel takes Q̂ᵀ in operand order")
     fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
         head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
-    pair_ordered = fuse_dq and sage_bwd_mosaic.takes_pair_ordered_inputs(fused_dq=True)
+    pair_ordered = sage_bwd_mosaic.takes_pair_ordered_inputs(fused_dq=fuse_dq)
     if pair_ordered:  # the fused kernel's K̂ and Ṽ in pair order from one Triton pass
         k8, vd = sage_bwd_kernels.sage_bwd_kv_operands(ops.k, ops.vt, ops.v_scale, dtype=do.dtype,
                                                        v_operand_order=orders.v, interpret=opts.interpret)

@@ -437,8 +437,7 @@ def test_kv_operands_kernel_matches_xla_transposes(sk_pad, v_operand_order, dtyp
 def test_fused_backward_takes_kv_operands_kernel(case, monkeypatch):
     """The fused Mosaic backward gets K̂ and Ṽ in pair order from ``sage_bwd_kv_operands`` (``KV_OPERANDS_KERNEL``):
     o and every gradient equal the XLA transposes' route exactly (ragged causal GQA at D64, D128; compiled, dQ to
-    its summation order); a spy sees
-    the kernel called once with V̂ᵀ in the forward's operand order."""
+    its summation order); a spy sees the kernel called once with V̂ᵀ in the forward's operand order."""
     from pallas_kernels import sage_bwd, sage_bwd_mosaic
 
     b, sq, sk, hq, hkv, d, causal = case

@@ -1,5 +1,6 @@
-"""Probe: K's token mean and V's per-channel |max| from one Pallas-Triton pass (partials per chunk of tokens,
-then a tiny XLA reduction) against XLA's two column reductions (``sage_reference.channel_stats``).
+"""Probe: K's token mean and V's per-channel |max| from one Pallas-Triton pass
+(``pallas_kernels.quantize.sage_channel_stats``, at several chunk sizes and warp counts) against XLA's two column
+reductions (``sage_reference.channel_stats``).
 
     PYTHONPATH=. python benchmarks/probes/channel_stats.py            # GPU: values and profiled times
     PYTHONPATH=. python benchmarks/probes/channel_stats.py --interpret  # CPU: values only
@@ -16,32 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit_jax.formats import int8
 from lowbit_jax.sage_reference import channel_stats
-from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
-
-
-def _stats_kernel(k_ref, v_ref, ksum_ref, vmax_ref, *, chunk, seq_len, ragged):
-    valid = row_mask(pl.program_id(2) * chunk, chunk, seq_len) if ragged else None
-    k = load_rows(k_ref, valid).astype(jnp.float32)
-    v = load_rows(v_ref, valid).astype(jnp.float32)
-    ksum_ref[...] = jnp.sum(k, axis=0, keepdims=True)
-    vmax_ref[...] = jnp.max(jnp.abs(v), axis=0, keepdims=True)
-
-
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "interpret"))
-def triton_stats(k, v, *, chunk=256, num_warps=4, interpret=False):
-    b, s, h, d = k.shape
-    nch = pl.cdiv(s, chunk)
-    row = pl.BlockSpec((None, chunk, None, d), lambda bi, hi, i: (bi, i, hi, 0))
-    part = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0))
-    ksum, vmax = pl.pallas_call(
-        functools.partial(_stats_kernel, chunk=chunk, seq_len=s, ragged=s % chunk != 0),
-        grid=(b, h, nch), in_specs=[row, row], out_specs=[part, part],
-        out_shape=[jax.ShapeDtypeStruct((b, h, nch, d), jnp.float32)] * 2,
-        compiler_params=compiler_params(num_warps, 1), interpret=interpret, name="sage_channel_stats",
-    )(k, v)
-    return jnp.sum(ksum, axis=2) / s, int8.scale_from_amax(jnp.max(vmax, axis=2))
+from pallas_kernels.quantize import sage_channel_stats
 
 
 @jax.jit
@@ -63,7 +40,8 @@ def main() -> None:
         row = dict(shape=shape)
         variants = [(c, w) for c in (128, 256, 512) for w in (4, 8)] if not args.interpret else [(128, 4)]
         for chunk, warps in variants:
-            fn = functools.partial(triton_stats, chunk=chunk, num_warps=warps, interpret=args.interpret)
+            fn = functools.partial(sage_channel_stats, smooth_k=True, chunk=chunk, num_warps=warps,
+                                   interpret=args.interpret)
             mean, scale = fn(k, v)
             name = f"triton_c{chunk}_w{warps}"
             row[name] = dict(

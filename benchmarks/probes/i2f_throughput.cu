@@ -1,5 +1,5 @@
-// int32 -> float32 on Hopper: the conversion (I2F) against the magic-number form (IADD, FADD) that the
-// Mosaic kernels' MAGIC_I2F probe uses. Each thread runs 8 independent chains; every mode does the same
+// int32 -> float32 on Hopper: the conversion (I2F) against the magic-number form (IADD, FADD) that would
+// replace it in the INT8 kernels (benchmarks/NOTES.md, thirty-ninth session). Each thread runs 8 independent chains; every mode does the same
 // xor (to defeat strength reduction) and the same float add; only the conversion differs.
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o i2f i2f_throughput.cu && ./i2f
 #include <cstdio>

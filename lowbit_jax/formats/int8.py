@@ -137,7 +137,8 @@ def int32_as_biased_float(i: jax.Array) -> jax.Array:
     One integer add instead of an int→float conversion (on the H200 the conversion
     measured no slower than this add and the float subtract that recovers i:
     benchmarks/probes/i2f_throughput.cu, benchmarks/NOTES.md thirty-ninth session; the
-    Triton forward keeps the biased form because it also feeds the row maximum). Differences of two such floats are exact integers,
+    Triton forward keeps the biased form because it also feeds the row maximum).
+    Differences of two such floats are exact integers,
     since all of them lie in ``[2**23, 2**24)``. An INT8·INT8 dot over up to 256
     terms stays below 2**22 in magnitude.
     """
