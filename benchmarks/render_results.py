@@ -248,7 +248,12 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "Columns of methods the run did not time (`qat.py --methods`) are left out (the run of 2026-11-29 20:30 "
            "with every column — Triton kernels 0.50–0.54× cuDNN fwd+bwd, Mosaic without ping-pong 0.54–0.65× — is "
            "quoted in benchmarks/NOTES.md, sixteenth session). From 2026-11-30 the D128 causal backward fuses dQ "
-           "into the dK/dV kernel, split by columns between its warpgroups (`QatConfig.dq_kernel`).", "",
+           "into the dK/dV kernel, split by columns between its warpgroups (`QatConfig.dq_kernel`). From 2026-12-02 "
+           "22:45 P̃ for bf16 operands is the bf16 quantizer in every kernel and in the reference "
+           "(`nvfp4.fake_quant_probabilities`: P rounded to bf16, quantized in packed bf16 arithmetic; fwd+bwd 7–10% "
+           "less device time, benchmarks/NOTES.md, fortieth session), and the Mosaic forward folds the softmax scale "
+           "into the exponent (the backward too at head dim 64: off in the 22:39 run, level at B8 H32 S2048 D64, "
+           "3.290 vs 3.287 ms busy).", "",
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]

@@ -1,7 +1,9 @@
 """Pure-JAX references of Attn-QAT with the kernels' exact fake quantization.
 
-shared/SPEC.md §2. The fake quantizer is :func:`lowbit_jax.formats.nvfp4.fake_quant_last`,
-the same function the Pallas kernels call on tiles. Three references:
+shared/SPEC.md §2. The fake quantizer of Q, K, V is :func:`lowbit_jax.formats.nvfp4.fake_quant_last`; that of P
+is :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` — for bf16 operands P rounded to bf16 and quantized in
+bf16 arithmetic (emulated here, native in the kernels, equal bit for bit), which halves its cost on the GPU.
+Three references:
 
 * :func:`fake_quant_operands` / :func:`qat_forward_reference` /
   :func:`qat_backward_reference` — twins of the kernels (same tiles for the
@@ -94,7 +96,7 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
         cols = j * bk + jnp.arange(bk)[None, :]
         s = jnp.where(visible(rows, cols, sq_len, sk_len, causal), s, -jnp.inf)
         (p,), alpha, m_new, l_new = online_softmax_step([s], m_prev, l_prev)
-        pq = nvfp4.fake_quant_last(p, nonnegative=True)
+        pq = nvfp4.fake_quant_probabilities(p, dt)
         acc = acc * alpha[..., None] + jnp.einsum("bhqk,bhkd->bhqd", pq.astype(dt), vj,
                                                   preferred_element_type=jnp.float32)
         if with_aux:
@@ -167,7 +169,7 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len
         s = jnp.where(visible(rows, cols, sq_len, sk_len, causal), s, -jnp.inf)
         e = jnp.exp2(s - m_i[..., None])
         p = e * inv_l_i[..., None]
-        pv = p if naive else nvfp4.fake_quant_last(e, nonnegative=True) * inv_l_i[..., None]
+        pv = p if naive else nvfp4.fake_quant_probabilities(e, dt, times=inv_l_i[..., None])
         dv = dv + jnp.einsum("bhqk,bhqd->bhkd", pv.astype(dt), do_i, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_all, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_i[..., None])).astype(dt)
@@ -194,12 +196,13 @@ def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len
 
 
 def qat_attention_ste(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                      scale: float | None = None) -> jax.Array:
+                      scale: float | None = None, operand_dtype=jnp.bfloat16) -> jax.Array:
     """Attn-QAT as a differentiable JAX graph (float32): its autodiff is the Attn-QAT gradient.
 
     Q̃, K̃, Ṽ = fake_quant (straight-through); P = softmax(Q̃K̃ᵀ·scale) exact;
     P̃ = FQ(P / rowmax P)·rowmax P (quantized relative to the row max, as the
-    kernels do); O = (P + sg(P̃ − P))·Ṽ. Autodiff gives dV = P̃ᵀdO, dP = dO·Ṽᵀ and the
+    kernels do, with their quantizer for ``operand_dtype``: :func:`nvfp4.fake_quant_probabilities`, bfloat16 for
+    bf16 and float32 inputs); O = (P + sg(P̃ − P))·Ṽ. Autodiff gives dV = P̃ᵀdO, dP = dO·Ṽᵀ and the
     softmax backward with rowsum(P ∘ dP) = rowsum(dO ∘ PṼ) = rowsum(dO ∘ O').
     (Its forward value quantizes the *normalized* P, the kernels the per-tile P:
     compare gradients, not outputs, with it.)
@@ -227,5 +230,5 @@ def qat_attention_ste(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool 
     p_pad = jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, pad)))
     pmax = jnp.max(p_pad, axis=-1, keepdims=True)
     rel = p_pad * jnp.where(pmax > 0, 1.0 / jnp.where(pmax > 0, pmax, 1.0), 0.0)
-    pq = jax.lax.stop_gradient(nvfp4.fake_quant_last(rel, nonnegative=True)[..., :sk] * pmax - p)
+    pq = jax.lax.stop_gradient(nvfp4.fake_quant_probabilities(rel, operand_dtype, times=pmax)[..., :sk] - p)
     return jnp.einsum("bhqk,bkhd->bqhd", p + pq, vt, precision=jax.lax.Precision.HIGHEST)

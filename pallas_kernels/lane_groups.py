@@ -112,9 +112,30 @@ def group_max(x: jax.Array, interpret: bool) -> jax.Array:
     return _max(x)
 
 
-def fake_quant_p(p: jax.Array, interpret: bool) -> jax.Array:
-    """FQ(P) of a (64, n) tile of non-negative finite probabilities in groups of 16 keys per row: lane-ordered
-    keys if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). float32."""
-    if ENABLED:
-        return nvfp4.fake_quant_given_amax(p, group_max(p, interpret), nonnegative=True, assume_finite=True)
-    return nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True)
+def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None) -> jax.Array:
+    """P̃ of a (64, n) tile of non-negative finite probabilities, groups of 16 keys per row: lane-ordered keys
+    if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). The values of
+    :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` (the references' twin) for the same ``dtype``.
+
+    Args:
+      p: (64, n) float32.
+      times: a factor of p's shape that is constant along each FP4 group (a row's 1/l): the result is then
+        e2m1 · (sf · times), the product taken once per group.
+      dtype: the 16-bit dtype of the result (float32 if None). bfloat16 (with ``ENABLED``): P rounded to bf16
+        and quantized in packed bf16 arithmetic (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`); on the
+        H200 Attn-QAT fwd+bwd 7–10% less device time than the float32 quantizer (benchmarks/NOTES.md,
+        fortieth session). Otherwise the float32 quantizer, then converted.
+    Returns:
+      (64, n) in ``dtype``.
+    """
+    bf16 = dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    if not ENABLED:  # natural key order: each group a 16-column slice, reduced along its rows
+        out = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True, times=times, bf16=bf16)
+        return out if dtype is None else out.astype(dtype)
+    if bf16:
+        h = p.astype(jnp.bfloat16)
+        return nvfp4.fake_quant_bf16(h, group_max(h, interpret), times=times)
+    values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret), nonnegative=True, assume_finite=True,
+                                           times=times)
+    out = values * scale
+    return out if dtype is None else out.astype(dtype)

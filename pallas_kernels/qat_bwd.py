@@ -63,7 +63,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dk_ref, 
         e = jnp.exp2(s - m_ref[g, rows][:, None])  # row max 1: FQ relative to it, as the forward
         inv_l = il_ref[g, rows][:, None]  # 0 for padding and rows that see no key
         p = e * inv_l
-        pv = p if naive else nvfp4.fake_quant_last(e, nonnegative=True) * inv_l
+        pv = p if naive else nvfp4.fake_quant_probabilities(e, do.dtype, times=inv_l, emulated=False)
         dv = dv + lax.dot_general(pv.astype(do.dtype), do, DOT_TN, preferred_element_type=jnp.float32)
         dp = lax.dot_general(do, v, DOT_NT, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_ref[g, rows][:, None])).astype(q.dtype)

@@ -3,7 +3,8 @@
 Same numerics as the Triton kernels and ``lowbit_jax.qat_reference.qat_backward_reference``:
 S = Q̃K̃ᵀ·scale·log2 e, E = exp2(S − m) with the forward's row max m, P = E·(1/l);
 dV += (FQ(E)·(1/l))ᵀdO — FP4 fake quantization in groups of 16 keys per row, relative
-to the row max as in the forward — or PᵀdO for the naive ablation; dP = dO·Ṽᵀ;
+to the row max as in the forward, computed as e2m1 · (sf·(1/l)) and for bf16 in bf16 arithmetic
+(``lowbit_jax.formats.nvfp4.fake_quant_probabilities``) — or PᵀdO for the naive ablation; dP = dO·Ṽᵀ;
 dS = P ∘ (dP − D) rounded to the 16-bit operand dtype; dK += dSᵀQ̃, dQ += dS·K̃, both
 times ``scale``. D = rowsum(dO ∘ O'), m and 1/l come from ``qat_reference.backward_rows`` (one
 XLA-fused, memory-bound op); the kernels read dO as it is, (B, Sq, Hq, D), by TMA (:data:`DO_NATIVE`).
@@ -64,6 +65,11 @@ STAGES = 2
 #: B16 H10/5 S2048 D64 causal, −0.9% at B4 H32 S4096 D128, −1.1% at B8 H32 S2048 D64, the kernels level
 #: (benchmarks/NOTES.md, thirty-fourth session)
 DO_NATIVE = True
+#: up to this head dim keep S unscaled and fold the softmax scale into the exponent (``exp2(s·c − m)``, one FFMA
+#: per score), as ``qat_fwd_mosaic.SCALE_IN_EXP``. With the bf16 FQ(P), on the H200 (benchmarks/NOTES.md, fortieth
+#: session), this kernel: 0.701 → 0.658 ms at B16 H10/5 S2048 D64 causal, level at B8 H32 S2048 D64; but 3.31 →
+#: 3.56 ms at B4 H32 S4096 D128 causal, 12.36 → 13.34 at B1 H32 S16384 D128 causal, 6.08 → 6.10 at B4 H32 S4096 D128
+SCALE_IN_EXP_MAX_HEAD_DIM = 64
 #: the smallest head dim at which the fused dQ is split by columns between the warpgroups (:func:`splits_dq_columns`)
 DQ_SPLIT_MIN_HEAD_DIM = 128
 
@@ -91,12 +97,31 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: in
             and (not causal or sq_len <= sk_len))
 
 
-def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, fused):
-    """S·scale·log2 e and dP = dO·Ṽᵀ for a (queries × keys) tile, issued together."""
+def scale_in_exp(head_dim: int) -> bool:
+    """Whether the kernels fold the softmax scale into the exponent (:data:`SCALE_IN_EXP_MAX_HEAD_DIM`)."""
+    return head_dim <= SCALE_IN_EXP_MAX_HEAD_DIM
+
+
+def _scores(q_smem, k_smem, do_smem, v_smem, *, score_scale, head_dim, fused):
+    """S (times scale·log2 e unless :func:`scale_in_exp`) and dP = dO·Ṽᵀ for a (queries × keys) tile, issued
+    together."""
     shape = (q_smem.shape[0], k_smem.shape[0])
     s, dp = matmuls((shape, shape), (jnp.float32, jnp.float32), ((q_smem, k_smem.T), (do_smem, v_smem.T)),
                     fused=fused)
-    return s * score_scale, dp
+    return (s if scale_in_exp(head_dim) else s * score_scale), dp
+
+
+def _exponentials(s, m_row, score_scale, head_dim):
+    """E = exp2(S·scale·log2 e − m) (row max 1) from :func:`_scores`' S and the forward's base-2 row max."""
+    if scale_in_exp(head_dim):
+        return jnp.exp2(s * score_scale - rows_of(m_row, s.shape))  # s·c − m: one FFMA
+    return jnp.exp2(s - rows_of(m_row, s.shape))
+
+
+def _ds(e, dp, inv_l_row, delta_row, dtype):
+    """dS = P ∘ (dP − D) with P = E·(1/l), rounded to ``dtype``."""
+    shape = e.shape
+    return (e * rows_of(inv_l_row, shape) * (dp - rows_of(delta_row, shape))).astype(dtype)
 
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, group, n_qtiles, head_dim, sk_len,
@@ -143,19 +168,20 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         ds_tile = (lambda w: ds_smem2.at[lax.rem(idx[0], 2), w]) if split else (  # noqa: E731
             lambda w: ds_smem2.at[w])
         k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
-        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
+        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
+                            fused=not interpret)
         if masked:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
             s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
                             key_of_column=lane_groups.key_order())
-        shape = s.shape
-        e = jnp.exp2(s - rows_of(row_vector(m_smem), shape))  # row max 1: FQ relative to it, as the forward
-        inv_l = rows_of(row_vector(il_smem), shape)
-        p = e * inv_l
-        pv = p if naive else lane_groups.fake_quant_p(e, interpret) * inv_l
+        e = _exponentials(s, row_vector(m_smem), score_scale, head_dim)  # row max 1: FQ relative to it
+        il_row = row_vector(il_smem)
+        inv_l = rows_of(il_row, s.shape)
         dt = p_smem.dtype
-        p_smem[...] = pv.astype(dt)
-        ds_smem[...] = (p * (dp - rows_of(row_vector(delta_smem), shape))).astype(dt)
+        # P̃·(1/l) = e2m1 · (sf·(1/l)): the scale product once per FP4 group
+        pv = (e * inv_l).astype(dt) if naive else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt)
+        p_smem[...] = pv
+        ds_smem[...] = _ds(e, dp, il_row, row_vector(delta_smem), dt)
         plgpu.commit_smem()
         if split:  # both warpgroups' dS tiles are published
             cta_sync()
@@ -219,13 +245,13 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
     def step(idx, k_smem, v_smem, *consumed_and_carry):
         *consumed, dq = consumed_and_carry
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, fused=not interpret)
+        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
+                            fused=not interpret)
         if masked:
             s = mask_scores(s, idx[0] * TILE, q_start, causal=causal, offset=offset, sk_len=sk_len,
                             key_of_column=lane_groups.key_order())
-        shape = s.shape
-        p = jnp.exp2(s - rows_of(row_vector(m_smem2.at[wg]), shape)) * rows_of(row_vector(il_smem2.at[wg]), shape)
-        ds = (p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))).astype(k_smem.dtype)
+        e = _exponentials(s, row_vector(m_smem2.at[wg]), score_scale, head_dim)
+        ds = _ds(e, dp, row_vector(il_smem2.at[wg]), row_vector(delta_smem2.at[wg]), k_smem.dtype)
         ds = register_operand(ds, ds_smem2.at[wg] if interpret else None, interpret)
         (dq,) = accumulate((dq,), ((ds, k_smem),), fused=not interpret)
         for barrier in consumed:

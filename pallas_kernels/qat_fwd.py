@@ -4,7 +4,8 @@ shared/SPEC.md §2. One program owns ``block_q`` query rows of one (batch, head)
 and loops over key tiles of the fake-quantized K̃, Ṽ (from
 :mod:`pallas_kernels.fake_quant`): S = Q̃K̃ᵀ·scale·log2 e (16-bit MMA, fp32
 accumulation), online softmax in base 2, P = exp2(S − m), P̃ = FQ(P) in groups of
-16 keys per row (in registers, :func:`lowbit_jax.formats.nvfp4.fake_quant_last`),
+16 keys per row (in registers, :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities`; bf16 arithmetic
+for bf16 operands),
 O += P̃Ṽ and — for the backward — the high-precision O' += PṼ; l from the
 unquantized P. Writes O, O' (optional), the base-2 log-sum-exp L (+inf for
 rows that see no key) and the row max m (the backward's FQ(P) reference point). The H200 has no FP4 tensor cores: FP4 is emulated, the
@@ -56,7 +57,7 @@ def _qat_fwd_kernel(q_ref, k_ref, v_ref, *refs, block_q, block_k, sq_len, sk_len
             s = jnp.where(visible(rows[:, None], cols[None, :], sq_len, sk_len, causal), s, -jnp.inf)
         (p,), alpha, m_new, l_new = online_softmax_step([s], m_prev, l_prev, masked=masked)
         v = v_ref[pl.ds(start, block_k), :]
-        pq = nvfp4.fake_quant_last(p, nonnegative=True).astype(v.dtype)
+        pq = nvfp4.fake_quant_probabilities(p, v.dtype, emulated=False).astype(v.dtype)
         acc = acc * alpha[:, None] + lax.dot_general(pq, v, DOT_NN, preferred_element_type=jnp.float32)
         if with_aux:
             acc2 = acc2 * alpha[:, None] + lax.dot_general(p.astype(v.dtype), v, DOT_NN,

@@ -56,6 +56,9 @@ WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
 THREE_WGS = False
 THREE_WGS_MAX_HEAD_DIM = 64
 STAGES = 2
+#: keep the scores unscaled through the row maximum and fold the softmax scale into the exponent
+#: (``exp2(s·c − m)``, one FFMA per score instead of an FMUL and an FADD), as ``sage_fwd_mosaic.SCALE_IN_EXP``
+SCALE_IN_EXP = True
 LOG2E = math.log2(math.e)
 
 
@@ -114,18 +117,23 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
 
     def step(idx, k_smem, v_smem, *consumed_and_carry):
         *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
-        s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync) * score_scale
+        s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync)
+        if not SCALE_IN_EXP:
+            s = s * score_scale
         if masked:
             s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len,
                             key_of_column=lane_groups.key_order())
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_tile = jnp.max(s, axis=1)
+        if SCALE_IN_EXP:  # the scale is positive: max(s)·c is the row max of s·c (and −inf stays −inf)
+            m_tile = m_tile * score_scale
+        m_new = jnp.maximum(m_prev, m_tile)
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        p = jnp.exp2(s - rows_of(m_ref, shape))
+        p = jnp.exp2((s * score_scale if SCALE_IN_EXP else s) - rows_of(m_ref, shape))  # s·c − m: one FFMA
         rescale = jnp.exp2(m_prev - m_ref)  # of the running sums, per row
         alpha = rows_of(rescale, out_shape)
         l_new = l_prev * rescale + jnp.sum(p, axis=1)
         dt = v_smem.dtype
-        pq = lane_groups.fake_quant_p(p, interpret).astype(dt)
+        pq = lane_groups.fake_quant_p(p, interpret, dtype=dt)
         p16 = p.astype(dt) if with_aux else None
         acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
         pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)

@@ -208,3 +208,68 @@ def test_group_scale_rounds_the_exact_quotient():
             np.testing.assert_array_equal(np.asarray(got), want)
     rel = jnp.abs(nvfp4._sixth(jnp.asarray(amax)) - amax / np.float32(6)) / np.maximum(amax / 6, 1e-30)
     assert float(jnp.max(rel)) < 2.0**-23
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_e2m1_rounding_in_16bit_arithmetic_is_exact(dtype):
+    """``e2m1_round_16bit`` (the magic-number rounding in the 16-bit format's own arithmetic) equals the float32
+    rounding on every non-negative finite 16-bit value up to 10, ties and saturation included."""
+    top = 0x7C00 if dtype == jnp.float16 else 0x7F80
+    y = jnp.asarray(np.arange(top, dtype=np.uint16).view(dtype))
+    y = y[y <= 10]
+    got = jax.jit(nvfp4.e2m1_round_16bit)(y)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), nvfp4.e2m1_round(y.astype(jnp.float32)))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        nvfp4.e2m1_round_16bit(y.astype(jnp.float32))
+
+
+def _probability_groups(seed: int, groups: int = 4096) -> tuple[jax.Array, jax.Array]:
+    """(groups, 16) non-negative probabilities over many decades (some groups all tiny or all zero) and a 1/l per
+    group's row."""
+    rng = np.random.default_rng(seed)
+    p = np.exp2(rng.uniform(-30, 0, size=(groups, 16))) * (rng.uniform(size=(groups, 16)) > 0.1)
+    p[::97] = 0.0
+    p[1::89] *= 2.0**-100
+    inv_l = rng.uniform(2.0**-17, 1.0, size=(groups, 1))
+    return jnp.asarray(p, jnp.float32), jnp.asarray(inv_l, jnp.float32)
+
+
+@pytest.mark.parametrize("with_times", [False, True])
+def test_bf16_probability_quantizer_native_equals_emulated(with_times):
+    """Attn-QAT's P̃ for bf16 operands: the kernels' native bf16 arithmetic (``fake_quant_bf16``, here compiled
+    by XLA on the CPU) and the references' float32 emulation with explicit roundings are equal bit for bit, on
+    every bf16 value in [0, 1] (in random groups) and on probabilities over many decades; and both are a real
+    NVFP4 quantization: e2m1 · e4m3 values, differing from the float32 quantizer on few elements only."""
+    bits = np.random.default_rng(3).permutation(np.arange(0x3F81, dtype=np.uint16))[: 0x3F80 // 16 * 16]
+    every = jnp.asarray(bits.view(jnp.bfloat16).astype(np.float32)).reshape(-1, 16)
+    for p, inv_l in ((every, _probability_groups(1, every.shape[0])[1]), _probability_groups(2)):
+        times = inv_l if with_times else None
+        native = jax.jit(functools.partial(nvfp4.fake_quant_probabilities, dtype=jnp.bfloat16, emulated=False))(
+            p, times=times)
+        emulated = jax.jit(functools.partial(nvfp4.fake_quant_probabilities, dtype=jnp.bfloat16))(p, times=times)
+        np.testing.assert_array_equal(native, emulated)
+        plain = nvfp4.fake_quant_probabilities(p, jnp.bfloat16)  # e2m1 · sf, sf from bf16(P)'s group maxima
+        h = nvfp4.round_to_bf16(p)
+        sf = nvfp4.group_scale(jnp.max(h, axis=-1, keepdims=True), assume_finite=True)
+        values = np.asarray(plain, np.float64) / np.asarray(sf, np.float64)
+        assert np.isin(values, [0, 0.5, 1, 1.5, 2, 3, 4, 6]).all()
+        assert np.array_equal(np.asarray(sf), np.asarray(sf.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)))
+        fp32 = nvfp4.fake_quant_last(p, nonnegative=True)
+        differ = np.mean(np.asarray(plain) != np.asarray(fp32))
+        assert differ < 0.05, differ
+        if p is not every:  # P not already bf16: bf16(P)'s group maxima and near-midpoint elements differ
+            assert differ > 0
+        if with_times:
+            np.testing.assert_allclose(emulated, plain * times, rtol=2**-7, atol=0)  # two bf16 roundings
+
+
+def test_probability_quantizer_float32_path_is_the_float32_quantizer():
+    """For float16 (and float32) operands P̃ is the float32 quantizer; with ``times`` e2m1 · (sf·times) per group."""
+    p, inv_l = _probability_groups(4)
+    np.testing.assert_array_equal(nvfp4.fake_quant_probabilities(p, jnp.float16),
+                                  nvfp4.fake_quant_last(p, nonnegative=True))
+    got = nvfp4.fake_quant_probabilities(p, jnp.float16, times=inv_l)
+    values, sf = nvfp4.fake_quant_parts(p, jnp.max(p, axis=-1, keepdims=True), nonnegative=True)
+    np.testing.assert_array_equal(got, values * (sf * inv_l))
+    np.testing.assert_allclose(got, nvfp4.fake_quant_last(p, nonnegative=True) * inv_l, rtol=2**-23)

@@ -187,17 +187,21 @@ def test_float32_inputs_and_naive_backward_kernel():
 
 
 def test_forward_semantics_single_tile():
-    """With one key tile, O = FQ(exp2(S − rowmax))·Ṽ / l (l from the unquantized P), O' alone is not returned."""
+    """With one key tile, O = FQ(exp2(S − rowmax))·Ṽ / l (l from the unquantized P), O' alone is not returned; the
+    operands are bf16 for float32 inputs, so FQ(P) is the bf16 quantizer (:func:`nvfp4.fake_quant_probabilities`),
+    whose values differ from the float32 quantizer's measurably."""
     q, k, v = make_qkv(1, 32, 64, 1, 1, 64, dtype=jnp.float32, seed=4)
     cfg = lb.QatConfig(block_q=32, block_k=64, bwd_block_q=32, bwd_block_k=64, quant_block=32)
     out = lb.qat_attention(q, k, v, implementation="xla", config=cfg)
     qt, kt, vt = (np.asarray(nvfp4.fake_quant_last(x[0, :, 0]), np.float64) for x in (q, k, v))
     s = qt @ kt.T * (64**-0.5) * np.log2(np.e)
     e = np.exp2(s - s.max(-1, keepdims=True))
-    eq = np.asarray(nvfp4.fake_quant_last(jnp.asarray(e, jnp.float32)), np.float64)
+    eq = np.asarray(nvfp4.fake_quant_probabilities(jnp.asarray(e, jnp.float32), jnp.bfloat16), np.float64)
     want = (eq @ vt) / e.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(out[0, :, 0]), want, rtol=2e-2, atol=2e-2)  # bf16 MMA operands
     assert metrics(out[0, :, 0], want)[1] < 4e-3
+    eq32 = np.asarray(nvfp4.fake_quant_last(jnp.asarray(e, jnp.float32), nonnegative=True), np.float64)
+    assert 0 < np.mean(eq != eq32) < 0.05  # another quantizer: a few groups' scales and near-midpoint values
     # and FP4 matters: the unquantized P gives a measurably different output
     assert metrics((e @ vt) / e.sum(-1, keepdims=True), want)[1] > 0.02
 
@@ -366,6 +370,15 @@ def test_lane_order_groups_are_whole_fp4_groups():
     np.testing.assert_array_equal(lane_groups.from_lane_order(got, 1), np.repeat(natural, 16, axis=1))
     fq = lane_groups.from_lane_order(lane_groups.fake_quant_p(lane_groups.to_lane_order(p, 1), True), 1)
     np.testing.assert_array_equal(fq, nvfp4.fake_quant_last(p, nonnegative=True))
+    # the kernels' P̃ for 16-bit operands (bf16: bf16 arithmetic) and P̃·(1/l), against the references' quantizer
+    inv_l = jax.random.uniform(jax.random.key(1), (64, 1), jnp.float32, 1e-3, 1.0)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for times in (None, inv_l):
+            lanes_t = None if times is None else jnp.broadcast_to(times, p.shape)
+            got = lane_groups.fake_quant_p(lane_groups.to_lane_order(p, 1), True, times=lanes_t, dtype=dtype)
+            assert got.dtype == dtype
+            want = nvfp4.fake_quant_probabilities(p, dtype, times=times).astype(dtype)
+            np.testing.assert_array_equal(lane_groups.from_lane_order(got, 1), want)
     with pytest.raises(ValueError, match="multiple of 64"):
         lane_groups.group_max(p[:, :96], interpret=True)
 

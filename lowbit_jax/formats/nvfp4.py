@@ -294,49 +294,187 @@ def group_scale(amax: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     return jnp.where(sf == 0.0, 1.0, sf)
 
 
-def fake_quant_given_amax(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
-                          broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
-    """φ⁻¹(φ(x)) element-wise, given the amax of each element's group (float32).
-
-    The one element-wise fake quantizer behind :func:`fake_quant_columns` and the Mosaic GPU kernels, whose
-    group maxima come from their own register layout (``pallas_kernels.lane_groups``).
+def fake_quant_parts(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
+                     times: jax.Array | None = None,
+                     broadcast: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+    """φ(x) element-wise as its two factors, given the amax of each element's group: (e2m1 values with x's
+    sign, the group scale sf), both float32 of x's shape; φ⁻¹(φ(x)) = values · sf exactly (both factors and
+    their product are exact in float32, bf16 and fp16).
 
     Args:
       x: float, any shape.
       amax: the group amax of every element (x's shape), or of every group if ``broadcast`` maps it to x's
         shape (the scale and its reciprocal are then computed once per group, then broadcast).
       nonnegative, assume_finite: as in :func:`quantize_groups` and :func:`e4m3_round`.
-    Returns:
-      float32 of x's shape: e2m1 · sf.
+      times: a factor of amax's shape (constant along each group, e.g. a row's 1/l): the second factor is
+        then sf · times, the product taken per group (before ``broadcast``).
     """
     xf = x.astype(jnp.float32)
     mag_in = xf if nonnegative else jnp.abs(xf)
     sf = group_scale(amax, assume_finite=assume_finite)
     inv = 1.0 / sf
+    if times is not None:
+        sf = sf * times
     if broadcast is not None:
         sf, inv = broadcast(sf), broadcast(inv)
-    mag = e2m1_round(mag_in * inv) * sf
-    return mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)
+    mag = e2m1_round(mag_in * inv)
+    return (mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)), sf
 
 
-def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False) -> jax.Array:
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """float32 x rounded to nearest even bfloat16 values, kept float32 (subnormals kept, as the GPU's conversion).
+
+    ``lax.reduce_precision``: an explicit op that XLA never drops, unlike a float32 → bf16 → float32 convert
+    pair, which XLA removes where it allows excess precision (its GPU default)."""
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+
+
+def e2m1_round_16bit(y: jax.Array) -> jax.Array:
+    """:func:`e2m1_round` in the 16-bit arithmetic of y's dtype (bfloat16 or float16; non-negative, finite).
+
+    The magic-number rounding (:func:`_round_with_magic`) with the 16-bit format's own magic
+    (1.5·2**m·step, m its mantissa bits; y ≤ 6 < 2**(m−1)·step): every operation is exact or rounds
+    as the float32 one would, so the result equals ``e2m1_round(y.astype(float32))``. On the GPU each
+    operation is one packed instruction per two elements (``min``/``max``/``mul``/``add``.bf16x2 and an
+    integer AND).
+    """
+    if jnp.dtype(y.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"e2m1_round_16bit needs bfloat16 or float16, got {y.dtype}")
+    mantissa_bits = jnp.finfo(y.dtype).nmant
+    y = jnp.minimum(y, jnp.asarray(E2M1_MAX, y.dtype))
+    exponent_mask = 0x7FFF & ~((1 << mantissa_bits) - 1)
+    bits = jax.lax.bitcast_convert_type(y, jnp.int16)
+    floor2 = jax.lax.bitcast_convert_type(bits & jnp.int16(exponent_mask), y.dtype)  # 2**floor(log2 y), 0 below
+    magic = jnp.maximum(floor2, jnp.asarray(1.0, y.dtype)) * jnp.asarray(0.75 * 2.0**mantissa_bits, y.dtype)
+    return (y + magic) - magic
+
+
+def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = None) -> jax.Array:
+    """FQ of non-negative finite bfloat16 h in bfloat16 arithmetic (the Attn-QAT kernels' P̃ for bf16 operands).
+
+    sf = e4m3(amax/6) in float32 (:func:`group_scale`); y = bf16(h · bf16(1/sf)); P̃ = bf16(e2m1(y) ·
+    bf16(sf · times)). In a GPU kernel the element-wise part is one packed instruction per two elements for
+    each step (about half the float32 quantizer's instructions); :func:`fake_quant_bf16_emulated` is the same
+    function in float32 arithmetic for the references. Against float32 arithmetic
+    (:func:`fake_quant_given_amax`) only inputs within ~2**-8 relative of an e2m1 rounding midpoint can round
+    to the other neighbour, and the result's scale is rounded to bf16 when ``times`` is given.
+
+    Args:
+      h: bfloat16, any shape; amax: float32 or bfloat16 group maxima of h (h's shape, or broadcastable to it).
+      times: float32 factor constant along each group (a row's 1/l), amax's shape; None: 1.
+    Returns:
+      bfloat16 of h's shape.
+    """
+    if jnp.dtype(h.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"fake_quant_bf16 needs bfloat16 h, got {h.dtype}")
+    sf = group_scale(amax.astype(jnp.float32), assume_finite=True)
+    inv = (1.0 / sf).astype(jnp.bfloat16)
+    scale = (sf if times is None else sf * times).astype(jnp.bfloat16)
+    return e2m1_round_16bit(h * inv) * scale
+
+
+def fake_quant_bf16_emulated(x: jax.Array, amax: jax.Array, *, times: jax.Array | None = None,
+                             broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """:func:`fake_quant_bf16` in float32 arithmetic, each bfloat16 rounding made explicit (:func:`round_to_bf16`):
+    the references' twin of the kernels' native bf16 quantizer, equal to it bit for bit.
+
+    Args:
+      x: float32 holding bfloat16 values (:func:`round_to_bf16` of P); amax: their group maxima (x's shape, or
+        one per group with ``broadcast``).
+      times: as in :func:`fake_quant_bf16` (x's shape, or per group with ``broadcast``).
+    Returns:
+      float32 of x's shape, bfloat16 values.
+    """
+    sf = group_scale(amax, assume_finite=True)
+    inv = round_to_bf16(1.0 / sf)
+    scale = sf if times is None else round_to_bf16(sf * times)
+    if broadcast is not None:
+        inv, scale = broadcast(inv), broadcast(scale)
+    return round_to_bf16(e2m1_round(round_to_bf16(x * inv)) * scale)
+
+
+def fake_quant_probabilities(p: jax.Array, dtype, *, times: jax.Array | None = None,
+                             emulated: bool = True) -> jax.Array:
+    """Attn-QAT's P̃: FQ of probabilities in groups of 16 along the last axis, as every Attn-QAT kernel and
+    reference computes it for 16-bit operands of ``dtype``.
+
+    bfloat16: P is rounded to bf16 and quantized in bf16 arithmetic (:func:`fake_quant_bf16`; group amax of
+    the rounded values), about half the float32 quantizer's instructions on the GPU. Other dtypes: the
+    float32 quantizer (:func:`fake_quant_parts`). With ``times`` the result is e2m1 · (sf · times), the scale
+    product taken once per group (rounded to bf16 in the bf16 case).
+
+    Args:
+      p: float32 (..., n), non-negative and finite, n a multiple of 16.
+      dtype: the attention's 16-bit operand dtype (bfloat16 or float16; float32 is treated as float16).
+      times: float32 (..., 1) (a row's 1/l) or None.
+      emulated: bf16 arithmetic emulated in float32 with explicit roundings (:func:`fake_quant_bf16_emulated`,
+        for the XLA references) or run natively (:func:`fake_quant_bf16`, inside kernels); equal bit for bit.
+    Returns:
+      float32 (..., n).
+    """
+    g, _ = _groups(p.astype(jnp.float32), -1)  # (..., n/16, 16); per-group values broadcast as (..., n/16, 1)
+    t = None if times is None else times.astype(jnp.float32)[..., None]  # (..., 1, 1)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        if emulated:
+            h = round_to_bf16(g)
+            out = fake_quant_bf16_emulated(h, jnp.max(h, axis=-1, keepdims=True), times=t)
+        else:
+            h = g.astype(jnp.bfloat16)
+            out = fake_quant_bf16(h, jnp.max(h, axis=-1, keepdims=True), times=t).astype(jnp.float32)
+    else:
+        values, scale = fake_quant_parts(g, jnp.max(g, axis=-1, keepdims=True), nonnegative=True,
+                                         assume_finite=True, times=t)
+        out = values * scale
+    return out.reshape(p.shape)
+
+
+def fake_quant_given_amax(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
+                          broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """φ⁻¹(φ(x)) element-wise, given the amax of each element's group (float32): e2m1 · sf.
+
+    The one element-wise fake quantizer behind :func:`fake_quant_columns` and the Mosaic GPU kernels, whose
+    group maxima come from their own register layout (``pallas_kernels.lane_groups``). Arguments as
+    :func:`fake_quant_parts`. Returns float32 of x's shape.
+    """
+    values, sf = fake_quant_parts(x, amax, nonnegative=nonnegative, assume_finite=assume_finite, broadcast=broadcast)
+    return values * sf
+
+
+def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
+                       times: jax.Array | None = None, bf16: bool = False) -> jax.Array:
     """:func:`fake_quant_last` of a 2-D tile (rows, n), group by group as 16-column slices.
 
     The same values as ``fake_quant_last(x)``, written without the (rows, n/16, 16)
     reshape, which Pallas Mosaic GPU cannot apply to a register tile in the WGMMA
     layout: each group is a static 16-column slice, reduced along its rows, rounded,
     and the groups are concatenated back. ``assume_finite`` as in :func:`e4m3_round`.
+
+    Args:
+      times: x's shape, constant along each group (a row's 1/l): e2m1 · (sf · times) instead (as
+        :func:`fake_quant_probabilities`).
+      bf16: non-negative x rounded to bfloat16 and quantized in bf16 arithmetic (:func:`fake_quant_bf16`;
+        returns bfloat16), as :func:`fake_quant_probabilities` for bf16.
     """
     if x.ndim != 2 or x.shape[1] % GROUP:
         raise ValueError(f"fake_quant_columns needs a 2-D tile with a multiple of {GROUP} columns, got {x.shape}")
     xf = x.astype(jnp.float32)
     groups = []
     for g in range(xf.shape[1] // GROUP):
-        part = xf[:, g * GROUP:(g + 1) * GROUP]
-        amax = jnp.max(part if nonnegative else jnp.abs(part), axis=1)
+        cols = slice(g * GROUP, (g + 1) * GROUP)
+        part, t = xf[:, cols], None if times is None else times[:, cols]
         rows = lambda vec: jax.lax.broadcast_in_dim(vec, part.shape, [0])  # noqa: E731
-        groups.append(fake_quant_given_amax(part, amax, nonnegative=nonnegative, assume_finite=assume_finite,
-                                            broadcast=rows))
+        if bf16:
+            h = part.astype(jnp.bfloat16)
+            groups.append(fake_quant_bf16(h, rows(jnp.max(h, axis=1)), times=t))
+            continue
+        amax = jnp.max(part if nonnegative else jnp.abs(part), axis=1)
+        if t is None:
+            groups.append(fake_quant_given_amax(part, amax, nonnegative=nonnegative, assume_finite=assume_finite,
+                                                broadcast=rows))
+        else:
+            values, scale = fake_quant_parts(part, rows(amax), nonnegative=nonnegative, assume_finite=assume_finite,
+                                             times=t)
+            groups.append(values * scale)
     return jnp.concatenate(groups, axis=1)
 
 
