@@ -121,7 +121,7 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
       p: (64, n) float32.
       times: a factor of p's shape that is constant along each FP4 group (a row's 1/l): the result is then
         e2m1 · (sf · times), the product taken once per group.
-      dtype: the 16-bit dtype of the result (float32 if None). bfloat16 (with ``ENABLED``): P rounded to bf16
+      dtype: the 16-bit dtype of the result (float32 if None). bfloat16: P rounded to bf16
         and quantized in packed bf16 arithmetic (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`); on the
         H200 Attn-QAT fwd+bwd 7–10% less device time than the float32 quantizer (benchmarks/NOTES.md,
         fortieth session). Otherwise the float32 quantizer, then converted.

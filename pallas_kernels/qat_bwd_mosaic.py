@@ -169,7 +169,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
             lambda w: ds_smem2.at[w])
         k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
         s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
-                            fused=not interpret)
+                        fused=not interpret)
         if masked:
             q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
             s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
@@ -246,7 +246,7 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
         *consumed, dq = consumed_and_carry
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
-                            fused=not interpret)
+                        fused=not interpret)
         if masked:
             s = mask_scores(s, idx[0] * TILE, q_start, causal=causal, offset=offset, sk_len=sk_len,
                             key_of_column=lane_groups.key_order())
