@@ -280,7 +280,7 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
         for r in sweep["sweep"]:
             t = r["tile"]
             out.append(f"| {r['kind']} | {t[0]}×{t[1]} w{t[2]} s{t[3]} | {r['ms']:.2f} | {r['tflops']:.0f} |")
-        out += ["", "(fwd+bwd rows vary the backward tiles with the best forward tiles.)"]
+        out += ["", "(fwd+bwd rows vary the backward tiles with the best forward tiles.)", *_superseded(sweep)]
     return out + _superseded(data)
 
 
