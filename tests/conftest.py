@@ -14,12 +14,8 @@ from pathlib import Path
 # On a host without an NVIDIA GPU also LLVM's lowest optimization level for the CPU code XLA emits: the
 # interpret-mode tests compile many large programs and run each briefly (2 cores: tests/test_thrift.py 85 → 62 s,
 # every result the same).
-# And no excess precision: XLA otherwise drops float32 → bf16 → float32 convert pairs, so a bf16 operation run by
-# XLA (the interpreter's kernels, ``nvfp4.fake_quant_bf16``) can skip a rounding that the GPU's packed bf16
-# instruction makes (Attn-QAT's bf16 P̃ then differs from its reference in the last bit; benchmarks/NOTES.md,
-# fortieth session).
 HOST_DEVICES = 8
-_FLAGS = [f"--xla_force_host_platform_device_count={HOST_DEVICES}", "--xla_allow_excess_precision=false"]
+_FLAGS = [f"--xla_force_host_platform_device_count={HOST_DEVICES}"]
 if not Path("/dev/nvidiactl").exists():
     _FLAGS.append("--xla_backend_optimization_level=0")
 os.environ.setdefault("XLA_FLAGS", " ".join(_FLAGS))
