@@ -299,7 +299,9 @@ def fake_quant_parts(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False
                      broadcast: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """φ(x) element-wise as its two factors, given the amax of each element's group: (e2m1 values with x's
     sign, the group scale sf), both float32 of x's shape; φ⁻¹(φ(x)) = values · sf exactly (both factors and
-    their product are exact in float32, bf16 and fp16).
+    their product are exact in float32, bf16 and fp16). The one element-wise float32 fake quantizer behind
+    :func:`fake_quant_columns`, :func:`fake_quant_probabilities` and the Mosaic GPU kernels, whose group maxima
+    come from their own register layout (``pallas_kernels.lane_groups``).
 
     Args:
       x: float, any shape.
@@ -356,7 +358,7 @@ def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = 
     bf16(sf · times)). In a GPU kernel the element-wise part is one packed instruction per two elements for
     each step (about half the float32 quantizer's instructions); :func:`fake_quant_bf16_emulated` is the same
     function in float32 arithmetic for the references. Against float32 arithmetic
-    (:func:`fake_quant_given_amax`) only inputs within ~2**-8 relative of an e2m1 rounding midpoint can round
+    (:func:`fake_quant_parts`) only inputs within ~2**-8 relative of an e2m1 rounding midpoint can round
     to the other neighbour, and the result's scale is rounded to bf16 when ``times`` is given.
 
     Args:
@@ -405,7 +407,7 @@ def fake_quant_probabilities(p: jax.Array, dtype, *, times: jax.Array | None = N
 
     Args:
       p: float32 (..., n), non-negative and finite, n a multiple of 16.
-      dtype: the attention's 16-bit operand dtype (bfloat16 or float16; float32 is treated as float16).
+      dtype: the attention's operand dtype (bfloat16; float16 or float32 take the float32 quantizer).
       times: float32 (..., 1) (a row's 1/l) or None.
       emulated: bf16 arithmetic emulated in float32 with explicit roundings (:func:`fake_quant_bf16_emulated`,
         for the XLA references) or run natively (:func:`fake_quant_bf16`, inside kernels); equal bit for bit.
@@ -426,18 +428,6 @@ def fake_quant_probabilities(p: jax.Array, dtype, *, times: jax.Array | None = N
                                          assume_finite=True, times=t)
         out = values * scale
     return out.reshape(p.shape)
-
-
-def fake_quant_given_amax(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
-                          broadcast: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
-    """φ⁻¹(φ(x)) element-wise, given the amax of each element's group (float32): e2m1 · sf.
-
-    The one element-wise fake quantizer behind :func:`fake_quant_columns` and the Mosaic GPU kernels, whose
-    group maxima come from their own register layout (``pallas_kernels.lane_groups``). Arguments as
-    :func:`fake_quant_parts`. Returns float32 of x's shape.
-    """
-    values, sf = fake_quant_parts(x, amax, nonnegative=nonnegative, assume_finite=assume_finite, broadcast=broadcast)
-    return values * sf
 
 
 def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
@@ -468,13 +458,10 @@ def fake_quant_columns(x: jax.Array, *, nonnegative: bool = False, assume_finite
             groups.append(fake_quant_bf16(h, rows(jnp.max(h, axis=1)), times=t))
             continue
         amax = jnp.max(part if nonnegative else jnp.abs(part), axis=1)
-        if t is None:
-            groups.append(fake_quant_given_amax(part, amax, nonnegative=nonnegative, assume_finite=assume_finite,
-                                                broadcast=rows))
-        else:
-            values, scale = fake_quant_parts(part, rows(amax), nonnegative=nonnegative, assume_finite=assume_finite,
-                                             times=t)
-            groups.append(values * scale)
+        kw = dict(nonnegative=nonnegative, assume_finite=assume_finite)
+        values, scale = (fake_quant_parts(part, amax, broadcast=rows, **kw) if t is None  # scale once per row
+                         else fake_quant_parts(part, rows(amax), times=t, **kw))
+        groups.append(values * scale)
     return jnp.concatenate(groups, axis=1)
 
 
