@@ -493,6 +493,40 @@ def accumulate(accs: tuple, operands: tuple, *, fused: bool) -> tuple:
     return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
+def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fused: bool) -> tuple:
+    """``use_first(Σ a_j @ b_j)`` for the ``first`` product's terms, while the accumulations ``acc_i + a_i @ b_i``
+    (as :func:`accumulate`) run: the first product is issued before them and only it is waited for before
+    ``use_first`` (a ``wgmma.wait_group`` that leaves the later groups in flight), the rest after it.
+
+    ``first``: ((rows, cols), float32, ((a, b), ...)), a fresh accumulator. ``use_first`` gets its value and may
+    issue SMEM stores and TMA copies (a dQ tile reduce-added into GMEM). Without ``fused`` (the Mosaic GPU
+    interpreter) everything runs one product at a time, the first one first (same values). Returns the
+    accumulators. A kernel whose step waited for its dK/dV products before issuing its dQ product takes one
+    tensor-core round trip fewer per step (benchmarks/NOTES.md, forty-first session).
+
+    Float32 first products only: with an int32 (INT8) one, the SageAttention backward's dQ came out wrong on the
+    H200 (rel-L1 1.0 against the reference, and the kernel 33% slower) while the interpreter's was right; the
+    cause was not found (same session's notes).
+    """
+    shape, dtype, terms = first
+    if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+        raise NotImplementedError(f"product_first: float32 first products only, got {jnp.dtype(dtype)}")
+    if not fused:
+        use_first(matmul_sum(shape, dtype, terms, fused=False))
+        return accumulate(accs, operands, fused=False)
+
+    def body(refs):
+        first_ref, *acc_refs = refs
+        for a, b in terms:
+            plgpu.wgmma(first_ref, a, b)
+        for ref, (a, b) in zip(acc_refs, operands):
+            plgpu.wgmma(ref, a, b)
+        use_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=len(operands)))
+
+    out = pl.run_state(body)((plgpu.ACC.init(wgmma_zeros(shape, dtype)), *(plgpu.ACC.init(acc) for acc in accs)))
+    return tuple(out[1:])
+
+
 class PingPong:
     """FlashAttention-3's ping-pong schedule between the two compute warpgroups of a CTA.
 
@@ -671,4 +705,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
+           "product_first",
            "PingPong", "schedule_barrier"]

@@ -52,14 +52,18 @@ from pallas_kernels import lane_groups, stmatrix
 from pallas_kernels._mosaic import (
     PingPong, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
     matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_out,
-    REDUCE_COLS, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of,
-    schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    REDUCE_COLS, product_first, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand, row_vector,
+    rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2
 STAGES = 2
+#: pipeline stages of the dK/dV kernel's query tiles (Q̃, dO, the row vectors) at head dim 64, where SMEM has room
+#: for a third: on the H200 (benchmarks/NOTES.md, forty-first session) the kernel 1.936 → 1.911 ms at B8 H32 S2048
+#: D64, 0.636 → 0.627–0.630 at B16 H10/5 S2048 D64 causal (two repeats each). At 128 three do not fit.
+STAGES_D64 = 3
 #: the kernels read dO in its own layout (B, Sq, Hq, D), one head's rows per TMA copy, as the forward writes O,
 #: instead of a head-major copy made by an XLA transpose before them: on the H200 fwd+bwd busy time −2.2% at
 #: B16 H10/5 S2048 D64 causal, −0.9% at B4 H32 S4096 D128, −1.1% at B8 H32 S2048 D64, the kernels level
@@ -70,6 +74,9 @@ DO_NATIVE = True
 #: session), this kernel: 0.701 → 0.658 ms at B16 H10/5 S2048 D64 causal, level at B8 H32 S2048 D64; but 3.31 →
 #: 3.56 ms at B4 H32 S4096 D128 causal, 12.36 → 13.34 at B1 H32 S16384 D128 causal, 6.08 → 6.10 at B4 H32 S4096 D128
 SCALE_IN_EXP_MAX_HEAD_DIM = 64
+#: the fused dQ's product is issued before dV's and dK's, and only it is waited for before its TMA reduce-add
+#: (``_mosaic.product_first``), instead of waiting for dV and dK first: where :func:`dq_first` says so
+DQ_FIRST = True
 #: the smallest head dim at which the fused dQ is split by columns between the warpgroups (:func:`splits_dq_columns`)
 DQ_SPLIT_MIN_HEAD_DIM = 128
 
@@ -95,6 +102,16 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int, head_dim: in
     return (head_dim in (64, 128) and sq_pad % (WGS * TILE) == 0 and sk_pad % (WGS * TILE) == 0
             and jnp.dtype(dtype) in sixteen_bit and jnp.dtype(do_dtype) == jnp.dtype(dtype)
             and (not causal or sq_len <= sk_len))
+
+
+def dq_first(head_dim: int, causal: bool) -> bool:
+    """Whether the fused dQ's product goes first (:data:`DQ_FIRST`): with the column split (head dim 128), and
+    causal at head dim 64. On the H200 (benchmarks/NOTES.md, forty-first session) the dK/dV/dQ kernel: 0.664 →
+    0.633 ms at B16 H10/5 S2048 D64 causal, 6.07 → 5.94 at B4 H32 S4096 D128, 3.31 → 3.22 causal; fwd+bwd 2.06 →
+    1.99 ms at B8 H32 S2048 D64 causal, 18.55 → 18.36 at B1 H32 S16384 D128 causal. But non-causal at head dim 64
+    slower: the kernel 1.94 → 2.06 ms at B8 H32 S2048, fwd+bwd 2.14 → 2.16 at B16 H10/5 S2048 (as the
+    SageAttention kernel's one wait for its three products, ``sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL``)."""
+    return DQ_FIRST and (causal or splits_dq_columns(head_dim))
 
 
 def scale_in_exp(head_dim: int) -> bool:
@@ -185,11 +202,24 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         plgpu.commit_smem()
         if split:  # both warpgroups' dS tiles are published
             cta_sync()
-        dv, dk = accumulate((dv, dk), ((p_smem.T, do_smem), (ds_smem.T, q_smem)), fused=not interpret)
+        products = ((p_smem.T, do_smem), (ds_smem.T, q_smem))
         if fused_dq:
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
             dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
+        if fused_dq and dq_first(head_dim, causal) and (split or head_dim <= REDUCE_COLS):
+            # dQ's product first, reduce-added while dV's and dK's run on the tensor cores
+            cols = pl.ds(wg * half, half) if split else pl.ds(0, head_dim)
+            terms = (tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
+                     else ((ds_smem, k_smem.at[:, cols]),))
+            first = ((TILE, half if split else head_dim), jnp.float32, terms)
+            dv, dk = product_first(
+                first, (dv, dk), products, fused=not interpret,
+                use_first=lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret))
+            for barrier in consumed:
+                plgpu.barrier_arrive(barrier)
+            return dk, dv
+        dv, dk = accumulate((dv, dk), products, fused=not interpret)
         if split:  # columns wg·D/2… of dQ over the CTA's 128 keys: Σ_w dS_w·K̃_w[:, cols], one accumulator
             cols = pl.ds(wg * half, half)  # whole 128-byte swizzle rows of K̃ (splits_dq_columns)
             terms = tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg))
@@ -215,7 +245,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         do_tile = plgpu.BlockSpec((TILE, None, head_dim), lambda i: (head_and_tile(i)[1], head_and_tile(i)[0], 0),
                                   transforms=tile_transforms(dt, head_dim))
         do_heads = do_ref.at[b, :, heads]
-    pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES,
+    stages = STAGES_D64 if head_dim <= 64 else STAGES
+    pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
                                 in_specs=[tile, do_tile, vec, vec, vec])
     pipeline(q_ref.at[b, heads], do_heads, m_ref.at[b, heads], il_ref.at[b, heads], delta_ref.at[b, heads])
 

@@ -83,6 +83,10 @@ LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
 WGS = 2  # compute warpgroups per CTA
 STAGES = 2
+#: pipeline stages of the fused dK/dV(/dQ) kernel's query tiles at head dim 64, where SMEM has room for a third: on
+#: the H200 (benchmarks/NOTES.md, forty-first session) the kernel 0.680 / 0.677 → 0.670 / 0.669 ms at B16 H10/5
+#: S2048 D64 causal, 1.118 / 1.112 → 1.104 / 1.102 at B8 H32 S2048 D64 causal (two repeats); not timed non-causal
+STAGES_D64 = 3
 #: causal, head dim 64, fused dQ: issue dQ's dŜK̂ together with dV and dK, one wait for the three (on the
 #: H200 fwd+bwd 3% faster at B16 H10/5 S2048 causal, 2% at B8 H32 S2048 causal, but 2.4% slower
 #: non-causal at B8 H32 S2048, where dQ keeps its own wait; benchmarks/NOTES.md, twelfth session)
@@ -338,7 +342,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     i8, f16 = jnp.int8, do_ref.dtype
     vec = plgpu.BlockSpec((None, TILE), q_tile())
     pipeline = compute_pipeline(
-        step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES, in_specs=[
+        step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES_D64 if head_dim <= 64 else STAGES,
+        in_specs=[
             plgpu.BlockSpec((None, TILE, head_dim), q_tile(0), transforms=tile_transforms(i8, head_dim)),
             vec,
             plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),

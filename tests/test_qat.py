@@ -148,6 +148,35 @@ def test_mosaic_fused_dq_same_gradients(case):
     assert qat_bwd_mosaic.splits_dq_columns(128) and not qat_bwd_mosaic.splits_dq_columns(64)
 
 
+@pytest.mark.parametrize("case", [(1, 130, 200, 4, 2, 64, True), (1, 128, 256, 2, 1, 128, False)])
+def test_mosaic_dq_first_same_gradients(monkeypatch, case):
+    """qat_bwd_mosaic.DQ_FIRST (the fused dQ's product issued before dV's and dK's and reduce-added while they run,
+    ``_mosaic.product_first``) orders the products only: the gradients equal those with it off (interpreter;
+    D64 causal with ragged Sq < Sk and GQA; D128 non-causal MQA, where dQ is split by columns between the
+    warpgroups). A spy checks the kernel took that route with the switch on and not with it off."""
+    from pallas_kernels import qat_bwd_mosaic
+
+    real, routes = qat_bwd_mosaic.product_first, []
+    monkeypatch.setattr(qat_bwd_mosaic, "product_first", lambda *a, **kw: routes.append(True) or real(*a, **kw))
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d)
+    do = cotangent(q)
+    got = {}
+    for first in (True, False):
+        monkeypatch.setattr(qat_bwd_mosaic, "DQ_FIRST", first)
+        jax.clear_caches()
+        routes.clear()
+        got[first] = grads(q, k, v, do, causal=causal, implementation="pallas", interpret=True,
+                           config=dataclasses.replace(MOSAIC, dq_kernel="fused"))
+        assert bool(routes) == first, (first, routes)
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+    monkeypatch.setattr(qat_bwd_mosaic, "DQ_FIRST", True)
+    assert [qat_bwd_mosaic.dq_first(hd, c) for hd in (64, 128) for c in (False, True)] == [False, True, True, True]
+    with pytest.raises(NotImplementedError, match="float32 first products only"):  # int32: wrong on the H200
+        real(((64, 64), jnp.int32, ()), (), (), lambda _: None, fused=True)
+
+
 def test_mosaic_coverage():
     from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
 
