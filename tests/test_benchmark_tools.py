@@ -1,6 +1,7 @@
 """benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
 benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run),
-benchmarks/smem_report.py (lowered on the CPU), benchmarks/sass_census.py (a synthetic listing)."""
+benchmarks/smem_report.py (lowered on the CPU), benchmarks/sass_census.py (a synthetic listing),
+benchmarks/probes/ncu_sass.py (a synthetic Nsight Compute page)."""
 
 import json
 
@@ -455,3 +456,29 @@ def test_serving_prefill_runs_and_its_table_renders(monkeypatch):
                                                           rel_l2=dict(op["rel_l2"], cudnn=1e-3),
                                                           max_abs_between=1e-3)], models=[row])))
     assert "| 1 | 40 | 24 | 96 | 4/2 | 32 |" in text and "| 2.0× |" in text and "| thrift f=0.05 prefill |" in text
+
+
+def test_ncu_sass_summary_splits_kernels_and_ranks_stalls(tmp_path):
+    """benchmarks/probes/ncu_sass.py on a synthetic `ncu --page source --csv --print-source sass` file: two kernels,
+    each with its own header; samples are shared out by reason and opcode, ``--rows`` keeps a part."""
+    from benchmarks.probes.ncu_sass import load, summary
+
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+            '"stall_barrier","stall_long_sb","stall_long_sb (Not Issued)"')
+    text = "\n".join([
+        '"Kernel Name","k_one",', head,
+        '"0x10","      @!P1  BRA 0x20","30","5","0","30","1"',
+        '"0x20","      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ","10","4","0","0","0"',
+        '"0x30","      WARPGROUP.DEPBAR.LE gsb0, 0x0","60","4","60","0","0"',
+        '"Kernel Name","k_two",', head,
+        '"0x10","      FADD R1, R2, R3","7","9","0","7","0"',
+    ])
+    path = tmp_path / "x.sass.csv"
+    path.write_text(text + "\n")
+    kernels = load(str(path))
+    assert [name for name, _ in kernels] == ["k_one", "k_two"] and [len(rows) for _, rows in kernels] == [3, 1]
+    out = summary("k_one", kernels[0][1], 0, 3, top=2)
+    assert "barrier 60.0%, long_sb 30.0%" in out and "WARPGROUP 60.0%, BRA 30.0%" in out
+    assert "DEPBAR" in out and "HGMMA" not in out.split("top 2")[1]  # the two most sampled rows only
+    part = summary("k_one", kernels[0][1], 1, 3, top=5)
+    assert "70.0% of 100 samples" in part and "barrier 85.7%" in part
