@@ -24,8 +24,9 @@ updated in place, the two independent products of a step issued together.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
   dS·K̃ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
   ``_mosaic.reduce_add_matmul``); from head dim 128 split by columns between the two warpgroups
-  after a CTA-wide barrier (:func:`splits_dq_columns`). The default (faster on the H200 at every
-  benchmarked shape since the keys went into lane order).
+  after a CTA-wide barrier (:func:`splits_dq_columns`); at head dim 128 and causal the dQ product is issued
+  before dV's and dK's and reduce-added while they run (:func:`dq_first`). The default (faster on the H200 at
+  every benchmarked shape since the keys went into lane order).
 
 Causal (bottom-right aligned, Sq ≤ Sk): the dK/dV pipeline starts at the first
 query tile that sees the block's keys, the dQ pipeline stops after the last key
