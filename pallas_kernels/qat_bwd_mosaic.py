@@ -208,27 +208,24 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
             g, t = head_and_tile(idx[0])
             acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
             dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
-        if fused_dq and dq_first(head_dim, causal) and (split or head_dim <= REDUCE_COLS):
-            # dQ's product first, reduce-added while dV's and dK's run on the tensor cores
+        # one dQ product a step: split, columns wg·D/2… over the CTA's 128 keys, Σ_w dS_w·K̃_w[:, cols] (whole
+        # 128-byte swizzle rows of K̃, splits_dq_columns); else, up to REDUCE_COLS columns, dS·K̃
+        one_dq = fused_dq and (split or head_dim <= REDUCE_COLS)
+        if one_dq:
             cols = pl.ds(wg * half, half) if split else pl.ds(0, head_dim)
-            terms = (tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
-                     else ((ds_smem, k_smem.at[:, cols]),))
-            first = ((TILE, half if split else head_dim), jnp.float32, terms)
-            dv, dk = product_first(
-                first, (dv, dk), products, fused=not interpret,
-                use_first=lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret))
-            for barrier in consumed:
-                plgpu.barrier_arrive(barrier)
-            return dk, dv
-        dv, dk = accumulate((dv, dk), products, fused=not interpret)
-        if split:  # columns wg·D/2… of dQ over the CTA's 128 keys: Σ_w dS_w·K̃_w[:, cols], one accumulator
-            cols = pl.ds(wg * half, half)  # whole 128-byte swizzle rows of K̃ (splits_dq_columns)
-            terms = tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg))
-            dq = matmul_sum((TILE, half), jnp.float32, terms, fused=not interpret)
-            reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret)
-        elif fused_dq:
-            reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim, dq_dst,
-                              interpret=interpret)
+            dq_product = ((TILE, half if split else head_dim), jnp.float32,
+                          tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
+                          else ((ds_smem, k_smem.at[:, cols]),))
+            add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret)  # noqa: E731
+        if one_dq and dq_first(head_dim, causal):  # reduce-added while dV's and dK's products run
+            dv, dk = product_first(dq_product, (dv, dk), products, add_dq, fused=not interpret)
+        else:
+            dv, dk = accumulate((dv, dk), products, fused=not interpret)
+            if one_dq:
+                add_dq(matmul_sum(*dq_product, fused=not interpret))
+            elif fused_dq:  # unsplit beyond REDUCE_COLS columns: one product and reduce-add per chunk
+                reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim, dq_dst,
+                                  interpret=interpret)
         for barrier in consumed:
             plgpu.barrier_arrive(barrier)
         return dk, dv
