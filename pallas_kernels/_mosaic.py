@@ -35,6 +35,11 @@ MEMORY_REGISTERS = 40
 #: and level timings (benchmarks/NOTES.md, eighteenth session); kept at the default, since nothing gained.
 REDUCTION_SCRATCH_BYTES: int | None = None
 
+#: free the dQ reduce-add stage (:func:`stage_free`: the previous TMA reduce-add has read it, and a warpgroup
+#: barrier) right after the step's products are issued, while the tensor cores run them, instead of after the
+#: dQ product is waited for, just before the stage is rewritten (:func:`early_stage_wait`)
+EARLY_STAGE_WAIT = True
+
 
 def compiler_params() -> plgpu.CompilerParams:
     """Mosaic GPU compiler parameters (fast approximate exp2/reciprocal)."""
@@ -292,6 +297,12 @@ def wgmma_zeros(shape: tuple[int, int], dtype=jnp.float32) -> jax.Array:
     return plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
 
 
+def _call(hook: Callable[[], None] | None) -> None:
+    """Run an optional hook (``issued=`` of the product helpers)."""
+    if hook is not None:
+        hook()
+
+
 def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued=None) -> jax.Array:
     """``a @ b`` on the tensor cores (``a`` SMEM or registers, ``b`` SMEM), as a fresh array.
     ``issued`` (optional) is called after the product is issued, before waiting for it
@@ -306,16 +317,19 @@ def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued=None) -> jax.A
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
 
 
-def matmul_sum(acc_shape: tuple[int, int], acc_dtype, operands: tuple, *, fused: bool) -> jax.Array:
+def matmul_sum(acc_shape: tuple[int, int], acc_dtype, operands: tuple, *, fused: bool,
+               issued: Callable[[], None] | None = None) -> jax.Array:
     """``Σ a_i @ b_i`` over ``operands`` (one ``(a, b)`` per term), as a fresh array: ``fused`` issues every
     term into one accumulator and waits once; otherwise (the Mosaic GPU interpreter) the products are
-    computed one at a time and added (same values up to accumulation order)."""
+    computed one at a time and added (same values up to accumulation order). ``issued`` as in :func:`matmul`."""
     if not fused:
+        _call(issued)
         return sum(matmul(acc_shape, acc_dtype, a, b) for a, b in operands)
 
     def body(acc_ref):
         for a, b in operands:
             plgpu.wgmma(acc_ref, a, b)
+        _call(issued)
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
@@ -464,45 +478,53 @@ def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = T
     return scratch
 
 
-def matmuls(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool) -> tuple:
+def matmuls(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool,
+            issued: Callable[[], None] | None = None) -> tuple:
     """Independent products ``a_i @ b_i`` (``operands``: one ``(a, b)`` per product).
 
     ``fused`` issues every ``wgmma`` group before one wait (the tensor cores run them
     back to back); otherwise one after the other, each waited. The Mosaic GPU
-    interpreter only runs the second form (same values).
+    interpreter only runs the second form (same values). ``issued`` as in :func:`accumulate`.
     """
     if not fused:
+        _call(issued)
         return tuple(matmul(s, dt, a, b) for s, dt, (a, b) in zip(shapes, dtypes, operands))
-    return accumulate(tuple(wgmma_zeros(s, dt) for s, dt in zip(shapes, dtypes)), operands, fused=True)
+    return accumulate(tuple(wgmma_zeros(s, dt) for s, dt in zip(shapes, dtypes)), operands, fused=True,
+                      issued=issued)
 
 
-def accumulate(accs: tuple, operands: tuple, *, fused: bool) -> tuple:
+def accumulate(accs: tuple, operands: tuple, *, fused: bool, issued: Callable[[], None] | None = None) -> tuple:
     """``acc_i + a_i @ b_i`` for each accumulator (float32 or int32 WGMMA-layout arrays).
 
     ``fused`` issues every product into its accumulator in place and waits once;
     otherwise (the Mosaic GPU interpreter) each product is computed into a fresh
-    accumulator and added (same values up to accumulation order).
+    accumulator and added (same values up to accumulation order). ``issued`` (optional) is called after
+    the products are issued, before the wait (interpreted: before them).
     """
     if not fused:
+        _call(issued)
         return tuple(acc + matmul(acc.shape, acc.dtype, a, b) for acc, (a, b) in zip(accs, operands))
 
     def body(refs):
         for ref, (a, b) in zip(refs, operands):
             plgpu.wgmma(ref, a, b)
+        _call(issued)
 
     return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
-def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fused: bool) -> tuple:
+def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fused: bool,
+                  issued: Callable[[], None] | None = None) -> tuple:
     """``use_first(Σ a_j @ b_j)`` for the ``first`` product's terms, while the accumulations ``acc_i + a_i @ b_i``
     (as :func:`accumulate`) run: the first product is issued before them and only it is waited for before
     ``use_first`` (a ``wgmma.wait_group`` that leaves the later groups in flight), the rest after it.
 
     ``first``: ((rows, cols), float32, ((a, b), ...)), a fresh accumulator. ``use_first`` gets its value and may
     issue SMEM stores and TMA copies (a dQ tile reduce-added into GMEM). Without ``fused`` (the Mosaic GPU
-    interpreter) everything runs one product at a time, the first one first (same values). Returns the
-    accumulators. A kernel whose step waited for its dK/dV products before issuing its dQ product takes one
-    tensor-core round trip fewer per step (benchmarks/NOTES.md, forty-first session).
+    interpreter) everything runs one product at a time, the first one first (same values). ``issued`` (optional)
+    is called once every product is issued, before the first wait. Returns the accumulators. A kernel whose
+    step waited for its dK/dV products before issuing its dQ product takes one tensor-core round trip fewer per
+    step (benchmarks/NOTES.md, forty-first session).
 
     Float32 first products only: with an int32 (INT8) one, the SageAttention backward's dQ came out wrong on the
     H200 (rel-L1 1.0 against the reference, and the kernel 33% slower) while the interpreter's was right; the
@@ -512,7 +534,7 @@ def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fuse
     if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
         raise NotImplementedError(f"product_first: float32 first products only, got {jnp.dtype(dtype)}")
     if not fused:
-        use_first(matmul_sum(shape, dtype, terms, fused=False))
+        use_first(matmul_sum(shape, dtype, terms, fused=False, issued=issued))
         return accumulate(accs, operands, fused=False)
 
     def body(refs):
@@ -521,6 +543,7 @@ def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fuse
             plgpu.wgmma(first_ref, a, b)
         for ref, (a, b) in zip(acc_refs, operands):
             plgpu.wgmma(ref, a, b)
+        _call(issued)
         use_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=len(operands)))
 
     out = pl.run_state(body)((plgpu.ACC.init(wgmma_zeros(shape, dtype)), *(plgpu.ACC.init(acc) for acc in accs)))
@@ -627,9 +650,14 @@ def copy_out(copies) -> None:
 REDUCE_COLS = 64
 
 
-def reduce_add_stage(wgs: int, rows: int) -> plgpu.SMEM:
-    """The float32 SMEM stage of :func:`reduce_add_out`, one (rows, REDUCE_COLS) tile per compute warpgroup."""
-    return wg_tiles(wgs, rows, jnp.float32, REDUCE_COLS)
+def reduce_add_stage(wgs: int, rows: int, chunks: int = 1) -> plgpu.SMEM:
+    """The float32 SMEM stage of :func:`reduce_add_out`, one (rows, REDUCE_COLS) tile per compute warpgroup, or
+    with ``chunks`` > 1 one per warpgroup and column chunk of :func:`reduce_add_matmul` ((wgs, chunks, rows,
+    REDUCE_COLS)), so a chunk's stage waits only for the previous step's copy of that chunk."""
+    if chunks == 1:
+        return wg_tiles(wgs, rows, jnp.float32, REDUCE_COLS)
+    return plgpu.SMEM((wgs, chunks, rows, REDUCE_COLS), jnp.float32,
+                      transforms=tile_transforms(jnp.float32, REDUCE_COLS))
 
 
 def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array):
@@ -658,36 +686,62 @@ def reduce_add_total(ref, n_writer_axes: int, *, interpret: bool) -> jax.Array:
     return jnp.sum(total, axis=tuple(range(n_writer_axes))) if interpret else total
 
 
-def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool) -> None:
+def stage_free(pending: int = 0) -> None:
+    """Wait (warpgroup-wide) until the TMA reduce-adds from this warpgroup's stage have read it, so the stage may
+    be rewritten (:func:`reduce_add_out`): all but the ``pending`` most recent (those read other chunks' stages)."""
+    plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+
+
+def early_stage_wait() -> Callable[[], None] | None:
+    """The ``issued`` hook that frees the dQ stage while the step's products run (:data:`EARLY_STAGE_WAIT`),
+    or None (the wait stays in :func:`reduce_add_out`); pass ``waited=`` that hook's truth to it."""
+    return stage_free if EARLY_STAGE_WAIT else None
+
+
+def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool, waited: bool = False,
+                   pending: int = 0) -> None:
     """``dst += value`` in GMEM by a TMA reduce-add, through the SMEM ``stage`` (reused once the previous
-    copy has read it; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
+    copy has read it: :func:`stage_free` here unless ``waited``, i.e. the caller ran it since its last
+    reduce-add; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
     The Mosaic GPU interpreter has no TMA reduction: there it is a plain copy, so ``dst`` must be a
     slice of a workspace that only this warpgroup writes, summed by the caller."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if not waited:
+        stage_free(pending)
     stage[...] = value
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(stage, dst, reduction_op=None if interpret else "add")
 
 
 def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc_dtype=jnp.float32,
-                      factor=None) -> None:
+                      factor=None, early: bool = True) -> None:
     """``dst(cols) += (a @ b_cols(cols)) · factor`` for each REDUCE_COLS-wide column chunk of a ``width``-column
     product: FlashAttention-3's dQ accumulation, each step's dS·K added to a float32 dQ in GMEM by TMA
     (:func:`reduce_add_out`, through the float32 ``stage``) instead of a second kernel recomputing S, P
     and dP. ``b_cols(cols)`` is the B operand of those columns; an int32 (INT8) product is converted to
-    float32 before ``factor`` (a scalar, or None for none). Chunks keep the stage within SMEM at D128."""
-    cols = stage.shape[1]
-    for c in range(width // cols):
-        chunk = pl.ds(c * cols, cols)
-        reduce_add_product(stage, matmul(stage.shape, acc_dtype, a, b_cols(chunk)), dst(chunk), interpret=interpret,
-                           factor=factor)
+    float32 before ``factor`` (a scalar, or None for none). Chunks keep the stage within SMEM at D128.
+    ``stage``: one (rows, REDUCE_COLS) tile that every chunk reuses (each waits for the previous chunk's copy to
+    have read it), or one per chunk ((chunks, rows, REDUCE_COLS), :func:`reduce_add_stage`; a chunk waits for
+    the previous step's copy of its own). With ``early`` the stage is freed while each chunk's product runs
+    (:func:`early_stage_wait`)."""
+    per_chunk = len(stage.shape) == 3
+    cols = stage.shape[-1]
+    chunks = width // cols
+    pending = chunks - 1 if per_chunk else 0  # copies issued since this chunk's stage was last read
+    hook = (lambda: stage_free(pending)) if early and EARLY_STAGE_WAIT else None  # noqa: E731
+    for c in range(chunks):
+        chunk, tile = pl.ds(c * cols, cols), stage.at[c] if per_chunk else stage
+        reduce_add_product(tile, matmul(tile.shape, acc_dtype, a, b_cols(chunk), issued=hook), dst(chunk),
+                           interpret=interpret, factor=factor, waited=hook is not None, pending=pending)
 
 
-def reduce_add_product(stage, part: jax.Array, dst, *, interpret: bool, factor=None) -> None:
+def reduce_add_product(stage, part: jax.Array, dst, *, interpret: bool, factor=None, waited: bool = False,
+                       pending: int = 0) -> None:
     """``dst += part · factor`` (:func:`reduce_add_out`) for one product chunk already in registers: an int32
-    (INT8) product is converted to float32 first; ``factor`` a scalar, or None for none."""
+    (INT8) product is converted to float32 first; ``factor`` a scalar, or None for none; ``waited`` and
+    ``pending`` as in :func:`reduce_add_out`."""
     part = part.astype(jnp.float32)
-    reduce_add_out(stage, part if factor is None else part * factor, dst, interpret=interpret)
+    reduce_add_out(stage, part if factor is None else part * factor, dst, interpret=interpret, waited=waited,
+                   pending=pending)
 
 
 def on_hopper() -> bool:
@@ -705,5 +759,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
-           "product_first",
+           "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT",
            "PingPong", "schedule_barrier"]

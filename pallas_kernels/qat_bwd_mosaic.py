@@ -51,10 +51,10 @@ from jax import lax
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels import lane_groups, stmatrix
 from pallas_kernels._mosaic import (
-    PingPong, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, launch, mask_scores,
-    matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul, reduce_add_out,
-    REDUCE_COLS, product_first, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand, row_vector,
-    rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    PingPong, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile, grid_position,
+    launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul,
+    reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand,
+    row_vector, rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -211,14 +211,19 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         # one dQ product a step: split, columns wg·D/2… over the CTA's 128 keys, Σ_w dS_w·K̃_w[:, cols] (whole
         # 128-byte swizzle rows of K̃, splits_dq_columns); else, up to REDUCE_COLS columns, dS·K̃
         one_dq = fused_dq and (split or head_dim <= REDUCE_COLS)
+        first = one_dq and dq_first(head_dim, causal)
         if one_dq:
             cols = pl.ds(wg * half, half) if split else pl.ds(0, head_dim)
             dq_product = ((TILE, half if split else head_dim), jnp.float32,
                           tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
                           else ((ds_smem, k_smem.at[:, cols]),))
-            add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret)  # noqa: E731
-        if one_dq and dq_first(head_dim, causal):  # reduce-added while dV's and dK's products run
-            dv, dk = product_first(dq_product, (dv, dk), products, add_dq, fused=not interpret)
+            # issued first, its stage is freed while the three products run (_mosaic.early_stage_wait; issued after
+            # dV and dK, freeing it early measured slower: benchmarks/NOTES.md, forty-second session)
+            free = early_stage_wait() if first else None
+            add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret,  # noqa: E731
+                                               waited=free is not None)
+        if first:  # reduce-added while dV's and dK's products run
+            dv, dk = product_first(dq_product, (dv, dk), products, add_dq, fused=not interpret, issued=free)
         else:
             dv, dk = accumulate((dv, dk), products, fused=not interpret)
             if one_dq:

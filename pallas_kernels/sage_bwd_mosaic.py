@@ -23,6 +23,9 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   relayout through WGMMA_TRANSPOSED (hot loop 1146 → 1038 instructions per thread and step at
   B16 H10/5 S2048 D64 causal; fwd+bwd 7% less time there, 4% at B8 H32 S2048 D64, 1–3% at
   B4 H32 S4096 D128; benchmarks/NOTES.md, thirty-first session); dK and dV leave in natural order.
+  At head dim 128 dQ's two 64-column chunks each have their own float32 stage (:data:`DQ_STAGE_PER_CHUNK`:
+  the kernel 2.8% faster at B4 H32 S4096 D128, 6% causal), and a stage is freed while the step's products run
+  (``_mosaic.early_stage_wait``; forty-second session).
 
 The INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken straight from
 registers instead of through SMEM and a warpgroup barrier. The dK/dV kernel is given Q̂ᵀ and dÔᵀ with
@@ -70,12 +73,12 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import key_pairs, operand_order
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, guarded_step,
-    key_step_specs,
+    col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile, grid_position,
+    guarded_step, key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
     row_vector, rows_of, scalar, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
-    trim_rows, wg_tiles, wgmma_zeros,
+    trim_rows, wg_tiles, wgmma_zeros, REDUCE_COLS,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -107,6 +110,9 @@ OPERAND_ORDER = True
 #: thirty-seventh session): a CTA's two warpgroups meet at the pipeline's barriers every step, so the one that skips
 #: waits for the other.
 SKIP_EMPTY_STEPS = False
+#: at head dim 128 the fused dQ's two column chunks each have their own float32 stage (_mosaic.reduce_add_stage), so
+#: the second chunk's stage does not wait for the first chunk's TMA reduce-add (just issued) to have read it
+DQ_STAGE_PER_CHUNK = True
 #: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
 #: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)
 KV_OPERANDS_KERNEL = True
@@ -305,9 +311,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
             kt_smem = kt_smem2.at[wg]
         dq_joins = fused_dq and head_dim <= 64 and causal and DQ_WITH_DKDV_CAUSAL
-        if dq_joins:
+        if dq_joins:  # the dQ stage freed while the three run (_mosaic.early_stage_wait)
+            free = early_stage_wait()
             dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
-                                                (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused)
+                                                (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused, issued=free)
         elif head_dim <= 64:
             dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
         else:
@@ -318,10 +325,12 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
         if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
             reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
-                               factor=dq_factor)
+                               factor=dq_factor, waited=free is not None)
         elif fused_dq:
+            # the stage freed early only at D128 (-1.3% at B4 H32 S4096): at D64 this product follows dV's and dK's
+            # wait, where Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
             reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
-                              interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor)
+                              interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor, early=head_dim > 64)
         return dk_acc, dv_acc
 
     def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)
@@ -490,7 +499,8 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     if fused_dq:
         # K̂ᵀ, dŜ (queries × keys) and the float32 stage per warpgroup; the float32 dQ (one per key block
         # and warpgroup interpreted)
-        scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), reduce_add_stage(WGS, TILE)]
+        chunks = d // REDUCE_COLS if DQ_STAGE_PER_CHUNK else 1
+        scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), reduce_add_stage(WGS, TILE, chunks)]
         args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
                                                   after=do)]
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,

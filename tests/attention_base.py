@@ -43,6 +43,22 @@ def vjp_outputs(attention, q, k, v, do, *, f32=False):
     return (o, *vjp(do))
 
 
+def trace_stage_waits(monkeypatch, out_owner, attention, q, k, v) -> list:
+    """The fused dQ's stage protocol of a Mosaic backward, from tracing ``attention``'s vjp (nothing runs): a log of
+    ``("free", pending)`` per ``_mosaic.stage_free`` and ``("out", waited)`` per reduce-add made through
+    ``out_owner.reduce_add_out`` (logged once its own wait, if any, has run)."""
+    from pallas_kernels import _mosaic
+
+    events = []
+    real_free, real_out = _mosaic.stage_free, _mosaic.reduce_add_out
+    monkeypatch.setattr(_mosaic, "stage_free", lambda pending=0: events.append(("free", pending)) or real_free(pending))
+    monkeypatch.setattr(out_owner, "reduce_add_out", lambda *a, waited=False, **kw: (
+        real_out(*a, waited=waited, **kw) or events.append(("out", waited))))
+    jax.clear_caches()
+    jax.make_jaxpr(lambda *x: jax.vjp(attention, *x)[1](cotangent(q)))(q, k, v)
+    return events
+
+
 def shard_map_grads(attention, q, k, v):
     """Gradients of sum(attention(q, k, v)²) w.r.t. q, k, v: (inside jax.shard_map over a 4-device
     batch mesh, on one device), both jitted. Skips the test without 4 devices."""

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from attention_base import INTERPRET, AttentionTestBase, cotangent, make_qkv, metrics, shard_map_grads, vjp_outputs
+from attention_base import (INTERPRET, AttentionTestBase, cotangent, make_qkv, metrics, shard_map_grads,
+                            trace_stage_waits, vjp_outputs)
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import qat_attention_ste
 
@@ -175,6 +176,24 @@ def test_mosaic_dq_first_same_gradients(monkeypatch, case):
     assert [qat_bwd_mosaic.dq_first(hd, c) for hd in (64, 128) for c in (False, True)] == [False, True, True, True]
     with pytest.raises(NotImplementedError, match="float32 first products only"):  # int32: wrong on the H200
         real(((64, 64), jnp.int32, ()), (), (), lambda _: None, fused=True)
+
+
+@pytest.mark.parametrize("d, causal, early", [(128, False, True), (64, True, True), (64, False, True),
+                                              (128, True, False)])
+def test_mosaic_dq_stage_protocol(monkeypatch, d, causal, early):
+    """One ``_mosaic.stage_free`` (all earlier TMA reduce-adds have read the dQ stage) before each reduce-add of
+    the fused dQ. Where the dQ product goes first (``dq_first``) and ``_mosaic.EARLY_STAGE_WAIT`` is on, it is the
+    products' ``issued`` hook, so it runs while they are on the tensor cores; after dV and dK (D64 non-causal) or
+    with the switch off it stays inside ``reduce_add_out``. Checked on the traced kernel: the interpreter's copies
+    are synchronous, so its values cannot show a missing wait."""
+    from pallas_kernels import _mosaic, qat_bwd_mosaic
+
+    monkeypatch.setattr(_mosaic, "EARLY_STAGE_WAIT", early)
+    q, k, v = make_qkv(1, 128, 128, 2, 1, d, dtype=jnp.bfloat16, seed=d)
+    fn = functools.partial(lb.qat_attention, causal=causal, config=dataclasses.replace(MOSAIC, dq_kernel="fused"),
+                           implementation="pallas", interpret=True)
+    events = trace_stage_waits(monkeypatch, qat_bwd_mosaic, fn, q, k, v)
+    assert events == [("free", 0), ("out", early and qat_bwd_mosaic.dq_first(d, causal))], events
 
 
 def test_mosaic_coverage():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from attention_base import INTERPRET, cotangent, make_qkv, metrics, shard_map_grads, vjp_outputs
+from attention_base import (INTERPRET, cotangent, make_qkv, metrics, shard_map_grads, trace_stage_waits,
+                            vjp_outputs)
 from lowbit_jax import sage as sage_mod
 from lowbit_jax.sage_reference import sage_backward_reference
 
@@ -242,6 +243,32 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
                                                         **change}), change
     with pytest.raises(ValueError, match="dq_kernel"):
         lb.SageFwdConfig(dq_kernel="atomic")
+
+
+@pytest.mark.parametrize("d, causal, per_chunk, early", [(128, False, True, True), (128, False, False, True),
+                                                        (128, True, True, False), (64, True, True, True),
+                                                        (64, False, True, True)])
+def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal, per_chunk, early):
+    """The fused dQ's TMA reduce-adds go through float32 SMEM stages, which each reduce-add may rewrite only after
+    ``_mosaic.stage_free`` (wait for earlier copies to have read them). At D128 each of the two column chunks has its
+    own stage (``DQ_STAGE_PER_CHUNK``): the wait then lets the one most recent copy (the other chunk's) stay in
+    flight, ``pending=1``; with one shared stage it waits for all, 0. With ``_mosaic.EARLY_STAGE_WAIT`` the wait runs
+    as the product's ``issued`` hook (while it is on the tensor cores), else inside ``reduce_add_out``; either way
+    exactly one wait precedes each reduce-add. The interpreter's copies are synchronous, so a missing or too-loose
+    wait would not change its values: the protocol is checked on the traced kernel (D64 causal: dQ's product joins
+    dV's and dK's, one stage, freed early; D64 non-causal: dQ's product after their wait, freed late)."""
+    from pallas_kernels import _mosaic, sage_bwd_mosaic
+
+    monkeypatch.setattr(_mosaic, "EARLY_STAGE_WAIT", early)
+    monkeypatch.setattr(sage_bwd_mosaic, "DQ_STAGE_PER_CHUNK", per_chunk)
+    q, k, v = make_qkv(1, 128, 128, 2, 1, d, dtype=jnp.bfloat16, seed=d)
+    fn = functools.partial(lb.sage_attention, causal=causal, qk_granularity="per_block", implementation="pallas",
+                           config=dataclasses.replace(MOSAIC, dq_kernel="fused"), interpret=True)
+    events = trace_stage_waits(monkeypatch, _mosaic, fn, q, k, v)
+    chunks = d // _mosaic.REDUCE_COLS
+    assert [e[0] for e in events] == ["free", "out"] * chunks, events  # one kernel trace: a wait before each add
+    assert {e[1] for e in events if e[0] == "free"} == {1 if per_chunk and chunks > 1 else 0}
+    assert {e[1] for e in events if e[0] == "out"} == {early and (d > 64 or causal)}
 
 
 def test_fused_dq_only_with_the_dk_tiles_ds_tiles():
