@@ -16,6 +16,7 @@ jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`regist
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -303,15 +304,14 @@ def _call(hook: Callable[[], None] | None) -> None:
         hook()
 
 
-def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued=None) -> jax.Array:
+def matmul(acc_shape: tuple[int, int], acc_dtype, a, b, *, issued: Callable[[], None] | None = None) -> jax.Array:
     """``a @ b`` on the tensor cores (``a`` SMEM or registers, ``b`` SMEM), as a fresh array.
     ``issued`` (optional) is called after the product is issued, before waiting for it
     (:class:`PingPong`)."""
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
-        if issued is not None:
-            issued()
+        _call(issued)
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
@@ -692,10 +692,11 @@ def stage_free(pending: int = 0) -> None:
     plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
 
 
-def early_stage_wait() -> Callable[[], None] | None:
-    """The ``issued`` hook that frees the dQ stage while the step's products run (:data:`EARLY_STAGE_WAIT`),
-    or None (the wait stays in :func:`reduce_add_out`); pass ``waited=`` that hook's truth to it."""
-    return stage_free if EARLY_STAGE_WAIT else None
+def early_stage_wait(pending: int = 0) -> Callable[[], None] | None:
+    """The ``issued`` hook that frees the dQ stage while the step's products run (:data:`EARLY_STAGE_WAIT`;
+    ``pending`` as in :func:`stage_free`), or None (the wait stays in :func:`reduce_add_out`); pass ``waited=``
+    that hook's truth to it."""
+    return functools.partial(stage_free, pending) if EARLY_STAGE_WAIT else None
 
 
 def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool, waited: bool = False,
@@ -727,7 +728,7 @@ def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc
     cols = stage.shape[-1]
     chunks = width // cols
     pending = chunks - 1 if per_chunk else 0  # copies issued since this chunk's stage was last read
-    hook = (lambda: stage_free(pending)) if early and EARLY_STAGE_WAIT else None  # noqa: E731
+    hook = early_stage_wait(pending) if early else None
     for c in range(chunks):
         chunk, tile = pl.ds(c * cols, cols), stage.at[c] if per_chunk else stage
         reduce_add_product(tile, matmul(tile.shape, acc_dtype, a, b_cols(chunk), issued=hook), dst(chunk),
