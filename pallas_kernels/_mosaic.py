@@ -650,14 +650,34 @@ def copy_out(copies) -> None:
 REDUCE_COLS = 64
 
 
-def reduce_add_stage(wgs: int, rows: int, chunks: int = 1) -> plgpu.SMEM:
+#: probe switch: swizzle (bytes) of the float32 dQ stage (:func:`reduce_add_stage`). With 128 (a tiling of 8 × 32
+#: floats, what :func:`tile_transforms` gives a 64-column float32 tile) a half-warp's 8-byte stores of the WGMMA
+#: layout hit the same banks twice, so Mosaic GPU staggers them (``StaggeredTransferPlan``: a select per stored
+#: register, 32 per thread and step); with 32 (a tiling of 8 × 8 floats) its plain transfer is conflict-free, but
+#: the TMA reduce-add then copies the tile as eight 32-byte-wide boxes instead of two. On the H200 32 was slower
+#: (kernel ms: SageBwd 0.668 → 0.749 at B16 H10/5 S2048 D64 causal, 2.11 → 2.34 at B8 H32 S2048 D64, 5.94 → 9.25 at
+#: B4 H32 S4096 D128; Attn-QAT 0.613 → 0.718 and 1.92 → 2.12 at the D64 shapes). Attn-QAT's column-split dQ at
+#: D128 was the exception in kernel time (6.00 → 5.88 ms, causal 3.18 → 3.14) but not in wall time (fwd+bwd 9.58
+#: → 9.69 ms): benchmarks/NOTES.md, forty-third session.
+STAGE_SWIZZLE = 128
+
+
+def stage_transforms(swizzle: int | None = None) -> tuple:
+    """SMEM tiling + swizzle of a float32 stage: ``swizzle`` bytes (default :data:`STAGE_SWIZZLE`), the tiling 8 rows
+    × one swizzle width."""
+    swizzle = STAGE_SWIZZLE if swizzle is None else swizzle
+    if swizzle not in (32, 64, 128):
+        raise ValueError(f"the float32 stage's swizzle must be 32, 64 or 128 bytes, got {swizzle}")
+    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+
+
+def reduce_add_stage(wgs: int, rows: int, chunks: int = 1, *, swizzle: int | None = None) -> plgpu.SMEM:
     """The float32 SMEM stage of :func:`reduce_add_out`, one (rows, REDUCE_COLS) tile per compute warpgroup, or
     with ``chunks`` > 1 one per warpgroup and column chunk of :func:`reduce_add_matmul` ((wgs, chunks, rows,
-    REDUCE_COLS)), so a chunk's stage waits only for the previous step's copy of that chunk."""
-    if chunks == 1:
-        return wg_tiles(wgs, rows, jnp.float32, REDUCE_COLS)
-    return plgpu.SMEM((wgs, chunks, rows, REDUCE_COLS), jnp.float32,
-                      transforms=tile_transforms(jnp.float32, REDUCE_COLS))
+    REDUCE_COLS)), so a chunk's stage waits only for the previous step's copy of that chunk. Tiled and swizzled
+    by :func:`stage_transforms` (``swizzle``)."""
+    shape = (wgs, rows, REDUCE_COLS) if chunks == 1 else (wgs, chunks, rows, REDUCE_COLS)
+    return plgpu.SMEM(shape, jnp.float32, transforms=stage_transforms(swizzle))
 
 
 def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array):
@@ -760,5 +780,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
-           "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT",
+           "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT", "STAGE_SWIZZLE", "stage_transforms",
            "PingPong", "schedule_barrier"]

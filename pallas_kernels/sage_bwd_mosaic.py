@@ -113,6 +113,10 @@ SKIP_EMPTY_STEPS = False
 #: at head dim 128 the fused dQ's two column chunks each have their own float32 stage (_mosaic.reduce_add_stage), so
 #: the second chunk's stage does not wait for the first chunk's TMA reduce-add (just issued) to have read it
 DQ_STAGE_PER_CHUNK = True
+#: the smallest head dim at which the fused dQ's stage is freed while its own product runs where that product is
+#: issued after dV's and dK's wait (D128, and D64 non-causal; ``_mosaic.early_stage_wait``): at D128 the kernel 1.3%
+#: faster at B4 H32 S4096 (forty-second session); D64 non-causal is probed with 64
+EARLY_FREE_MIN_HEAD_DIM = 128
 #: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
 #: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)
 KV_OPERANDS_KERNEL = True
@@ -327,10 +331,11 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
                                factor=dq_factor, waited=free is not None)
         elif fused_dq:
-            # the stage freed early only at D128 (-1.3% at B4 H32 S4096): at D64 this product follows dV's and dK's
-            # wait, where Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
+            # the stage freed early from EARLY_FREE_MIN_HEAD_DIM: at D64 this product follows dV's and dK's wait, where
+            # Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
             reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
-                              interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor, early=head_dim > 64)
+                              interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
+                              early=head_dim >= EARLY_FREE_MIN_HEAD_DIM)
         return dk_acc, dv_acc
 
     def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)
