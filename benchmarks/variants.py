@@ -20,7 +20,8 @@ raw output goes to $OUT/ptxas_<variant>.log where $OUT is set) and stack frame (
 where the spills live: times the CTA's threads, the L1 they need; benchmarks/NOTES.md, eighteenth session).
 ``--profile``: also each shape's device busy time and its kernels' times per call (``benchmarks.profiling``, 10
 traced calls), so a change to one kernel and its producers shows apart from the rest (benchmarks/NOTES.md,
-thirty-second session: an XLA transpose that ate a kernel's gain).
+thirty-second session: an XLA transpose that ate a kernel's gain), and the wall time less the busy time (forty-third
+session: a 32-byte dQ stage that made a kernel 2% faster made the call slower, in that gap).
 Writes benchmarks/results/variants.json (and $OUT/variants.json); not rendered into RESULTS.md.
 """
 
@@ -272,7 +273,9 @@ def main(argv=None) -> int:
                   + (f"  stack frames {result['stack_frame_bytes']}" if result.get("stack_frame_bytes") else ""),
                   flush=True)
             for key, kernels in result.get("kernels", {}).items():
-                print(f"{'':>16}    [{key}] busy {result['busy_ms'][key]:.3f} ms: "
+                # the wall time the device is not busy: a kernel-time gain can hide a loss there (forty-third session)
+                gap = result["ms"][key] - result["busy_ms"][key]
+                print(f"{'':>16}    [{key}] busy {result['busy_ms'][key]:.3f} ms (wall − busy {gap:.3f}): "
                       + "  ".join(f"{k[:32]} {ms:.4f}" for k, ms in kernels.items()), flush=True)
             write_json("variants_smoke" if args.smoke else "variants", payload)
     return 0
