@@ -662,22 +662,21 @@ REDUCE_COLS = 64
 STAGE_SWIZZLE = 128
 
 
-def stage_transforms(swizzle: int | None = None) -> tuple:
-    """SMEM tiling + swizzle of a float32 stage: ``swizzle`` bytes (default :data:`STAGE_SWIZZLE`), the tiling 8 rows
-    × one swizzle width."""
-    swizzle = STAGE_SWIZZLE if swizzle is None else swizzle
-    if swizzle not in (32, 64, 128):
-        raise ValueError(f"the float32 stage's swizzle must be 32, 64 or 128 bytes, got {swizzle}")
-    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+def stage_transforms() -> tuple:
+    """SMEM tiling + swizzle of the float32 stage: :data:`STAGE_SWIZZLE` bytes, the tiling 8 rows × one swizzle
+    width."""
+    if STAGE_SWIZZLE not in (32, 64, 128):
+        raise ValueError(f"STAGE_SWIZZLE must be 32, 64 or 128 bytes, got {STAGE_SWIZZLE}")
+    return (plgpu.TilingTransform((8, STAGE_SWIZZLE // 4)), plgpu.SwizzleTransform(STAGE_SWIZZLE))
 
 
-def reduce_add_stage(wgs: int, rows: int, chunks: int = 1, *, swizzle: int | None = None) -> plgpu.SMEM:
+def reduce_add_stage(wgs: int, rows: int, chunks: int = 1) -> plgpu.SMEM:
     """The float32 SMEM stage of :func:`reduce_add_out`, one (rows, REDUCE_COLS) tile per compute warpgroup, or
     with ``chunks`` > 1 one per warpgroup and column chunk of :func:`reduce_add_matmul` ((wgs, chunks, rows,
     REDUCE_COLS)), so a chunk's stage waits only for the previous step's copy of that chunk. Tiled and swizzled
-    by :func:`stage_transforms` (``swizzle``)."""
+    by :func:`stage_transforms`."""
     shape = (wgs, rows, REDUCE_COLS) if chunks == 1 else (wgs, chunks, rows, REDUCE_COLS)
-    return plgpu.SMEM(shape, jnp.float32, transforms=stage_transforms(swizzle))
+    return plgpu.SMEM(shape, jnp.float32, transforms=stage_transforms())
 
 
 def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array):

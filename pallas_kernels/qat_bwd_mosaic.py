@@ -341,8 +341,9 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     dkdv_args = [qf, do_in, m_rows, inv_l, delta, kf, vf]
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
-        # (split, a warpgroup's D/2 columns are one REDUCE_COLS-wide stage: split only at head dim 128)
-        dkdv_scratch += [reduce_add_stage(WGS, TILE), schedule_barrier()] if split else [reduce_add_stage(WGS, TILE)]
+        # (split, a warpgroup's D/2 columns are one REDUCE_COLS-wide stage: split only at head dim 128) and, split,
+        # the CTA-wide barrier
+        dkdv_scratch += [reduce_add_stage(WGS, TILE), *([schedule_barrier()] if split else [])]
         dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
                                                 after=do_in))
     dk, dv = launch(

@@ -115,7 +115,7 @@ SKIP_EMPTY_STEPS = False
 DQ_STAGE_PER_CHUNK = True
 #: the smallest head dim at which the fused dQ's stage is freed while its own product runs where that product is
 #: issued after dV's and dK's wait (D128, and D64 non-causal; ``_mosaic.early_stage_wait``): at D128 the kernel 1.3%
-#: faster at B4 H32 S4096 (forty-second session); D64 non-causal is probed with 64
+#: faster at B4 H32 S4096 (forty-second session); at D64 non-causal 2.4% slower at B8 H32 S2048 (forty-third)
 EARLY_FREE_MIN_HEAD_DIM = 128
 #: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
 #: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)

@@ -1,7 +1,8 @@
 """benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
 benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run),
 benchmarks/smem_report.py (lowered on the CPU), benchmarks/sass_census.py (a synthetic listing),
-benchmarks/probes/ncu_sass.py (a synthetic Nsight Compute page)."""
+benchmarks/probes/ncu_sass.py (a synthetic Nsight Compute page), benchmarks/probes/transfer_plans.py (lowered on the
+CPU)."""
 
 import json
 
@@ -482,3 +483,19 @@ def test_ncu_sass_summary_splits_kernels_and_ranks_stalls(tmp_path):
     assert "DEPBAR" in out and "HGMMA" not in out.split("top 2")[1]  # the two most sampled rows only
     part = summary("k_one", kernels[0][1], 1, 3, top=5)
     assert "70.0% of 100 samples" in part and "barrier 85.7%" in part
+
+
+@pytest.mark.parametrize("swizzle", [128, 32])
+def test_transfer_plans_find_the_staggered_dq_stage(monkeypatch, swizzle):
+    """benchmarks/probes/transfer_plans.py lowers the fused SageBwd backward (D64 causal) on the CPU and lists Mosaic
+    GPU's register ↔ SMEM transfer plans. With the committed 128-byte float32 dQ stage its stores are the only
+    staggered transfers (forty-third session); with a 32-byte stage (``_mosaic.STAGE_SWIZZLE``) none are."""
+    from benchmarks.probes.transfer_plans import transfer_plans
+    from pallas_kernels import _mosaic
+
+    monkeypatch.setattr(_mosaic, "STAGE_SWIZZLE", swizzle)
+    plans = transfer_plans("sage", 64, True, seq=256)
+    staggered = {key for key in plans if key[3] == "StaggeredTransferPlan"}
+    float32_tiles = {key for key in plans if key[1] == 32 and key[2] == swizzle and len(key[0]) == 2}
+    assert float32_tiles, plans  # the stage's stores were seen
+    assert staggered == (float32_tiles if swizzle == 128 else set()), plans
