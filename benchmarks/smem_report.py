@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import sys
 
 import jax
-import jax.numpy as jnp
 
-from benchmarks.common import lower_for_h200, write_json
+from benchmarks.common import lower_mosaic_fwd_bwd, write_json
 #: shared-memory capacities an sm_90 SM can be configured to (KiB; CUDA C programming guide, compute capability 9.0)
 CARVEOUTS_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
 UNIFIED_KIB = 256  # L1 + shared memory per SM
@@ -75,36 +73,10 @@ def recording_smem():
 
 
 def lowered_kernels(method: str, head_dim: int, causal: bool, dq_kernel: str, seq: int = 512) -> list[tuple]:
-    """(kernel, SMEM bytes) of one fwd+bwd of ``method`` with every kernel on Mosaic GPU, lowered for an H200."""
-    import lowbit_jax as lb
-    from lowbit_jax import qat as qat_mod
-    from lowbit_jax import sage as sage_mod
-
-    q = jax.ShapeDtypeStruct((2, seq, 8, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
-    zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)]
-    # options resolved as for interpret mode (this machine has no GPU), then compiled for the GPU
-    if method == "sage":
-        config = dataclasses.replace(lb.sage_fwd_config(head_dim, causal, "NVIDIA H200"), fwd_backend="mosaic",
-                                     dkdv_backend="mosaic", dq_backend="mosaic", dq_kernel=dq_kernel)
-        opts = sage_mod.resolve_options(*zeros, causal=causal, scale=None, smooth_k=True, smooth_q=False,
-                                        qk_granularity="per_block", implementation="pallas", interpret=True,
-                                        config=config)
-        attend = sage_mod._sage_attention
-    else:
-        config = dataclasses.replace(lb.qat_config(head_dim, causal, "NVIDIA H200"), fwd_backend="mosaic",
-                                     bwd_backend="mosaic", dq_kernel=dq_kernel)
-        opts = qat_mod.resolve_qat_options(*zeros, causal=causal, naive_backward=False, implementation="pallas",
-                                           interpret=True, config=config)
-        attend = qat_mod._qat_attention
-    opts = dataclasses.replace(opts, interpret=False)
-
-    def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(attend(q, k, v, opts).astype(jnp.float32))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
+    """(kernel, SMEM bytes) of one fwd+bwd of ``method`` with every kernel on Mosaic GPU, lowered for an H200
+    (``benchmarks.common.lower_mosaic_fwd_bwd``)."""
     with recording_smem() as kernels:
-        lower_for_h200(grads, q, kv, kv)
+        lower_mosaic_fwd_bwd(method, head_dim, causal, dq_kernel=dq_kernel, seq=seq)
     return kernels
 
 

@@ -7,7 +7,7 @@ Mosaic GPU lays out each transfer between a register array and a tiled, swizzled
 kernel lowers (``fragmented_array.plan_tiled_transfer``): a plain plan, or, where a warp's plain accesses would hit
 the same SMEM banks twice, a ``StaggeredTransferPlan`` (lanes in two groups that take the tiles in different orders:
 a select per register and address). This lowers one fwd+bwd of the method's Mosaic kernels for an abstract H200
-(``benchmarks.common.lower_for_h200``) with a spy on that function and prints each plan with its count: nested ref
+(``benchmarks.common.lower_mosaic_fwd_bwd``, the library's H200 config) with a spy on that function and prints each plan with its count: nested ref
 shape, element bits, swizzle bytes, the plan, its stagger. The forty-third session found this way that the only
 staggered transfers in the fused backwards are their float32 dQ stages (``_mosaic.STAGE_SWIZZLE``).
 """
@@ -16,34 +16,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 
 import jax
 import jax.experimental.mosaic.gpu.fragmented_array as fragmented_array
-import jax.numpy as jnp
 
-import lowbit_jax as lb
-from benchmarks.common import lower_for_h200
+from benchmarks.common import lower_mosaic_fwd_bwd
 from benchmarks.variants import apply, parse_assignments
-
-
-def loss_fn(method: str, q, k, v, causal: bool):
-    """A scalar loss of ``method``'s attention on its Mosaic GPU kernels (options resolved as compiled)."""
-    if method == "sage":
-        from lowbit_jax import sage
-
-        cfg = dataclasses.replace(lb.sage_fwd_config(q.shape[-1], causal, "NVIDIA H200"), fwd_backend="mosaic",
-                                  dkdv_backend="mosaic", dq_backend="mosaic")
-        opts = sage.resolve_options(q, k, v, causal=causal, scale=None, smooth_k=True, smooth_q=False,
-                                    qk_granularity="per_block", implementation="pallas", interpret=True, config=cfg)
-        opts = dataclasses.replace(opts, interpret=False)
-        return lambda q, k, v: jnp.sum(sage._sage_attention(q, k, v, opts).astype(jnp.float32))
-    from lowbit_jax import qat
-
-    opts = qat.resolve_qat_options(q, k, v, causal=causal, naive_backward=False, implementation="pallas",
-                                   interpret=True, config=lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic"))
-    opts = dataclasses.replace(opts, interpret=False)
-    return lambda q, k, v: jnp.sum(qat._qat_attention(q, k, v, opts).astype(jnp.float32))
 
 
 def transfer_plans(method: str, head_dim: int, causal: bool, seq: int = 512) -> collections.Counter:
@@ -57,14 +35,10 @@ def transfer_plans(method: str, head_dim: int, causal: bool, seq: int = 512) -> 
               getattr(result, "stagger", None))] += 1
         return result
 
-    q = jnp.zeros((2, seq, 4, head_dim), jnp.bfloat16)
-    kv = jnp.zeros((2, seq, 2, head_dim), jnp.bfloat16)
-    grads = jax.grad(loss_fn(method, q, kv, kv, causal), argnums=(0, 1, 2))
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     jax.clear_caches()  # the kernels' jitted wrappers would reuse a trace made under other module switches
     fragmented_array.plan_tiled_transfer = spy
     try:
-        lower_for_h200(grads, spec(q), spec(kv), spec(kv))
+        lower_mosaic_fwd_bwd(method, head_dim, causal, seq=seq)
     finally:
         fragmented_array.plan_tiled_transfer = plan
     return seen
