@@ -699,10 +699,15 @@ def reduce_add_slot(ref, writer: tuple, *, interpret: bool):
     return ref.at[writer] if interpret else ref
 
 
-def reduce_add_total(ref, n_writer_axes: int, *, interpret: bool) -> jax.Array:
-    """The value of a :func:`reduce_add_accumulator` after the kernel (its slices summed when interpreting)."""
+def reduce_add_total(ref, n_writer_axes: int, *, interpret: bool, permuted: bool = False) -> jax.Array:
+    """The value of a :func:`reduce_add_accumulator` after the kernel (its slices summed when interpreting; its
+    columns put back in order if the kernel's stage was ``permuted``, as :func:`reduce_add_out`)."""
+    from pallas_kernels import dq_stage  # it builds on this module
+
     total = ref[...]
-    return jnp.sum(total, axis=tuple(range(n_writer_axes))) if interpret else total
+    if interpret:
+        return jnp.sum(total, axis=tuple(range(n_writer_axes)))
+    return dq_stage.unpermute(total) if permuted else total
 
 
 def stage_free(pending: int = 0) -> None:
@@ -719,21 +724,30 @@ def early_stage_wait(pending: int = 0) -> Callable[[], None] | None:
 
 
 def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool, waited: bool = False,
-                   pending: int = 0) -> None:
+                   pending: int = 0, permuted: bool = False) -> None:
     """``dst += value`` in GMEM by a TMA reduce-add, through the SMEM ``stage`` (reused once the previous
     copy has read it: :func:`stage_free` here unless ``waited``, i.e. the caller ran it since its last
     reduce-add; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
     The Mosaic GPU interpreter has no TMA reduction: there it is a plain copy, so ``dst`` must be a
-    slice of a workspace that only this warpgroup writes, summed by the caller."""
+    slice of a workspace that only this warpgroup writes, summed by the caller. ``permuted``: the stage's columns in
+    ``dq_stage`` order (16-byte stores without bank conflicts; only where ``dq_stage.in_use``), to be put back by
+    :func:`reduce_add_total` with the same flag."""
+    from pallas_kernels import dq_stage  # it builds on this module
+
     if not waited:
         stage_free(pending)
-    stage[...] = value
+    if permuted:
+        if not dq_stage.in_use(interpret):
+            raise ValueError("permuted: the dQ stage's column order is used only where dq_stage.in_use()")
+        dq_stage.store(stage, value)
+    else:
+        stage[...] = value
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(stage, dst, reduction_op=None if interpret else "add")
 
 
 def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc_dtype=jnp.float32,
-                      factor=None, early: bool = True) -> None:
+                      factor=None, early: bool = True, permuted: bool = False) -> None:
     """``dst(cols) += (a @ b_cols(cols)) · factor`` for each REDUCE_COLS-wide column chunk of a ``width``-column
     product: FlashAttention-3's dQ accumulation, each step's dS·K added to a float32 dQ in GMEM by TMA
     (:func:`reduce_add_out`, through the float32 ``stage``) instead of a second kernel recomputing S, P
@@ -742,7 +756,7 @@ def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc
     ``stage``: one (rows, REDUCE_COLS) tile that every chunk reuses (each waits for the previous chunk's copy to
     have read it), or one per chunk ((chunks, rows, REDUCE_COLS), :func:`reduce_add_stage`; a chunk waits for
     the previous step's copy of its own). With ``early`` the stage is freed while each chunk's product runs
-    (:func:`early_stage_wait`)."""
+    (:func:`early_stage_wait`); ``permuted`` as in :func:`reduce_add_out`."""
     per_chunk = len(stage.shape) == 3
     cols = stage.shape[-1]
     chunks = width // cols
@@ -751,17 +765,18 @@ def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc
     for c in range(chunks):
         chunk, tile = pl.ds(c * cols, cols), stage.at[c] if per_chunk else stage
         reduce_add_product(tile, matmul(tile.shape, acc_dtype, a, b_cols(chunk), issued=hook), dst(chunk),
-                           interpret=interpret, factor=factor, waited=hook is not None, pending=pending)
+                           interpret=interpret, factor=factor, waited=hook is not None, pending=pending,
+                           permuted=permuted)
 
 
 def reduce_add_product(stage, part: jax.Array, dst, *, interpret: bool, factor=None, waited: bool = False,
-                       pending: int = 0) -> None:
+                       pending: int = 0, permuted: bool = False) -> None:
     """``dst += part · factor`` (:func:`reduce_add_out`) for one product chunk already in registers: an int32
-    (INT8) product is converted to float32 first; ``factor`` a scalar, or None for none; ``waited`` and
-    ``pending`` as in :func:`reduce_add_out`."""
+    (INT8) product is converted to float32 first; ``factor`` a scalar, or None for none; ``waited``, ``pending``
+    and ``permuted`` as in :func:`reduce_add_out`."""
     part = part.astype(jnp.float32)
     reduce_add_out(stage, part if factor is None else part * factor, dst, interpret=interpret, waited=waited,
-                   pending=pending)
+                   pending=pending, permuted=permuted)
 
 
 def on_hopper() -> bool:

@@ -342,7 +342,9 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
         # (split, a warpgroup's D/2 columns are one REDUCE_COLS-wide stage: split only at head dim 128) and, split,
-        # the CTA-wide barrier
+        # the CTA-wide barrier. The stage keeps Mosaic GPU's own (staggered) store: ``dq_stage``'s permuted columns
+        # measured mixed here on the H200 (kernel −1% at B16 H10/5 S2048 D64 causal and at D128, +2.3% at B8 H32
+        # S2048 D64; benchmarks/NOTES.md, forty-fourth session)
         dkdv_scratch += [reduce_add_stage(WGS, TILE), *([schedule_barrier()] if split else [])]
         dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
                                                 after=do_in))

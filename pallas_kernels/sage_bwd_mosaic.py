@@ -25,7 +25,9 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   B4 H32 S4096 D128; benchmarks/NOTES.md, thirty-first session); dK and dV leave in natural order.
   At head dim 128 dQ's two 64-column chunks each have their own float32 stage (:data:`DQ_STAGE_PER_CHUNK`:
   the kernel 2.8% faster at B4 H32 S4096 D128, 6% causal), and a stage is freed while the step's products run
-  (``_mosaic.early_stage_wait``; forty-second session).
+  (``_mosaic.early_stage_wait``; forty-second session). At head dim 64 the stage holds its columns permuted
+  (:mod:`pallas_kernels.dq_stage`: 16-byte stores without bank conflicts instead of Mosaic GPU's staggered ones; the
+  kernel 2.3% faster at B16 H10/5 S2048 D64 causal, 7.5% at B8 H32 S2048 D64; forty-fourth session).
 
 The INT8 A operands P̂ᵀ and dŜᵀ (dK/dV kernel) and dŜ (dQ kernel) are taken straight from
 registers instead of through SMEM and a warpgroup barrier. The dK/dV kernel is given Q̂ᵀ and dÔᵀ with
@@ -71,7 +73,7 @@ from jax import lax
 
 from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
-from pallas_kernels import key_pairs, operand_order
+from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile, grid_position,
     guarded_step, key_step_specs,
@@ -117,6 +119,11 @@ DQ_STAGE_PER_CHUNK = True
 #: issued after dV's and dK's wait (D128, and D64 non-causal; ``_mosaic.early_stage_wait``): at D128 the kernel 1.3%
 #: faster at B4 H32 S4096 (forty-second session); at D64 non-causal 2.4% slower at B8 H32 S2048 (forty-third)
 EARLY_FREE_MIN_HEAD_DIM = 128
+#: the largest head dim at which the fused dQ's float32 stage holds its columns in ``dq_stage`` order (conflict-free
+#: 16-byte stores instead of Mosaic GPU's staggered 8-byte ones): on the H200 the kernel 0.664 → 0.649 ms at B16 H10/5
+#: S2048 D64 causal, 2.126 → 1.965 at B8 H32 S2048 D64 (two repeats each); at D128 slower (B4 H32 S4096 causal
+#: 2.95 → 4.09 ms, non-causal 5.74 → 5.90; benchmarks/NOTES.md, forty-fourth session)
+PERMUTED_STAGE_MAX_HEAD_DIM = 64
 #: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
 #: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)
 KV_OPERANDS_KERNEL = True
@@ -153,6 +160,12 @@ def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int,
     if kernel == "dq":
         return common and config.dq_block_k == TILE and sq_pad % (WGS * TILE) == 0 and sk_pad % TILE == 0
     raise ValueError(f"kernel must be 'dkdv' or 'dq', got {kernel!r}")
+
+
+def permutes_dq_stage(head_dim: int, interpret: bool) -> bool:
+    """Whether the fused dQ's stage holds its columns in ``dq_stage`` order: up to
+    :data:`PERMUTED_STAGE_MAX_HEAD_DIM`, where ``dq_stage.in_use`` (compiled)."""
+    return head_dim <= PERMUTED_STAGE_MAX_HEAD_DIM and dq_stage.in_use(interpret)
 
 
 def takes_pair_ordered_inputs(*, fused_dq: bool) -> bool:
@@ -207,10 +220,11 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
                  *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, pairs,
-                 operand, scale, interpret):
+                 operand, scale, permuted, interpret):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``). ``pairs``: K̂ and Ṽ rows in :mod:`pallas_kernels.key_pairs` order (the
     transposed dŜ and the dK, dV tiles stored by ``stmatrix``; dK and dV leave in natural key order).
+    ``permuted``: the dQ stage's columns in ``dq_stage`` order (:func:`permutes_dq_stage`).
     ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, then the scratch: K̂, Ṽ, K scales[, dK], [P̂ᵀ], [dŜᵀ]
     (:func:`_smem_operands`), the row-maximum vectors, the barriers[, K̂ᵀ, dŜ, the dQ stage]."""
     refs = list(refs)
@@ -329,13 +343,13 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
         if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
             reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
-                               factor=dq_factor, waited=free is not None)
+                               factor=dq_factor, waited=free is not None, permuted=permuted)
         elif fused_dq:
             # the stage freed early from EARLY_FREE_MIN_HEAD_DIM: at D64 this product follows dV's and dK's wait, where
             # Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
             reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
-                              early=head_dim >= EARLY_FREE_MIN_HEAD_DIM)
+                              early=head_dim >= EARLY_FREE_MIN_HEAD_DIM, permuted=permuted)
         return dk_acc, dv_acc
 
     def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)
@@ -488,13 +502,14 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         # its dequantization); the fused dQ has per-block K scales (supports_fused_dq), equal on every key of a
         # 16-key block: left as they are
         k8, vd = key_pairs.to_pair_order(k8, 2), key_pairs.to_pair_order(vd, 2)
+    permuted = fused_dq and permutes_dq_stage(d, interpret)
     if operand_order_in and not takes_operand_order(d, interpret):
         raise ValueError("operand_order_in: the kernel takes Q̂ᵀ, dÔᵀ in operand order only where "
                          "takes_operand_order()")
     kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
                                ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, operand=operand_order_in,
-                               scale=scale, interpret=interpret)
+                               scale=scale, permuted=permuted, interpret=interpret)
     operand_tiles = [wg_tiles(WGS, TILE, i8, TILE)] * sum(_smem_operands(d, interpret))  # P̂ᵀ, dŜᵀ if in SMEM
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
                *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), *operand_tiles, plgpu.SMEM((WGS, TILE), f32),
@@ -515,7 +530,7 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     dk, dv = trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     if not fused_dq:
         return dk, dv
-    dq = reduce_add_total(args[-1], 2, interpret=interpret)
+    dq = reduce_add_total(args[-1], 2, interpret=interpret, permuted=permuted)
     return dq[:, :sq_len].astype(f16), dk, dv
 
 

@@ -485,17 +485,24 @@ def test_ncu_sass_summary_splits_kernels_and_ranks_stalls(tmp_path):
     assert "70.0% of 100 samples" in part and "barrier 85.7%" in part
 
 
-@pytest.mark.parametrize("swizzle", [128, 32])
-def test_transfer_plans_find_the_staggered_dq_stage(monkeypatch, swizzle):
+@pytest.mark.parametrize("permuted,swizzle", [(False, 128), (False, 32), (True, 128)])
+def test_transfer_plans_find_the_staggered_dq_stage(monkeypatch, permuted, swizzle):
     """benchmarks/probes/transfer_plans.py lowers the fused SageBwd backward (D64 causal) on the CPU and lists Mosaic
-    GPU's register ↔ SMEM transfer plans. With the committed 128-byte float32 dQ stage its stores are the only
-    staggered transfers (forty-third session); with a 32-byte stage (``_mosaic.STAGE_SWIZZLE``) none are."""
+    GPU's register ↔ SMEM transfer plans. With the 128-byte float32 dQ stage stored by Mosaic GPU in natural column
+    order its stores are the only staggered transfers (forty-third session); with a 32-byte stage
+    (``_mosaic.STAGE_SWIZZLE``) none are; with the permuted order (``dq_stage``, committed) the stage is stored by
+    inline 16-byte stores, so Mosaic GPU plans no float32 transfer and none is staggered."""
     from benchmarks.probes.transfer_plans import transfer_plans
-    from pallas_kernels import _mosaic
+    from pallas_kernels import _mosaic, dq_stage
 
     monkeypatch.setattr(_mosaic, "STAGE_SWIZZLE", swizzle)
+    monkeypatch.setattr(dq_stage, "ENABLED", permuted)
     plans = transfer_plans("sage", 64, True, seq=256)
     staggered = {key for key in plans if key[3] == "StaggeredTransferPlan"}
     float32_tiles = {key for key in plans if key[1] == 32 and key[2] == swizzle and len(key[0]) == 2}
+    assert plans  # the kernels' other transfers were seen
+    if permuted:
+        assert not staggered and not float32_tiles, plans
+        return
     assert float32_tiles, plans  # the stage's stores were seen
     assert staggered == (float32_tiles if swizzle == 128 else set()), plans

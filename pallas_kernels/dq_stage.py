@@ -1,0 +1,103 @@
+"""The float32 dQ stage's column order: conflict-free 16-byte stores instead of Mosaic GPU's staggered ones.
+
+The fused backwards (SageBwd, Attn-QAT) add each step's dQ part into a float32 GMEM accumulator by a TMA
+reduce-add from a (64 queries × 64 columns) float32 SMEM stage, tiled 8 × 32 with a 128-byte swizzle
+(``_mosaic.reduce_add_out``). In the WGMMA register layout a thread holds, for its rows g and g + 8, the column
+pairs 8j + 2c, 8j + 2c + 1 (j = 0..7, c = lane mod 4). Stored as they are (8 bytes per lane), a half-warp's
+rows g and g + 1 fall in the same banks, so Mosaic GPU staggers the stores (``StaggeredTransferPlan``: a select
+per register, 32 per thread and step) and issues 16 ``STS.64``.
+
+Here the stage holds the columns permuted instead (:func:`column_of`): a thread's pairs j = 2k, 2k + 1 are put
+side by side as one 16-byte piece k (k = 0..3) at the physical columns 32·(k // 2) + 4·(2c + k mod 2) … + 3.
+An 8-lane phase of a 16-byte store then covers rows 2m, 2m + 1 and the four lanes of each row write the
+16-byte chunks 2c + k mod 2 of one column tile: four distinct chunk pairs, which the swizzle (an XOR with the
+row) keeps distinct, so no bank is hit twice; 8 ``STS.128`` per thread and step, no selects. The TMA copies the
+stage as it is, so the GMEM accumulator holds every 64-column chunk in that order, and :func:`unpermute` (a
+reshape and a transpose, which XLA fuses into dQ's conversion to 16 bits) puts it back.
+
+Only compiled (the Mosaic GPU interpreter has no inline Mosaic GPU): :func:`in_use`; the caller chooses per
+kernel (``_mosaic.reduce_add_out(permuted=)``, ``reduce_add_total(permuted=)``). On the H200 (forty-fourth session,
+benchmarks/NOTES.md; kernel ms, two repeats): the fused SageBwd kernel 0.664 → 0.649 at B16 H10/5 S2048 D64 causal
+and 2.126 → 1.965 at B8 H32 S2048 D64, so it takes it at head dim 64 (``sage_bwd_mosaic.permutes_dq_stage``); at
+head dim 128 it was slower there (B4 H32 S4096 causal 2.95 → 4.09 ms). Attn-QAT's backward measured mixed (−1% at
+the D64 causal and D128 shapes, +2.3% at B8 H32 S2048 D64) and keeps Mosaic GPU's store.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _mosaic, stmatrix
+from pallas_kernels._mosaic import plgpu, stage_transforms
+
+#: the stage's permuted column order (:func:`store`, :func:`unpermute`) where compiled; False: Mosaic GPU's own
+#: (staggered) store of the natural order
+ENABLED = True
+COLS = 64  # columns of one stage (``_mosaic.REDUCE_COLS``)
+
+
+def in_use(interpret: bool) -> bool:
+    """Whether the dQ stage holds the permuted column order: :data:`ENABLED`, compiled, and the stage's
+    committed 128-byte swizzle (``_mosaic.STAGE_SWIZZLE``, a probe switch)."""
+    return ENABLED and not interpret and _mosaic.STAGE_SWIZZLE == 128
+
+
+def column_of(d):
+    """The stage column (0..63) that holds dQ column ``d`` of a 64-column chunk (ints or numpy arrays):
+    d = 16k + 8h + 2c + b → 32·(k // 2) + 4·(2c + k mod 2) + 2h + b."""
+    k, h, c, b = d // 16, (d // 8) % 2, (d // 2) % 4, d % 2
+    return 32 * (k // 2) + 4 * (2 * c + k % 2) + 2 * h + b
+
+
+def unpermute(x: jax.Array) -> jax.Array:
+    """``x`` (…, D) with each 64-column chunk of its last axis in :func:`column_of` order, put back in natural
+    order: stage column 32·k2 + 8c + 4·k1 + 2h + b holds dQ column 32·k2 + 16·k1 + 8h + 2c + b."""
+    *lead, d = x.shape
+    if d % COLS:
+        raise ValueError(f"the dQ stage's order needs a multiple of {COLS} columns, got {d}")
+    split = x.reshape(*lead, d // COLS, 2, 4, 2, 2, 2)  # (chunk, k2, c, k1, h, b)
+    n = len(lead) + 1
+    order = (*range(n), n, n + 2, n + 3, n + 1, n + 4)  # → (chunk, k2, k1, h, c, b)
+    return jnp.transpose(split, order).reshape(*lead, d)
+
+
+def store(stage, value: jax.Array) -> None:
+    """``stage`` = ``value`` (a (64, 64) float32 WGMMA-layout tile) with the columns in :func:`column_of` order:
+    8 conflict-free 16-byte stores per thread (inline Mosaic GPU; compiled only)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(stage_transforms())))
+    def _store(ctx, arr, smem):
+        del ctx
+        _, (tile_bytes, col_tile_bytes, row_bytes), warp, hi, lo, base = stmatrix.lane_context(smem)
+        if row_bytes != 128 or col_tile_bytes != 8 * 128:
+            raise NotImplementedError("the permuted dQ stage needs a 128-byte swizzled (8, 32) float32 tiling")
+        lane = (hi << 3) | lo
+        g, c = lane >> 2, lane & 3
+        regs = arr.registers  # index 1: the 8-column block j; index 4: the row half
+        stmatrix.check_registers(regs.shape, COLS)
+        for half in (0, 1):
+            row = (warp * 2 + half) * tile_bytes + g * row_bytes  # row tile 2·warp + half, row g within it
+            for k in range(4):
+                offset = stmatrix.swizzled(row + (k // 2) * col_tile_bytes, c * 2 + (k % 2), 128)
+                piece = vector.shuffle(regs[(0, 2 * k, 0, 0, half, 0, 0, 0, 0)],
+                                       regs[(0, 2 * k + 1, 0, 0, half, 0, 0, 0, 0)], [0, 1, 2, 3])
+                ptr = mgpu_utils.getelementptr(base, [offset.value], ir.IntegerType.get_signless(8))
+                llvm.store(piece, ptr, alignment=16)
+
+    _store(plgpu.layout_cast(value, layout), stage)
+
+
+def byte_offsets(k: int, half: int, warp: int = 0) -> np.ndarray:
+    """The stage byte offset each lane (0..31) of ``warp`` writes in store ``k`` of row half ``half`` of
+    :func:`store`: the same formula in numpy, for tests (rows of 128 bytes, column tiles of 1024, row tiles of
+    2048; Mosaic GPU's 128-byte swizzle XORs the 16-byte chunk with the row within its 8-row tile)."""
+    lanes = np.arange(32)
+    g, c = lanes // 4, lanes % 4
+    return (2 * warp + half) * 2048 + (k // 2) * 1024 + g * 128 + (((2 * c + k % 2) ^ g) * 16)

@@ -1,0 +1,126 @@
+"""The float32 dQ stage's permuted column order (``pallas_kernels.dq_stage``): a model of its stores' addresses
+(conflict-free, each stage byte written once, the columns ``column_of`` says) and the un-permutation applied to
+the accumulator. The compiled store itself runs only on the GPU (``benchmarks/variants.py --check`` compares the
+gradients with the xla reference); its lowering is covered by tests/test_lowering.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _mosaic, dq_stage
+
+
+def _position(offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, first column) of a 16-byte piece at a byte offset of the (64, 64) float32 stage, tiled (8, 32) with the
+    128-byte swizzle undone (as ``dq_stage.byte_offsets`` lays it out)."""
+    row_tile, col_tile = offset // 2048, (offset % 2048) // 1024
+    row_in_tile = (offset % 1024) // 128
+    chunk = ((offset % 128) // 16) ^ row_in_tile
+    return row_tile * 8 + row_in_tile, col_tile * 32 + chunk * 4
+
+
+def test_column_order_is_a_permutation_that_unpermute_inverts():
+    cols = np.arange(64)
+    assert sorted(dq_stage.column_of(cols)) == list(range(64))
+    rng = np.random.default_rng(0)
+    for d in (64, 128):
+        natural = rng.standard_normal((3, 5, d)).astype(np.float32)
+        stored = np.empty_like(natural)
+        for chunk in range(d // 64):
+            stored[..., chunk * 64 + dq_stage.column_of(cols)] = natural[..., chunk * 64 + cols]
+        np.testing.assert_array_equal(np.asarray(dq_stage.unpermute(jnp.asarray(stored))), natural)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        dq_stage.unpermute(jnp.zeros((2, 96)))
+
+
+def test_stores_are_conflict_free_and_cover_the_stage_once():
+    written = []
+    for warp in range(4):
+        for half in (0, 1):
+            for k in range(4):
+                offsets = dq_stage.byte_offsets(k, half, warp)
+                assert np.all(offsets % 16 == 0)
+                for phase in range(4):  # a 16-byte store is served 8 lanes (128 bytes) at a time
+                    banks = (offsets[phase * 8:(phase + 1) * 8] // 16) % 8
+                    assert len(set(banks.tolist())) == 8, (warp, half, k, phase, banks)
+                written += offsets.tolist()
+    assert sorted(written) == list(range(0, 64 * 64 * 4, 16))  # every 16 bytes of the stage exactly once
+
+
+def test_each_piece_holds_the_columns_column_of_names():
+    lanes = np.arange(32)
+    g, c = lanes // 4, lanes % 4
+    for warp in range(4):
+        for half in (0, 1):
+            for k in range(4):
+                row, col = _position(dq_stage.byte_offsets(k, half, warp))
+                np.testing.assert_array_equal(row, 16 * warp + 8 * half + g)
+                # the piece holds the thread's WGMMA columns 8j + 2c, 8j + 2c + 1 for j = 2k, 2k + 1
+                for e, d in enumerate((16 * k + 2 * c, 16 * k + 2 * c + 1, 16 * k + 8 + 2 * c, 16 * k + 9 + 2 * c)):
+                    np.testing.assert_array_equal(dq_stage.column_of(d), col + e)
+
+
+def test_accumulator_total_is_unpermuted_only_for_a_permuted_stage(monkeypatch):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 3, 128)), jnp.float32)
+    np.testing.assert_array_equal(_mosaic.reduce_add_total(x, 0, interpret=False, permuted=True), dq_stage.unpermute(x))
+    np.testing.assert_array_equal(_mosaic.reduce_add_total(x, 0, interpret=False), x)
+    np.testing.assert_array_equal(_mosaic.reduce_add_total(x[None], 1, interpret=True), x)
+    assert dq_stage.in_use(False) and not dq_stage.in_use(True)
+    monkeypatch.setattr(_mosaic, "STAGE_SWIZZLE", 32)
+    assert not dq_stage.in_use(False)
+
+
+@pytest.mark.parametrize("method, head_dim, stores", [("sage", 64, 1), ("sage", 128, 0), ("qat", 64, 0)])
+def test_fused_backwards_take_the_permuted_stage_where_measured_faster(monkeypatch, method, head_dim, stores):
+    """Lowered for an H200: the fused SageBwd kernel stores its dQ stage through ``dq_stage.store`` at head dim 64
+    only (``sage_bwd_mosaic.PERMUTED_STAGE_MAX_HEAD_DIM``), and its accumulator is put back by ``unpermute``;
+    Attn-QAT's backward keeps Mosaic GPU's own store (measured mixed, forty-fourth session)."""
+    from benchmarks.common import lower_mosaic_fwd_bwd
+
+    calls = []
+    for name in ("store", "unpermute"):
+        real = getattr(dq_stage, name)
+        monkeypatch.setattr(dq_stage, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    lower_mosaic_fwd_bwd(method, head_dim, True, seq=256)
+    assert calls == ["store", "unpermute"] * stores
+
+
+def _stage_kernel(interpret: bool = False):
+    """a (64, 64) bf16, e (64, 64) bf16 → t = a·eᵀ (a float32 WGMMA tile), stored by ``dq_stage.store`` into a
+    stage tile and copied out: (64, 64) float32."""
+    def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, bar):
+        for i, (src, dst) in enumerate(((a_ref, a_s), (e_ref, e_s))):
+            _mosaic.plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+            _mosaic.plgpu.barrier_wait(bar.at[i])
+        dq_stage.store(o_s, _mosaic.matmul((64, 64), jnp.float32, a_s, e_s.T))
+        _mosaic.copy_out(((o_s, o_ref),))
+
+    bf16 = jnp.bfloat16
+    tile = lambda rows, cols, dt: _mosaic.plgpu.SMEM((rows, cols), dt, transforms=_mosaic.tile_transforms(dt, cols))  # noqa: E731
+    return _mosaic.plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                                scratch_types=[tile(64, 64, bf16), tile(64, 64, bf16),
+                                               _mosaic.plgpu.SMEM((64, 64), jnp.float32,
+                                                                  transforms=_mosaic.stage_transforms()),
+                                               _mosaic.plgpu.Barrier(num_barriers=2)],
+                                compiler_params=_mosaic.compiler_params(),
+                                interpret=_mosaic.interpret_params(interpret))
+
+
+def test_stage_store_compiled():
+    """Lowered for an H200 on any machine; compiled on a Hopper GPU against numpy (the only place the inline Mosaic
+    GPU runs; passed on the H200, forty-fourth session): the stage holds t's columns where ``column_of`` says."""
+    from benchmarks import common
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    e = np.eye(64, dtype=jnp.bfloat16)
+    kernel = _stage_kernel()
+    common.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
+    if not _mosaic.on_hopper():
+        return
+    got = np.asarray(kernel(a, e))
+    np.testing.assert_array_equal(got[:, dq_stage.column_of(np.arange(64))], a.astype(np.float32))
