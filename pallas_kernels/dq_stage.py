@@ -30,12 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _mosaic, stmatrix
-from pallas_kernels._mosaic import plgpu, stage_transforms
+from pallas_kernels._mosaic import REDUCE_COLS, plgpu, stage_transforms
 
 #: the stage's permuted column order (:func:`store`, :func:`unpermute`) where compiled; False: Mosaic GPU's own
 #: (staggered) store of the natural order
 ENABLED = True
-COLS = 64  # columns of one stage (``_mosaic.REDUCE_COLS``)
+if REDUCE_COLS != 64:
+    raise ImportError(f"the dQ stage's column order is made for 64-column stages, _mosaic.REDUCE_COLS is {REDUCE_COLS}")
+#: byte strides of the (64, 64) float32 stage tiled (8, 32): (row tile, column tile, row)
+STRIDES = (2 * 8 * 128, 8 * 128, 128)
 
 
 def in_use(interpret: bool) -> bool:
@@ -55,12 +58,21 @@ def unpermute(x: jax.Array) -> jax.Array:
     """``x`` (…, D) with each 64-column chunk of its last axis in :func:`column_of` order, put back in natural
     order: stage column 32·k2 + 8c + 4·k1 + 2h + b holds dQ column 32·k2 + 16·k1 + 8h + 2c + b."""
     *lead, d = x.shape
-    if d % COLS:
-        raise ValueError(f"the dQ stage's order needs a multiple of {COLS} columns, got {d}")
-    split = x.reshape(*lead, d // COLS, 2, 4, 2, 2, 2)  # (chunk, k2, c, k1, h, b)
+    if d % REDUCE_COLS:
+        raise ValueError(f"the dQ stage's order needs a multiple of {REDUCE_COLS} columns, got {d}")
+    split = x.reshape(*lead, d // REDUCE_COLS, 2, 4, 2, 2, 2)  # (chunk, k2, c, k1, h, b)
     n = len(lead) + 1
     order = (*range(n), n, n + 2, n + 3, n + 1, n + 4)  # → (chunk, k2, k1, h, c, b)
     return jnp.transpose(split, order).reshape(*lead, d)
+
+
+def piece_offset(warp, half: int, g, c, k: int):
+    """The stage byte offset of piece ``k`` (0..3: the column blocks 2k, 2k + 1) of row half ``half`` that lane
+    4g + c of ``warp`` stores: row tile 2·warp + half, row g, column tile k // 2, 16-byte chunk 2c + k mod 2 under
+    the 128-byte swizzle. :class:`pallas_kernels.stmatrix.Int` s in :func:`store`; numpy arrays in tests."""
+    tile_bytes, col_tile_bytes, row_bytes = STRIDES
+    row = (warp * 2 + half) * tile_bytes + g * row_bytes
+    return stmatrix.swizzled(row + (k // 2) * col_tile_bytes, c * 2 + (k % 2), 128)
 
 
 def store(stage, value: jax.Array) -> None:
@@ -75,17 +87,17 @@ def store(stage, value: jax.Array) -> None:
     @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(stage_transforms())))
     def _store(ctx, arr, smem):
         del ctx
-        _, (tile_bytes, col_tile_bytes, row_bytes), warp, hi, lo, base = stmatrix.lane_context(smem)
-        if row_bytes != 128 or col_tile_bytes != 8 * 128:
-            raise NotImplementedError("the permuted dQ stage needs a 128-byte swizzled (8, 32) float32 tiling")
+        _, strides, warp, hi, lo, base = stmatrix.lane_context(smem)
+        if strides != STRIDES:
+            raise NotImplementedError(f"the permuted dQ stage needs a 128-byte swizzled (8, 32) float32 tiling of a "
+                                      f"(64, 64) stage, byte strides {STRIDES}; got {strides}")
         lane = (hi << 3) | lo
         g, c = lane >> 2, lane & 3
         regs = arr.registers  # index 1: the 8-column block j; index 4: the row half
-        stmatrix.check_registers(regs.shape, COLS)
+        stmatrix.check_registers(regs.shape, REDUCE_COLS)
         for half in (0, 1):
-            row = (warp * 2 + half) * tile_bytes + g * row_bytes  # row tile 2·warp + half, row g within it
             for k in range(4):
-                offset = stmatrix.swizzled(row + (k // 2) * col_tile_bytes, c * 2 + (k % 2), 128)
+                offset = piece_offset(warp, half, g, c, k)
                 piece = vector.shuffle(regs[(0, 2 * k, 0, 0, half, 0, 0, 0, 0)],
                                        regs[(0, 2 * k + 1, 0, 0, half, 0, 0, 0, 0)], [0, 1, 2, 3])
                 ptr = mgpu_utils.getelementptr(base, [offset.value], ir.IntegerType.get_signless(8))
@@ -96,8 +108,6 @@ def store(stage, value: jax.Array) -> None:
 
 def byte_offsets(k: int, half: int, warp: int = 0) -> np.ndarray:
     """The stage byte offset each lane (0..31) of ``warp`` writes in store ``k`` of row half ``half`` of
-    :func:`store`: the same formula in numpy, for tests (rows of 128 bytes, column tiles of 1024, row tiles of
-    2048; Mosaic GPU's 128-byte swizzle XORs the 16-byte chunk with the row within its 8-row tile)."""
+    :func:`store`: :func:`piece_offset` on numpy lanes, for tests."""
     lanes = np.arange(32)
-    g, c = lanes // 4, lanes % 4
-    return (2 * warp + half) * 2048 + (k // 2) * 1024 + g * 128 + (((2 * c + k % 2) ^ g) * 16)
+    return piece_offset(warp, half, lanes // 4, lanes % 4, k)

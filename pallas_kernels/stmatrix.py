@@ -27,8 +27,9 @@ def check_registers(shape: tuple, cols: int) -> None:
 
 
 class Int:
-    """An i32 MLIR value with the integer operators a key order's map uses (``&``, ``|``, ``<<``, ``>>``, ``+``, ``*``,
-    with Python ints or other ``Int`` s), so one function serves jax arrays and inline Mosaic GPU alike."""
+    """An i32 MLIR value with the integer operators a key order's map uses (``&``, ``|``, ``^``, ``<<``, ``>>``,
+    ``+``, ``*``, with Python ints or other ``Int`` s), so one function serves jax or numpy arrays and inline Mosaic
+    GPU alike."""
 
     def __init__(self, value):
         self.value = value
@@ -44,8 +45,9 @@ def _int_operator(name: str):
     return apply
 
 
-for _method, _op in (("__and__", "andi"), ("__or__", "ori"), ("__lshift__", "shli"), ("__rshift__", "shrui"),
-                     ("__add__", "addi"), ("__radd__", "addi"), ("__mul__", "muli"), ("__rmul__", "muli")):
+for _method, _op in (("__and__", "andi"), ("__or__", "ori"), ("__xor__", "xori"), ("__rxor__", "xori"),
+                     ("__lshift__", "shli"), ("__rshift__", "shrui"), ("__add__", "addi"), ("__radd__", "addi"),
+                     ("__mul__", "muli"), ("__rmul__", "muli")):
     setattr(Int, _method, _int_operator(_op))
 
 
@@ -71,11 +73,10 @@ def lane_context(smem):
 def swizzled(offset: Int, chunk: Int, swizzle: int) -> Int:
     """The byte address of the 16-byte ``chunk`` of the row at byte ``offset`` in a ``swizzle``-byte swizzled SMEM
     tile: ``offset + (chunk ⊕ (offset // 128 mod swizzle // 16))·16``, as Mosaic GPU lays it out
-    (``fragmented_array.transfer_tiled``)."""
-    from jax._src.lib.mlir.dialects import arith
-
+    (``fragmented_array.transfer_tiled``). :class:`Int` s in inline Mosaic GPU; numpy integers (arrays) in the
+    tests' models of a store's addresses."""
     bits = (offset >> 7) & (swizzle // 16 - 1)
-    return offset + (Int(arith.xori(chunk.value, bits.value)) << 4)
+    return offset + ((chunk ^ bits) << 4)
 
 
 def stmatrix_x4(base, offset: Int, words: list, *, transposed: bool) -> None:
