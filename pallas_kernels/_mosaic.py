@@ -116,19 +116,63 @@ def scalar(ref) -> jax.Array:
     return ref[0]
 
 
+#: :func:`tile_max` compiled: each warp's maximum by one ``redux.sync`` and four SMEM words (:func:`_warp_tile_max`),
+#: instead of 64 row maxima through SMEM re-read along the lanes
+WARP_TILE_MAX = True
+
+
 def tile_max(x: jax.Array, scratch, interpret: bool) -> jax.Array:
-    """Maximum of a 2-D WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
+    """Maximum of a 2-D WGMMA-layout tile of **non-negative** values (``jnp.abs`` of a tile), as a scalar every
+    thread of the warpgroup holds. ``scratch``: this warpgroup's own (rows,) float32 SMEM ref (16-byte aligned).
 
     Mosaic GPU reduces across warps through one SMEM scratch area shared by all
     warpgroups of a CTA, which races when two compute warpgroups reduce at once
-    (measured: wrong dS scales on the H200). Here the row maxima go through this
-    warpgroup's own ``scratch`` (a (rows,) float32 SMEM ref) and are re-read along
-    the lanes, so the last reduction stays inside each warp. Only this warpgroup reads
-    ``scratch``, so a plain warpgroup barrier orders it (:func:`warpgroup_barrier`).
+    (measured: wrong dS scales on the H200), so the cross-warp step goes through ``scratch``,
+    which only this warpgroup reads; a plain warpgroup barrier orders it (:func:`warpgroup_barrier`).
+    Compiled with :data:`WARP_TILE_MAX`: :func:`_warp_tile_max`. Otherwise (and interpreted) the row maxima are
+    written to ``scratch`` and re-read along the lanes, so the last reduction stays inside each warp.
     """
+    if WARP_TILE_MAX and not interpret:
+        return _warp_tile_max(x, scratch)
     scratch[...] = jnp.max(x, axis=1)
     warpgroup_barrier(interpret)  # every row max is written
     return jnp.max(col_vector(scratch))
+
+
+def _warp_tile_max(x: jax.Array, scratch) -> jax.Array:
+    """:func:`tile_max` in inline Mosaic GPU: each thread's maximum of its values (a balanced tree of
+    ``max.NaN.f32``), the warp's by one ``redux.sync.max.u32`` on the float bits (order-preserving for
+    non-negative floats, NaN above +inf), one word per warp into ``scratch[0:4]``, the warpgroup's named barrier,
+    one 16-byte load of the four words and their maximum. Stores, barrier and load are in one inline block, in
+    program order."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental import mosaic
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.float32, layout=plgpu.Layout.WG_SPLAT(())))
+    def _max(ctx, arr, smem):
+        del ctx
+        f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        const = lambda v: arith.constant(i32, v)  # noqa: E731
+        fmax = lambda a, b: llvm.inline_asm(f32, [a, b], "max.NaN.f32 $0, $1, $2;", "=f,f,f")  # noqa: E731
+        values = [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                  for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
+        while len(values) > 1:
+            values = [fmax(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) // 2 * 2:]
+        warp_max = mgpu_utils.redux(arith.bitcast(i32, values[0]), const(0xFFFFFFFF),
+                                    mgpu_utils.ReductionKind.UMAX)
+        warp = arith.shrui(arith.remui(mgpu_utils.thread_idx(), const(128)), const(5))
+        base = mgpu_utils.memref_ptr(smem)
+        llvm.store(warp_max, mgpu_utils.getelementptr(base, [arith.shli(warp, const(2))], i8), alignment=4)
+        mgpu_utils.warpgroup_barrier()  # every warp's word is written
+        words = llvm.load(ir.VectorType.get((4,), i32), base, alignment=16)
+        pick = lambda i: vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))  # noqa: E731
+        total = arith.maxui(arith.maxui(pick(0), pick(1)), arith.maxui(pick(2), pick(3)))
+        return mosaic.gpu.FragmentedArray.splat(arith.bitcast(f32, total), (), is_signed=None)
+
+    return _max(plgpu.layout_cast(x, plgpu.Layout.WGMMA), scratch)
 
 
 #: skip the element-wise mask on tiles that no key of which is masked (:func:`mask_scores`)

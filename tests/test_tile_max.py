@@ -1,0 +1,86 @@
+"""``_mosaic.tile_max``: the maximum of a non-negative WGMMA tile as a scalar every thread of the warpgroup holds
+(SageBwd's per-tile dS scale). Interpreted it is the row maxima re-read along the lanes; compiled with
+``_mosaic.WARP_TILE_MAX`` one ``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the
+GPU runs: the compiled test below lowers for an H200 anywhere and compares with numpy on a Hopper GPU, two
+warpgroups reducing different tiles at once (each with its own scratch row, as the kernels do)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _mosaic
+
+WGS = 2
+
+
+def _tile_max_kernel(interpret: bool):
+    """a (WGS, 64, 64) bf16, e (64, 64) bf16 → per warpgroup w: t = a[w]·eᵀ (a float32 WGMMA tile) and the tile
+    filled with ``tile_max(|t|)``: (WGS, 64, 64) float32."""
+    plgpu = _mosaic.plgpu
+
+    def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, red_s, bar):
+        wg = jax.lax.axis_index("wg")
+        for i, (src, dst) in enumerate(((a_ref.at[wg], a_s.at[wg]), (e_ref, e_s.at[wg]))):
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[2 * wg + i])
+            plgpu.barrier_wait(bar.at[2 * wg + i])
+        t = _mosaic.matmul((64, 64), jnp.float32, a_s.at[wg], e_s.at[wg].T)
+        m = _mosaic.tile_max(jnp.abs(t), red_s.at[wg], interpret)
+        o_s[wg] = jnp.maximum(t * 0.0, m)  # every entry m (m > 0; t finite)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s.at[wg], o_ref.at[wg])
+        plgpu.wait_smem_to_gmem(0)
+
+    bf16 = jnp.bfloat16
+    tiles = lambda dt: plgpu.SMEM((WGS, 64, 64), dt, transforms=_mosaic.tile_transforms(dt, 64))  # noqa: E731
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((WGS, 64, 64), jnp.float32),
+                        scratch_types=[tiles(bf16), tiles(bf16), plgpu.SMEM((WGS, 64, 64), jnp.float32),
+                                       plgpu.SMEM((WGS, 64), jnp.float32), plgpu.Barrier(num_barriers=2 * WGS)],
+                        num_threads=WGS, thread_name="wg", compiler_params=_mosaic.compiler_params(),
+                        interpret=_mosaic.interpret_params(interpret))
+
+
+def _inputs(seed: int, where: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Two N(0, 1) tiles, the second scaled by 3, each with its largest |value| planted at ``where`` (a row in
+    some warp: rows 16w … 16w + 15 belong to warp w) with a sign that differs between them."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((WGS, 64, 64)).astype(np.float32)
+    a[1] *= 3.0
+    for w in range(WGS):
+        a[w][where] = (-1.0) ** w * (np.abs(a[w]).max() + 1.0 + w)
+    return a.astype(jnp.bfloat16), np.eye(64, dtype=jnp.bfloat16)
+
+
+def _expected(a: np.ndarray) -> np.ndarray:
+    return np.broadcast_to(np.abs(a.astype(np.float32)).max(axis=(1, 2))[:, None, None], a.shape)
+
+
+@pytest.mark.parametrize("where", [(3, 60), (37, 1), (63, 31)])
+def test_tile_max_interpreted(where):
+    a, e = _inputs(len(where) + where[0], where)
+    with jax.default_device(jax.devices("cpu")[0]):  # the interpreter's warpgroups wait for each other in host
+        got = _tile_max_kernel(True)(a, e)            # callbacks, which a GPU backend may run one at a time
+    np.testing.assert_array_equal(np.asarray(got), _expected(a))
+
+
+def test_tile_max_compiled(monkeypatch):
+    """Lowered for an H200 on any machine (the inline ``redux.sync`` route is the one lowered); compiled on a
+    Hopper GPU against numpy, the maximum planted in each warp in turn."""
+    from benchmarks import common
+
+    calls = []
+    real = _mosaic._warp_tile_max
+    monkeypatch.setattr(_mosaic, "_warp_tile_max", lambda *a: calls.append(1) or real(*a))
+    kernel = _tile_max_kernel(False)
+    a, e = _inputs(0, (0, 0))
+    jax.clear_caches()
+    common.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
+    assert calls, "the compiled tile_max did not take the warp-level route"
+    if not _mosaic.on_hopper():
+        return
+    for seed, row in enumerate((5, 16 + 9, 32 + 2, 48 + 15)):
+        a, e = _inputs(seed, (row, 7 * seed + 3))
+        np.testing.assert_array_equal(np.asarray(kernel(a, e)), _expected(a))
