@@ -91,7 +91,7 @@ def warpgroup_barrier(interpret: bool) -> None:
     """Wait until every thread of this warpgroup arrives (``bar.sync`` on the warpgroup's named barrier):
     SMEM written by the warpgroup is then visible to its own loads. Unlike ``plgpu.commit_smem`` there is no
     async-proxy fence (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``), which only TMA and ``wgmma``
-    readers need (on the H200 fwd+bwd 1.7% faster at B8 H32 S2048 D64 with it in :func:`tile_max`, 0.7% at B4
+    readers need (on the H200 fwd+bwd 1.7% faster at B8 H32 S2048 D64 with it in :func:`tile_absmax`, 0.7% at B4
     H32 S4096 D128 causal, level elsewhere; benchmarks/NOTES.md, nineteenth session). The interpreter, which has
     no inline Mosaic GPU, commits instead."""
     if interpret:
@@ -116,32 +116,39 @@ def scalar(ref) -> jax.Array:
     return ref[0]
 
 
-#: :func:`tile_max` compiled: each warp's maximum by one ``redux.sync`` and four SMEM words (:func:`_warp_tile_max`),
-#: instead of 64 row maxima through SMEM re-read along the lanes
+#: :func:`tile_absmax` compiled: each warp's maximum by one ``redux.sync`` and four SMEM words
+#: (:func:`_warp_absmax`), instead of 64 row maxima through SMEM re-read along the lanes
 WARP_TILE_MAX = True
 
 
-def tile_max(x: jax.Array, scratch, interpret: bool) -> jax.Array:
-    """Maximum of a 2-D WGMMA-layout tile of **non-negative** values (``jnp.abs`` of a tile), as a scalar every
-    thread of the warpgroup holds. ``scratch``: this warpgroup's own (rows,) float32 SMEM ref (16-byte aligned).
+def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
+    """max |x| of a (rows, cols) float32 WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
+    ``scratch``: this warpgroup's own (rows,) float32 SMEM ref (rows a multiple of 4, as allocated: 16-byte
+    aligned). Consecutive calls on one ``scratch`` need, between them, a point that every warp passes only after
+    every warp's loads (in the kernels: the SMEM commit of the step's operands, or a ``wgmma`` on the result,
+    which starts once all four warps have issued it).
 
     Mosaic GPU reduces across warps through one SMEM scratch area shared by all
     warpgroups of a CTA, which races when two compute warpgroups reduce at once
     (measured: wrong dS scales on the H200), so the cross-warp step goes through ``scratch``,
     which only this warpgroup reads; a plain warpgroup barrier orders it (:func:`warpgroup_barrier`).
-    Compiled with :data:`WARP_TILE_MAX`: :func:`_warp_tile_max`. Otherwise (and interpreted) the row maxima are
+    Compiled with :data:`WARP_TILE_MAX`: :func:`_warp_absmax`. Otherwise (and interpreted) the row maxima are
     written to ``scratch`` and re-read along the lanes, so the last reduction stays inside each warp.
     """
+    if x.ndim != 2 or scratch.shape != (x.shape[0],) or x.shape[0] % 4:
+        raise ValueError(f"tile_absmax takes a (rows, cols) tile and a (rows,) scratch, rows a multiple of 4; got "
+                         f"{x.shape} and {scratch.shape}")
+    x = jnp.abs(x)
     if WARP_TILE_MAX and not interpret:
-        return _warp_tile_max(x, scratch)
+        return _warp_absmax(x, scratch)
     scratch[...] = jnp.max(x, axis=1)
     warpgroup_barrier(interpret)  # every row max is written
     return jnp.max(col_vector(scratch))
 
 
-def _warp_tile_max(x: jax.Array, scratch) -> jax.Array:
-    """:func:`tile_max` in inline Mosaic GPU: each thread's maximum of its values (a balanced tree of
-    ``max.NaN.f32``), the warp's by one ``redux.sync.max.u32`` on the float bits (order-preserving for
+def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
+    """:func:`tile_absmax` of ``x`` = |tile| in inline Mosaic GPU: each thread's maximum of its values (a balanced
+    tree of ``max.NaN.f32``), the warp's by one ``redux.sync.max.u32`` on the float bits (order-preserving for
     non-negative floats, NaN above +inf), one word per warp into ``scratch[0:4]``, the warpgroup's named barrier,
     one 16-byte load of the four words and their maximum. Stores, barrier and load are in one inline block, in
     program order."""
@@ -831,7 +838,7 @@ def on_hopper() -> bool:
 
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
-           "col_vector", "tile_max", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
+           "col_vector", "tile_absmax", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
            "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "QueryRows", "query_ctas", "pad_rows",
            "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",

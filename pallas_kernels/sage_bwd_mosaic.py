@@ -78,7 +78,7 @@ from pallas_kernels._mosaic import (
     col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile, grid_position,
     guarded_step, key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
-    row_vector, rows_of, scalar, tile_max, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
+    row_vector, rows_of, scalar, tile_absmax, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
     trim_rows, wg_tiles, wgmma_zeros, REDUCE_COLS,
 )
@@ -211,7 +211,7 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple
     (a scalar) or, ``per_row``, one per row (over axis 1; a row vector, no cross-warp reduction)."""
     if per_row:
         return int8.quantize_half_even(x, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, x.shape))
-    scale = int8.scale_from_amax(tile_max(jnp.abs(x), scratch, interpret))
+    scale = int8.scale_from_amax(tile_absmax(x, scratch, interpret))
     return int8.encode_half_even(x, scale, truncating_convert=True), scale
 
 

@@ -1,4 +1,4 @@
-"""``_mosaic.tile_max``: the maximum of a non-negative WGMMA tile as a scalar every thread of the warpgroup holds
+"""``_mosaic.tile_absmax``: max |x| of a WGMMA tile as a scalar every thread of the warpgroup holds
 (SageBwd's per-tile dS scale). Interpreted it is the row maxima re-read along the lanes; compiled with
 ``_mosaic.WARP_TILE_MAX`` one ``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the
 GPU runs: the compiled test below lowers for an H200 anywhere and compares with numpy on a Hopper GPU, two
@@ -17,9 +17,9 @@ from pallas_kernels import _mosaic
 WGS = 2
 
 
-def _tile_max_kernel(interpret: bool):
+def _tile_max_kernel(interpret: bool, scratch_rows: int = 64):
     """a (WGS, 64, 64) bf16, e (64, 64) bf16 → per warpgroup w: t = a[w]·eᵀ (a float32 WGMMA tile) and the tile
-    filled with ``tile_max(|t|)``: (WGS, 64, 64) float32."""
+    filled with ``tile_absmax(t)``: (WGS, 64, 64) float32."""
     plgpu = _mosaic.plgpu
 
     def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, red_s, bar):
@@ -28,7 +28,7 @@ def _tile_max_kernel(interpret: bool):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[2 * wg + i])
             plgpu.barrier_wait(bar.at[2 * wg + i])
         t = _mosaic.matmul((64, 64), jnp.float32, a_s.at[wg], e_s.at[wg].T)
-        m = _mosaic.tile_max(jnp.abs(t), red_s.at[wg], interpret)
+        m = _mosaic.tile_absmax(t, red_s.at[wg], interpret)
         o_s[wg] = jnp.maximum(t * 0.0, m)  # every entry m (m > 0; t finite)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s.at[wg], o_ref.at[wg])
@@ -38,7 +38,7 @@ def _tile_max_kernel(interpret: bool):
     tiles = lambda dt: plgpu.SMEM((WGS, 64, 64), dt, transforms=_mosaic.tile_transforms(dt, 64))  # noqa: E731
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((WGS, 64, 64), jnp.float32),
                         scratch_types=[tiles(bf16), tiles(bf16), plgpu.SMEM((WGS, 64, 64), jnp.float32),
-                                       plgpu.SMEM((WGS, 64), jnp.float32), plgpu.Barrier(num_barriers=2 * WGS)],
+                                       plgpu.SMEM((WGS, scratch_rows), jnp.float32), plgpu.Barrier(num_barriers=2 * WGS)],
                         num_threads=WGS, thread_name="wg", compiler_params=_mosaic.compiler_params(),
                         interpret=_mosaic.interpret_params(interpret))
 
@@ -72,15 +72,24 @@ def test_tile_max_compiled(monkeypatch):
     from benchmarks import common
 
     calls = []
-    real = _mosaic._warp_tile_max
-    monkeypatch.setattr(_mosaic, "_warp_tile_max", lambda *a: calls.append(1) or real(*a))
+    real = _mosaic._warp_absmax
+    monkeypatch.setattr(_mosaic, "_warp_absmax", lambda *a: calls.append(1) or real(*a))
     kernel = _tile_max_kernel(False)
     a, e = _inputs(0, (0, 0))
     jax.clear_caches()
     common.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
-    assert calls, "the compiled tile_max did not take the warp-level route"
+    assert calls, "the compiled tile_absmax did not take the warp-level route"
     if not _mosaic.on_hopper():
         return
     for seed, row in enumerate((5, 16 + 9, 32 + 2, 48 + 15)):
         a, e = _inputs(seed, (row, 7 * seed + 3))
         np.testing.assert_array_equal(np.asarray(kernel(a, e)), _expected(a))
+
+
+def test_tile_absmax_rejects_a_scratch_of_another_length():
+    from benchmarks import common
+
+    a, e = _inputs(0, (0, 0))
+    with pytest.raises(ValueError, match=r"a \(rows,\) scratch"):
+        common.lower_for_h200(_tile_max_kernel(False, scratch_rows=60), jax.ShapeDtypeStruct(a.shape, a.dtype),
+                              jax.ShapeDtypeStruct(e.shape, e.dtype))
