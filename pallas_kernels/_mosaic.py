@@ -157,6 +157,8 @@ def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
     from jax.experimental import mosaic
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+    from pallas_kernels import stmatrix  # it builds on this module
+
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((), jnp.float32, layout=plgpu.Layout.WG_SPLAT(())))
     def _max(ctx, arr, smem):
@@ -170,9 +172,9 @@ def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
             values = [fmax(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) // 2 * 2:]
         warp_max = mgpu_utils.redux(arith.bitcast(i32, values[0]), const(0xFFFFFFFF),
                                     mgpu_utils.ReductionKind.UMAX)
-        warp = arith.shrui(arith.remui(mgpu_utils.thread_idx(), const(128)), const(5))
+        warp, _ = stmatrix.warp_and_lane()
         base = mgpu_utils.memref_ptr(smem)
-        llvm.store(warp_max, mgpu_utils.getelementptr(base, [arith.shli(warp, const(2))], i8), alignment=4)
+        llvm.store(warp_max, mgpu_utils.getelementptr(base, [(warp << 2).value], i8), alignment=4)
         mgpu_utils.warpgroup_barrier()  # every warp's word is written
         words = llvm.load(ir.VectorType.get((4,), i32), base, alignment=16)
         pick = lambda i: vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))  # noqa: E731

@@ -51,6 +51,16 @@ for _method, _op in (("__and__", "andi"), ("__or__", "ori"), ("__xor__", "xori")
     setattr(Int, _method, _int_operator(_op))
 
 
+def warp_and_lane() -> tuple[Int, Int]:
+    """In inline Mosaic GPU: this thread's warp in its warpgroup (0..3) and its lane (0..31), as :class:`Int` s."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    tid = Int(arith.remui(mgpu_utils.thread_idx(), arith.constant(ir.IntegerType.get_signless(32), 128)))
+    return tid >> 5, tid & 31
+
+
 def lane_context(smem):
     """For an inline Mosaic GPU store into the tiled SMEM memref ``smem``: ``(const, (row tile, column tile, row)
     byte strides, warp in the warpgroup, lane // 8, lane % 8, base pointer)``, the indices as :class:`Int`."""
@@ -64,8 +74,7 @@ def lane_context(smem):
     if len(ty.shape) != 4 or ty.shape[2] != 8 or strides[3] != 1:
         raise NotImplementedError(f"expected a (row tiles, column tiles, 8, cols) SMEM tile, got {ty}")
     size = mgpu_utils.bitwidth(ty.element_type) // 8
-    tid = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
-    warp, lane = Int(tid) >> 5, Int(tid) & 31
+    warp, lane = warp_and_lane()
     return (lambda v: arith.constant(i32, v), tuple(s * size for s in strides[:3]), warp, lane >> 3, lane & 7,
             mgpu_utils.memref_ptr(smem))
 

@@ -17,9 +17,10 @@ from pallas_kernels import _mosaic, dq_stage
 def _position(offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row, first column) of a 16-byte piece at a byte offset of the (64, 64) float32 stage, tiled (8, 32) with the
     128-byte swizzle undone (as ``dq_stage.byte_offsets`` lays it out)."""
-    row_tile, col_tile = offset // 2048, (offset % 2048) // 1024
-    row_in_tile = (offset % 1024) // 128
-    chunk = ((offset % 128) // 16) ^ row_in_tile
+    tile_bytes, col_tile_bytes, row_bytes = dq_stage.STRIDES
+    row_tile, col_tile = offset // tile_bytes, (offset % tile_bytes) // col_tile_bytes
+    row_in_tile = (offset % col_tile_bytes) // row_bytes
+    chunk = ((offset % row_bytes) // 16) ^ row_in_tile
     return row_tile * 8 + row_in_tile, col_tile * 32 + chunk * 4
 
 
