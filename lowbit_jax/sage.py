@@ -399,8 +399,6 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
     cfg = opts.config
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
               scale=opts.scale, config=cfg, interpret=opts.interpret)
-    delta, do8_t, do_scale = sage_bwd_kernels.sage_bwd_preprocess(o, do, config=cfg, operand_order=orders.q_t,
-                                                                  interpret=opts.interpret)
     lse_pad = sage_tiles.pad_lse(lse, ops.q.shape[2])
     dkdv_mosaic, dq_mosaic = (_mosaic_backend(name, Padded.of_operands(ops), opts) for name in ("dkdv", "dq"))
     mosaic_kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, per_block=opts.per_block,
@@ -410,6 +408,9 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
         raise ValueError("q_t_operand_order: only the Mosaic dK/dV kernel takes Q̂ᵀ in operand order")
     fuse_dq = dkdv_mosaic and cfg.fuses_dq(ops.q.shape[3], opts.causal) and sage_bwd_mosaic.supports_fused_dq(
         head_dim=ops.q.shape[3], per_block=opts.per_block, ds_per_row=mosaic_kw["ds_per_row"])
+    zero_dq = fuse_dq and sage_bwd_kernels.ZERO_DQ_HERE
+    delta, do8_t, do_scale, *dq_zeros = sage_bwd_kernels.sage_bwd_preprocess(
+        o, do, config=cfg, operand_order=orders.q_t, zero_dq=zero_dq, interpret=opts.interpret)
     pair_ordered = sage_bwd_mosaic.takes_pair_ordered_inputs(fused_dq=fuse_dq)
     if pair_ordered:  # the fused kernel's K̂ and Ṽ in pair order from one Triton pass
         k8, vd = sage_bwd_kernels.sage_bwd_kv_operands(ops.k, ops.vt, ops.v_scale, dtype=do.dtype,
@@ -422,7 +423,8 @@ def _backward_pallas(ops: SageOperands, bias, o, lse, do, *, opts: SageOptions,
     if fuse_dq:  # one kernel: dQ reduce-added by the dK/dV kernel
         return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, k8, ops.k_scale, vd,
-            k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=pair_ordered, **dkdv_kw)
+            k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=pair_ordered,
+            dq_zeros=dq_zeros[0] if zero_dq else None, **dkdv_kw)
     if dkdv_mosaic:
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
             ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, ops.k, ops.k_scale, vd, **dkdv_kw)

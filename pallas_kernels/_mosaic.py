@@ -184,6 +184,45 @@ def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
     return _max(plgpu.layout_cast(x, plgpu.Layout.WGMMA), scratch)
 
 
+def warp_any_above(x: jax.Array, threshold: float, interpret: bool) -> jax.Array:
+    """Whether any row value of a (rows,) WGMMA row vector (``Layout.WGMMA.reduce(1)``) exceeds ``threshold``, as a
+    bool scalar for ``lax.cond``: compiled, over the rows of this thread's *warp* (16 of a 64-row tile; one
+    ``vote.sync.any`` — so the branch is uniform within each warp, and may differ between the warps of a
+    warpgroup: only for branches that touch nothing but the warp's own rows' registers); interpreted, over all
+    rows (uniform across the warpgroup). NaN counts as not above."""
+    if x.ndim != 1:
+        raise ValueError(f"warp_any_above takes a (rows,) row vector, got shape {x.shape}")
+    if interpret:
+        return jnp.any(x > threshold)
+    return _warp_vote_above(x, threshold) != 0
+
+
+def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
+    """:func:`warp_any_above` compiled: int32 1 where a row of this thread's warp is above ``threshold``, else 0."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental import mosaic
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(())))
+    def _vote(ctx, arr):
+        del ctx
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        values = [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                  for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
+        top = values[0]
+        for v in values[1:]:  # max.f32 drops a NaN operand: a NaN row does not hide another row's value
+            top = llvm.inline_asm(f32, [top, v], "max.f32 $0, $1, $2;", "=f,f,f")
+        limit = arith.constant(f32, float(threshold))
+        any_above = llvm.inline_asm(
+            i32, [top, limit],
+            "{ .reg .pred p, q; setp.gt.f32 p, $1, $2; vote.sync.any.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; }",
+            "=r,f,f", has_side_effects=True)
+        return mosaic.gpu.FragmentedArray.splat(any_above, (), is_signed=True)
+
+    return _vote(plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)))
+
+
 #: skip the element-wise mask on tiles that no key of which is masked (:func:`mask_scores`)
 SKIP_VISIBLE_TILES = True
 
@@ -732,7 +771,8 @@ def reduce_add_stage(wgs: int, rows: int, chunks: int = 1) -> plgpu.SMEM:
     return plgpu.SMEM(shape, jnp.float32, transforms=stage_transforms())
 
 
-def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array):
+def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array,
+                           zeros: jax.Array | None = None):
     """A zeroed float32 GMEM ref of ``shape`` for :func:`reduce_add_out` to add into (a kernel operand).
     Interpreting (no TMA reduction) it gets one slice per writer, ``writers`` axes prepended: select one
     with :func:`reduce_add_slot`, sum them with :func:`reduce_add_total`.
@@ -742,7 +782,15 @@ def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret:
     exists. A plain ``jnp.zeros`` has no operands: in a model's training step XLA merged the zero fills
     of every layer's backward into one multi-output fusion at the start of the backward, so all of them
     were live at once (11 × 80 MiB float32 dQ workspaces in the 50m preset at B16 S2048; benchmarks/NOTES.md,
-    twenty-second session)."""
+    twenty-second session).
+
+    ``zeros``: a float32 array of ``shape`` that a kernel reading ``after`` wrote as zeros (the SageBwd
+    preprocess: ``sage_bwd.sage_bwd_preprocess(zero_dq=True)``), used instead of a separate fill; interpreting,
+    each writer's slice starts from it."""
+    if zeros is not None:
+        if zeros.shape != tuple(shape) or zeros.dtype != jnp.float32:
+            raise ValueError(f"zeros: expected float32 {tuple(shape)}, got {zeros.dtype} {zeros.shape}")
+        return jax.new_ref(zeros if not interpret else jnp.broadcast_to(zeros, (*writers, *shape)))
     zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), after))
     return jax.new_ref(jnp.broadcast_to(zero, shape if not interpret else (*writers, *shape)))
 

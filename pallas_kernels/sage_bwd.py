@@ -63,12 +63,18 @@ def _dot_f32(a, b):
 
 
 _TILE = (0, 1)  # ψ with one scale for the whole 2-D tile (scale shape (1, 1))
+#: the fused Mosaic backward's float32 dQ accumulator zeroed by :func:`sage_bwd_preprocess` (``zero_dq``) rather
+#: than by a separate XLA fill (``_mosaic.reduce_add_accumulator``); a switch for ``benchmarks/variants.py``
+ZERO_DQ_HERE = True
 
 
 # ----------------------------------------------------------------------------- preprocess
 
 
-def _preprocess_kernel(o_ref, do_ref, delta_ref, dot_ref, dosc_ref, *, block, seq_len, ragged, operand_order):
+def _preprocess_kernel(o_ref, do_ref, delta_ref, dot_ref, dosc_ref, *zero_ref, block, seq_len, ragged,
+                       operand_order):
+    for ref in zero_ref:  # the fused backward's float32 dQ accumulator, zeroed as dO∘O is read (cuDNN's way)
+        ref[...] = jnp.zeros(ref.shape, ref.dtype)
     valid = row_mask(pl.program_id(0) * block, block, seq_len)
     mask = valid if ragged else None
     o = load_rows(o_ref, mask).astype(jnp.float32)
@@ -79,18 +85,21 @@ def _preprocess_kernel(o_ref, do_ref, delta_ref, dot_ref, dosc_ref, *, block, se
     dosc_ref[...] = jnp.broadcast_to(scale[0], (block,))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "operand_order", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "operand_order", "zero_dq", "interpret"))
 def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, operand_order: bool = False,
-                        interpret: bool = False):
+                        zero_dq: bool = False, interpret: bool = False):
     """D = rowsum(dO∘O) and INT8 dOᵀ.
 
     Args:
       o, do: (B, Sq, Hq, D) output and its cotangent.
       operand_order: dÔᵀ's queries in :mod:`pallas_kernels.operand_order` (what the Mosaic dK/dV kernel takes;
         ``config.bwd_block_q`` a multiple of 16).
+      zero_dq: also return a zeroed float32 (B, Sq_pad, Hq, D) array, the fused Mosaic backward's dQ
+        accumulator (``sage_bwd_mosaic.sage_bwd_dkdv_mosaic``'s ``dq_zeros``), written by the same programs
+        that read dO and O (as cuDNN's preprocess does) instead of a separate fill (:data:`ZERO_DQ_HERE`).
     Returns:
       delta float32 (B, Hq, Sq_pad); dÔᵀ int8 (B, Hq, D, Sq_pad); dO scale float32
-      (B, Hq, Sq_pad) (one value per tile, repeated).
+      (B, Hq, Sq_pad) (one value per tile, repeated); with ``zero_dq`` the zeroed accumulator after them.
     """
     b, sq, hq, d = o.shape
     bq = config.bwd_block_q
@@ -101,6 +110,8 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, o
         check_block(bq, "config.bwd_block_q")
     kernel = functools.partial(_preprocess_kernel, block=bq, seq_len=sq, ragged=sq_pad != sq,
                                operand_order=operand_order)
+    zero_out = ([(pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
+                  jax.ShapeDtypeStruct((b, sq_pad, hq, d), jnp.float32))] if zero_dq else [])
     return pl.pallas_call(
         kernel,
         grid=(nqb, b, hq),
@@ -109,11 +120,13 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, o
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
             pl.BlockSpec((None, None, d, bq), lambda i, bi, hi: (bi, hi, 0, i)),
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
+            *(spec for spec, _ in zero_out),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, hq, d, sq_pad), jnp.int8),
             jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32),
+            *(shape for _, shape in zero_out),
         ],
         compiler_params=compiler_params(config.quant_warps, 1),
         interpret=interpret,

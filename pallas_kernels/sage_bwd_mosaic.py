@@ -122,7 +122,9 @@ EARLY_FREE_MIN_HEAD_DIM = 128
 #: the largest head dim at which the fused dQ's float32 stage holds its columns in ``dq_stage`` order (conflict-free
 #: 16-byte stores instead of Mosaic GPU's staggered 8-byte ones): on the H200 the kernel 0.664 → 0.649 ms at B16 H10/5
 #: S2048 D64 causal, 2.126 → 1.965 at B8 H32 S2048 D64 (two repeats each); at D128 slower (B4 H32 S4096 causal
-#: 2.95 → 4.09 ms, non-causal 5.74 → 5.90; benchmarks/NOTES.md, forty-fourth session)
+#: 2.95 → 4.09 ms, non-causal 5.74 → 5.90; benchmarks/NOTES.md, forty-fourth session). Why: at D128 causal ptxas
+#: spills 272 bytes with it (176-byte stack frame) against 52 (24) without (``variants.py --ptxas``, forty-sixth
+#: session: fwd+bwd 4.66 → 5.80 ms)
 PERMUTED_STAGE_MAX_HEAD_DIM = 64
 #: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
 #: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)
@@ -468,7 +470,7 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
                          sq_len: int, sk_len: int, causal: bool, per_block: bool, ds_per_row: bool = False,
                          k8_t: jax.Array | None = None, scale: float | None = None,
                          operand_order_in: bool = False, keys_in_pair_order: bool = False,
-                         interpret: bool = False) -> tuple[jax.Array, ...]:
+                         dq_zeros: jax.Array | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
     Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding;
     ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``).
@@ -484,6 +486,9 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     ``keys_in_pair_order``: k8's and vd's keys are already in :mod:`pallas_kernels.key_pairs` order
     (``sage_bwd.sage_bwd_kv_operands``); only with the fused dQ and pair order on. Otherwise they are natural
     and permuted here by XLA.
+
+    ``dq_zeros``: with the fused dQ, a zeroed float32 (B, Sq_pad, Hq, D) array to accumulate dQ in
+    (``sage_bwd.sage_bwd_preprocess(zero_dq=True)``); without it the accumulator is filled here.
     """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
@@ -522,7 +527,9 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         chunks = d // REDUCE_COLS if DQ_STAGE_PER_CHUNK else 1
         scratch += [wg_tiles(WGS, d, i8, TILE), wg_tiles(WGS, TILE, i8, TILE), reduce_add_stage(WGS, TILE, chunks)]
         args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
-                                                  after=do)]
+                                              after=do, zeros=dq_zeros)]
+    elif dq_zeros is not None:
+        raise ValueError("dq_zeros: only the fused dQ (k8_t given) accumulates dQ")
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
                     (hkv, kv_blocks, b), ("heads", "kv", "batch"),
                     name="sage_bwd_dkdv_dq" if fused_dq else "sage_bwd_dkdv", compute_wgs=WGS,

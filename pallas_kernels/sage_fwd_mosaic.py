@@ -3,7 +3,8 @@
 The numerics of :mod:`pallas_kernels.sage_fwd` (the Triton kernel) and of the
 pure-JAX reference: S = Q̂K̂ᵀ·s_Q·s_K in base 2, online softmax, P̃ = exp2(S − rowmax
 of the tile) quantized to INT8 per row (the row max maps to 127), O accumulates
-int32(P̂V̂)·β/127 with β = exp2(m_tile − m_new), s_V applied per channel at the end,
+int32(P̂V̂)·β/127 with β = exp2(m_tile − m_ref), m_ref the running row max (or, with
+:data:`LAZY_RESCALE`, a reference max within 2^8 below it), s_V applied per channel at the end,
 l from the unquantized P̃, and the base-2 log-sum-exp (+inf for rows that see no key).
 
 FlashAttention-3's shape: grid (query head, query block, batch); a memory
@@ -47,7 +48,7 @@ from pallas_kernels._mosaic import (
     PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
     int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
     register_operand, row_vector, rows_of, scalar, schedule_barrier, transposed_step_spec, trim_rows,
-    wg_tiles, wgmma_zeros,
+    warp_any_above, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -100,6 +101,26 @@ SKIP_EMPTY_STEPS = True
 #: 0.2631 / 0.2629 ms), 1.4% at B8 H32 S2048 D64 causal (0.4227 / 0.4234 → 0.4172 / 0.4172), 3.1% at B4 H32 S4096
 #: D128 causal (0.9617 / 0.9632 → 0.9342 / 0.9317); same values (benchmarks/NOTES.md, thirty-eighth session).
 HEAVY_FIRST = True
+#: FlashAttention-4's conditional rescaling: O's accumulator and l stay relative to a reference max that may
+#: trail the running row max by up to :data:`LAZY_RESCALE_BITS` (base 2), and are rescaled (one multiply per O
+#: element) only in the steps where some row of a warp gets a tile max further above it (``_mosaic.warp_any_above``,
+#: a ``vote.sync`` per warp; interpreted, per warpgroup). The values are those of the per-step rescaling up to
+#: float32 rounding: P̂'s codes are relative to the tile's own max either way, and its scale β/127 with
+#: β = exp2(m_tile − m_ref) ≤ 2^8 carries the same factor that O's rescaling would; the LSE is m_ref + log2 l.
+#: On the H200 the kernel is 3.0% faster at B16 H10/5 S2048 D64 causal (0.2631 → 0.2550 ms) but 1.1% slower at
+#: B8 H32 S2048 D64 and 2.5% slower at B4 H32 S4096 D128 causal (benchmarks/NOTES.md, forty-sixth session), so it
+#: is taken only where it gained: causal (:data:`LAZY_RESCALE_CAUSAL_ONLY`) at head dims up to
+#: :data:`LAZY_RESCALE_MAX_HEAD_DIM` (:func:`rescales_lazily`).
+LAZY_RESCALE = True
+LAZY_RESCALE_BITS = 8.0
+LAZY_RESCALE_CAUSAL_ONLY = True
+LAZY_RESCALE_MAX_HEAD_DIM = 64
+
+
+def rescales_lazily(head_dim: int, causal: bool) -> bool:
+    """Whether the forward rescales O and l only when the row max passes its reference by 2^8 (:data:`LAZY_RESCALE`)."""
+    return (LAZY_RESCALE and head_dim <= LAZY_RESCALE_MAX_HEAD_DIM
+            and (causal or not LAZY_RESCALE_CAUSAL_ONLY))
 
 
 def compute_wgs(head_dim: int) -> int:
@@ -168,6 +189,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
         copy_out(((o_smem, o_ref.at[b, rows, h]), (lse_smem, lse_ref.at[b, h, rows])))
 
     skips = SKIP_EMPTY_STEPS and not pp.enabled
+    lazy = rescales_lazily(head_dim, causal)
 
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
         *consumed, carry = consumed_and_carry
@@ -194,16 +216,25 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
             m_cur = m_cur * c
         m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
         e = jnp.exp2((s if c is None else s * c) - rows_of(m_ref, shape))  # s·c − m: one FFMA
-        m_new = jnp.maximum(m_prev, m_cur)
-        m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m_prev - m_new_ref)
-        beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃
-        l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
         out_shape = (TILE, head_dim)
+
+        def rescaled(state):  # O and l moved to the reference max max(m_prev, m_cur)
+            acc, m_prev, l_prev = state
+            m_new = jnp.maximum(m_prev, m_cur)
+            alpha = jnp.exp2(m_prev - (jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new))
+            return acc * rows_of(alpha, out_shape), m_new, l_prev * alpha
+
+        if lazy:  # m_prev is the reference max of acc and l, not the running max
+            acc, m_new, l_prev = lax.cond(warp_any_above(m_cur - m_prev, LAZY_RESCALE_BITS, interpret), rescaled,
+                                          lambda state: state, (acc, m_prev, l_prev))
+        else:
+            acc, m_new, l_prev = rescaled((acc, m_prev, l_prev))
+        m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃ (≤ 2^LAZY_RESCALE_BITS)
+        l_new = l_prev + beta * jnp.sum(e, axis=1)
         p_smem = None if p_smem2 is None else p_smem2.at[wg]
         p8 = int8.encode_unit_interval(e, truncating_convert=True)
         p8 = (operand_order.register_operand if operand else register_operand)(p8, p_smem, interpret)
-        acc = acc * rows_of(alpha, out_shape)
         if p_smem is not None:  # stored to SMEM: nothing in registers to hold back
             acc, l_new = pp.values(acc, l_new)
         else:

@@ -485,3 +485,49 @@ def test_fused_backward_takes_kv_operands_kernel(case, monkeypatch):
             np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
         else:
             np.testing.assert_array_equal(a, r, err_msg=name)
+
+
+def test_preprocess_zeroes_the_dq_accumulator():
+    """``sage_bwd_preprocess(zero_dq=True)`` also returns the fused backward's float32 dQ accumulator (B, Sq_pad, Hq,
+    D), every element zero (the interpreter starts outputs as NaN, so an unwritten block shows), and its other
+    outputs are the ones without it; ragged Sq (pad rows zeroed too)."""
+    from pallas_kernels import sage_bwd
+
+    o, do, _ = make_qkv(2, 100, 100, 3, 3, 64, dtype=jnp.bfloat16, seed=41)
+    cfg = lb.SageFwdConfig(64, 64, bwd_block_q=32)
+    *plain, = sage_bwd.sage_bwd_preprocess(o, do, config=cfg, interpret=INTERPRET)
+    *with_zeros, zeros = sage_bwd.sage_bwd_preprocess(o, do, config=cfg, zero_dq=True, interpret=INTERPRET)
+    assert zeros.shape == (2, 128, 3, 64) and zeros.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(zeros), 0.0)
+    for a, r in zip(with_zeros, plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, True), (1, 256, 256, 2, 2, 128, False)])
+def test_fused_backward_takes_dq_zeros_from_preprocess(case, monkeypatch):
+    """With the fused dQ the preprocess zeroes its float32 accumulator (``sage_bwd.ZERO_DQ_HERE``): o and every
+    gradient equal the separate fill's route (ragged causal GQA at D64, D128; compiled, dQ to its summation order);
+    a spy sees ``zero_dq`` asked for only with the switch on; a wrong-shaped accumulator is refused."""
+    from pallas_kernels import _mosaic, sage_bwd
+
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d + 17, k_outlier=3.0)
+    do = cotangent(q)
+    real, seen = sage_bwd.sage_bwd_preprocess, []
+    monkeypatch.setattr(sage_bwd, "sage_bwd_preprocess", lambda *a, **kw: seen.append(kw["zero_dq"]) or real(*a, **kw))
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(sage_bwd, "ZERO_DQ_HERE", on)
+        jax.clear_caches()
+        got[on] = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas",
+                                                            interpret=INTERPRET, causal=causal, config=MOSAIC)]
+    assert seen == [True, False]
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        assert np.isfinite(a).all(), name
+        if name == "dq" and not INTERPRET:  # compiled, the TMA reduce-add sums dQ in a varying order
+            np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, r, err_msg=name)
+    with pytest.raises(ValueError, match="zeros: expected float32"):
+        _mosaic.reduce_add_accumulator((1, 64, 2, 64), (1, 2), interpret=True, after=do,
+                                       zeros=jnp.zeros((1, 64, 2, 32), jnp.float32))

@@ -346,3 +346,34 @@ def test_channel_stats_kernel_matches_xla(s, chunk, smooth_k):
         np.testing.assert_allclose(np.asarray(k_mean), np.asarray(ref_mean), rtol=2e-6, atol=1e-7)
     else:
         assert k_mean is None and ref_mean is None
+
+
+@pytest.mark.parametrize("sq, sk, causal, d", [(250, 300, True, 64), (200, 256, False, 128)])
+def test_mosaic_lazy_rescale_matches_per_step_rescale(monkeypatch, sq, sk, causal, d):
+    """The Mosaic forward rescales O and l only when a tile's row max passes the reference max by more than
+    ``LAZY_RESCALE_BITS`` (``LAZY_RESCALE``, FlashAttention-4's conditional rescaling): o and the log-sum-exp equal the
+    per-step rescaling's to float32 rounding. A later key block ×300 lifts many rows' max by far more than 8 bits (others
+    not: both branches run; far enough that skipping those rescales overflows, so a vote that never fires after the
+    first step must fail), at D64 (three warpgroups, causal, ragged) and D128 (ping-pong), GQA; the switch's head-dim
+    and causal limits (set by timing) are lifted here so both kernels' branches are tested."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    assert sage_fwd_mosaic.rescales_lazily(64, True) and not sage_fwd_mosaic.rescales_lazily(64, False)
+    assert not sage_fwd_mosaic.rescales_lazily(128, True)  # where it was timed slower on the H200
+    monkeypatch.setattr(sage_fwd_mosaic, "LAZY_RESCALE_CAUSAL_ONLY", False)  # both cases take it here
+    monkeypatch.setattr(sage_fwd_mosaic, "LAZY_RESCALE_MAX_HEAD_DIM", 128)
+    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, d, dtype=jnp.bfloat16, seed=53 + d)
+    k = k.at[:, 140:150].multiply(300.0)
+    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "LAZY_RESCALE", q, k, v, causal, config)
+    (o_on, lse_on), (o_off, lse_off) = got[True], got[False]
+    assert np.isfinite(o_on).all() and np.isfinite(lse_on).all()
+    assert np.ptp(lse_off) > 64  # the boosted keys move some rows' max far, not all rows'
+    np.testing.assert_allclose(lse_on, lse_off, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(o_on, o_off, rtol=0, atol=1e-2 * np.abs(o_off).max())
+    assert np.abs(o_on - o_off).mean() < 1e-3 * np.abs(o_off).mean()
+    x = lb.sage_attention(q, k, v, causal=causal, config=config, implementation="xla")
+    assert metrics(o_on, x)[1] < 2e-3
+    monkeypatch.setattr(sage_fwd_mosaic, "warp_any_above", lambda gap, bits, interpret: jnp.any(gap == jnp.inf))
+    wrong = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "LAZY_RESCALE", q, k, v, causal, config)
+    assert not np.allclose(wrong[True][0], o_off, equal_nan=False)
