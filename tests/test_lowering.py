@@ -252,17 +252,22 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
-@pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [
-    (False, "tile", 1024, 128, "per_token", False), (True, "tile", 384, 128, "per_token", False),
-    (True, "row", 380, 128, "per_token", False), (True, "tile", 300, 64, "per_block", True),
-    (False, "tile", 512, 64, "per_block", False), (False, "tile", 384, 128, "per_block", True),
-    (True, "tile", 384, 128, "per_block", True)])
-def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity, fused):
+@pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused, zero_here", [
+    (False, "tile", 1024, 128, "per_token", False, True), (True, "tile", 384, 128, "per_token", False, True),
+    (True, "row", 380, 128, "per_token", False, True), (True, "tile", 300, 64, "per_block", True, True),
+    (False, "tile", 512, 64, "per_block", False, True), (False, "tile", 384, 128, "per_block", True, True),
+    (True, "tile", 384, 128, "per_block", True, True), (True, "tile", 300, 64, "per_block", True, False)])
+def test_sage_backward_lowers_to_mosaic_gpu(monkeypatch, causal, ds_scale, sq, d, granularity, fused, zero_here):
     """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls
     (dS scales per tile, or per row: ``ds_scale``; Sq = 380 and 300 are not multiples of the TMA tiling's
     8 rows, which only the lowering — not the interpreter — rejects). ``fused``: dq_kernel="auto" (fused at
     every head dim) with per-block scales, one Mosaic kernel (dQ reduce-added by TMA); else
-    "separate" (two)."""
+    "separate" (two). ``zero_here``: ``sage_bwd.ZERO_DQ_HERE`` (the fused dQ's accumulator zeroed by the
+    preprocess, else by a fill of its own)."""
+    from pallas_kernels import sage_bwd
+
+    monkeypatch.setattr(sage_bwd, "ZERO_DQ_HERE", zero_here)
+    jax.clear_caches()
     cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), dkdv_backend="mosaic",
                               dq_backend="mosaic", fwd_backend="triton", ds_scale=ds_scale,
                               dq_kernel="auto" if fused else "separate")
@@ -280,9 +285,12 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
     assert text.count("mosaic_gpu_v2(") == (1 if fused else 2)
     assert mosaic_named(text, "sage_bwd_dkdv_dq" if fused else "sage_bwd_dkdv")
     assert mosaic_named(text, "sage_bwd_dq") != fused
-    # the fused dQ's float32 zero fill waits for dO (``_mosaic.reduce_add_accumulator(after=…)``), so XLA cannot
-    # hoist and merge the fills of a model's layers into one early fusion (all layers' workspaces live at once)
-    assert ("stablehlo.optimization_barrier" in text) == fused
+    # the fused dQ's float32 accumulator is zeroed after dO exists, so XLA cannot hoist and merge the fills of a
+    # model's layers into one early fusion (all layers' workspaces live at once): by the preprocess, which reads dO
+    # (a fourth output), or by a fill that waits for dO (``_mosaic.reduce_add_accumulator(after=…)``)
+    outputs = re.search(r"func\.func private @sage_bwd_preprocess\([^)]*\) -> \(([^)]*)\)", text)
+    assert outputs and outputs.group(1).count("tensor<") == 3 + (fused and zero_here)
+    assert ("stablehlo.optimization_barrier" in text) == (fused and not zero_here)
 
 
 @pytest.mark.parametrize("d, causal, sq, granularity", [
