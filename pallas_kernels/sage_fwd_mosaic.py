@@ -4,7 +4,7 @@ The numerics of :mod:`pallas_kernels.sage_fwd` (the Triton kernel) and of the
 pure-JAX reference: S = Q̂K̂ᵀ·s_Q·s_K in base 2, online softmax, P̃ = exp2(S − rowmax
 of the tile) quantized to INT8 per row (the row max maps to 127), O accumulates
 int32(P̂V̂)·β/127 with β = exp2(m_tile − m_ref), m_ref the running row max (or, with
-:data:`LAZY_RESCALE`, a reference max within 2^8 below it), s_V applied per channel at the end,
+:data:`LAZY_RESCALE`, a reference max at most 8 below it: a factor 2^8), s_V applied per channel at the end,
 l from the unquantized P̃, and the base-2 log-sum-exp (+inf for rows that see no key).
 
 FlashAttention-3's shape: grid (query head, query block, batch); a memory
@@ -118,7 +118,8 @@ LAZY_RESCALE_MAX_HEAD_DIM = 64
 
 
 def rescales_lazily(head_dim: int, causal: bool) -> bool:
-    """Whether the forward rescales O and l only when the row max passes its reference by 2^8 (:data:`LAZY_RESCALE`)."""
+    """Whether the forward rescales O and l only when a row max passes its reference by more than 8 (base 2;
+    :data:`LAZY_RESCALE`)."""
     return (LAZY_RESCALE and head_dim <= LAZY_RESCALE_MAX_HEAD_DIM
             and (causal or not LAZY_RESCALE_CAUSAL_ONLY))
 
