@@ -406,6 +406,29 @@ def test_bad_ds_scale():
         lb.SageFwdConfig(ds_scale="block")
 
 
+def _gradients_per_switch(monkeypatch, module, switch: str, q, k, v, do, **options) -> dict:
+    """``{on: [o, dq, dk, dv]}`` (float32 numpy) of the Pallas ``sage_attention`` with ``module.switch`` on (first),
+    then off; caches cleared before each, so each traces anew."""
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(module, switch, on)
+        jax.clear_caches()
+        got[on] = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas",
+                                                            interpret=INTERPRET, **options)]
+    return got
+
+
+def _assert_same_gradients(got: dict) -> None:
+    """``got`` from :func:`_gradients_per_switch` of a switch that moves work only: o and every gradient finite and
+    equal with it on and off (compiled, dQ to the TMA reduce-add's varying summation order)."""
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        assert np.isfinite(a).all(), name
+        if name == "dq" and not INTERPRET:  # compiled, the TMA reduce-add sums dQ in a varying order
+            np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, r, err_msg=name)
+
+
 @pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
                                   (1, 256, 384, 2, 1, 128, "per_token")])
 def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
@@ -419,21 +442,16 @@ def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 1, k_outlier=3.0)
     do = cotangent(q)
 
-    def run():
-        jax.clear_caches()
-        return grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, causal=True, qk_granularity=gran,
-                     config=MOSAIC)
-
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(sage_bwd_mosaic, "SKIP_EMPTY_STEPS", on)
-        got[on] = [np.asarray(g, np.float32) for g in run()]
+    options = dict(causal=True, qk_granularity=gran, config=MOSAIC)
+    got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, do, **options)
     for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
         assert np.isfinite(a).all(), name
         np.testing.assert_array_equal(a, r, err_msg=name)
     monkeypatch.setattr(sage_bwd_mosaic, "SKIP_EMPTY_STEPS", True)
     monkeypatch.setattr(sage_bwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, carry[1]))
-    wrong = [np.asarray(g, np.float32) for g in run()]
+    jax.clear_caches()
+    wrong = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas", interpret=INTERPRET,
+                                                      **options)]
     assert not np.array_equal(wrong[2], got[False][2])
     np.testing.assert_array_equal(wrong[3], got[False][3])  # dV untouched: only the dK accumulator was spoiled
 
@@ -472,19 +490,10 @@ def test_fused_backward_takes_kv_operands_kernel(case, monkeypatch):
     do = cotangent(q)
     real, seen = sage_bwd.sage_bwd_kv_operands, []
     monkeypatch.setattr(sage_bwd, "sage_bwd_kv_operands", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(sage_bwd_mosaic, "KV_OPERANDS_KERNEL", on)
-        jax.clear_caches()
-        got[on] = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas",
-                                                            interpret=INTERPRET, causal=causal, config=MOSAIC)]
+    got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "KV_OPERANDS_KERNEL", q, k, v, do, causal=causal,
+                                config=MOSAIC)
     assert len(seen) == 1 and seen[0]["v_operand_order"] is True  # the Mosaic forward's V̂ᵀ
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        assert np.isfinite(a).all(), name
-        if name == "dq" and not INTERPRET:  # compiled, the TMA reduce-add sums dQ in a varying order
-            np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, r, err_msg=name)
+    _assert_same_gradients(got)
 
 
 def test_preprocess_zeroes_the_dq_accumulator():
@@ -515,19 +524,9 @@ def test_fused_backward_takes_dq_zeros_from_preprocess(case, monkeypatch):
     do = cotangent(q)
     real, seen = sage_bwd.sage_bwd_preprocess, []
     monkeypatch.setattr(sage_bwd, "sage_bwd_preprocess", lambda *a, **kw: seen.append(kw["zero_dq"]) or real(*a, **kw))
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(sage_bwd, "ZERO_DQ_HERE", on)
-        jax.clear_caches()
-        got[on] = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas",
-                                                            interpret=INTERPRET, causal=causal, config=MOSAIC)]
+    got = _gradients_per_switch(monkeypatch, sage_bwd, "ZERO_DQ_HERE", q, k, v, do, causal=causal, config=MOSAIC)
     assert seen == [True, False]
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        assert np.isfinite(a).all(), name
-        if name == "dq" and not INTERPRET:  # compiled, the TMA reduce-add sums dQ in a varying order
-            np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, r, err_msg=name)
+    _assert_same_gradients(got)
     with pytest.raises(ValueError, match="zeros: expected float32"):
         _mosaic.reduce_add_accumulator((1, 64, 2, 64), (1, 2), interpret=True, after=do,
                                        zeros=jnp.zeros((1, 64, 2, 32), jnp.float32))
