@@ -146,6 +146,15 @@ def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
     return jnp.max(col_vector(scratch))
 
 
+def _thread_values(arr) -> list:
+    """In inline Mosaic GPU: this thread's scalar values of the fragmented array ``arr``, register by register."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import vector
+
+    return [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+            for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
+
+
 def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
     """:func:`tile_absmax` of ``x`` = |tile| in inline Mosaic GPU: each thread's maximum of its values (a balanced
     tree of ``max.NaN.f32``), the warp's by one ``redux.sync.max.u32`` on the float bits (order-preserving for
@@ -166,8 +175,7 @@ def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
         f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         const = lambda v: arith.constant(i32, v)  # noqa: E731
         fmax = lambda a, b: llvm.inline_asm(f32, [a, b], "max.NaN.f32 $0, $1, $2;", "=f,f,f")  # noqa: E731
-        values = [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-                  for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
+        values = _thread_values(arr)
         while len(values) > 1:
             values = [fmax(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) // 2 * 2:]
         warp_max = mgpu_utils.redux(arith.bitcast(i32, values[0]), const(0xFFFFFFFF),
@@ -200,7 +208,7 @@ def warp_any_above(x: jax.Array, threshold: float, interpret: bool) -> jax.Array
 def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
     """:func:`warp_any_above` compiled: int32 1 where a row of this thread's warp is above ``threshold``, else 0."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental import mosaic
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
@@ -208,8 +216,7 @@ def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
     def _vote(ctx, arr):
         del ctx
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        values = [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-                  for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
+        values = _thread_values(arr)
         top = values[0]
         for v in values[1:]:  # max.f32 drops a NaN operand: a NaN row does not hide another row's value
             top = llvm.inline_asm(f32, [top, v], "max.f32 $0, $1, $2;", "=f,f,f")
