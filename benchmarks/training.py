@@ -45,13 +45,17 @@ def flops_per_token(cfg, seq: int, n_params: int) -> float:
 
 def prepare(method: str, preset: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
     """A compiled, warmed-up train step for ``method`` (a model method; "sage:row": sage with dS scaled per
-    row; "METHOD@block" / "METHOD@dots": with ``ModelConfig.remat``) and ``run()``, which times ``steps`` steps
+    row; "sage~unfused": QK-norm and RoPE by XLA, not in sage's kernels (``ModelConfig.fuse_qk_prologue``);
+    "METHOD@block" / "METHOD@dots": with ``ModelConfig.remat``) and ``run()``, which times ``steps`` steps
     and returns seconds per step (called once to warm up, then ``rounds`` times: the LR schedule spans all
     those steps)."""
     base, _, remat = method.partition("@")
+    base, _, unfused = base.partition("~")
     base, _, ds_scale = base.partition(":")
+    if unfused not in ("", "unfused"):
+        raise ValueError(f"method {method!r}: the only '~' variant is '~unfused'")
     cfg = TrainConfig(preset=preset, method=base, batch=batch, seq=seq, steps=steps * (rounds + 1), max_corpus_mb=8,
-                      ds_scale=ds_scale or "tile", remat=remat or "none")
+                      ds_scale=ds_scale or "tile", remat=remat or "none", fuse_qk_prologue=not unfused)
     b = build(cfg.resolved())
     data = PackedBatches(load_corpus(None, 8 * 2**20), seq, batch, 1, 0)
     state = dict(params=b["params"], opt_state=b["tx"].init(b["params"]), metrics=None)
@@ -70,7 +74,7 @@ def prepare(method: str, preset: str, batch: int, seq: int, steps: int, rounds: 
     run()  # warm up (compiled above)
     n_params = sum(x.size for x in jax.tree.leaves(b["params"]))
     return dict(run=run, state=state, n_params=n_params, flops=flops_per_token(b["model_config"], seq, n_params),
-                temp_bytes=temp_bytes, remat=cfg.remat)
+                temp_bytes=temp_bytes, remat=cfg.remat, compiled=step)
 
 
 def baseline(method: str) -> str:

@@ -6,6 +6,7 @@ Public names only; see README.md.
 # The formats go first: the Pallas kernels import them while this package initializes.
 from lowbit_jax import formats  # noqa: I001
 from lowbit_jax.formats import int8, nvfp4
+from lowbit_jax.formats.qk_prologue import QKPrologue, rope_tables
 from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
 from lowbit_jax.sage import SageOptions, sage_attention, sage_forward
 from lowbit_jax.qat import qat_attention
@@ -33,6 +34,8 @@ __all__ = [
     "rel_l2",
     "rmse",
     "sage_attention",
+    "QKPrologue",
+    "rope_tables",
     "sage_forward",
     "sage_fwd_config",
     "ThriftConfig",

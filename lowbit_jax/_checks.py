@@ -106,3 +106,38 @@ def check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+def check_prologue(prologue, shape: AttentionShape) -> tuple[bool, bool, float] | None:
+    """A :class:`lowbit_jax.formats.qk_prologue.QKPrologue` fitting q (B, Sq, Hq, D) and k (B, Sk, Hkv, D), or
+    None; returns its static (norm, rope, eps), else TypeError/ValueError naming the field."""
+    if prologue is None:
+        return None
+    from lowbit_jax.formats.qk_prologue import QKPrologue  # noqa: PLC0415
+
+    if not isinstance(prologue, QKPrologue):
+        raise TypeError(f"prologue must be a QKPrologue or None, got {type(prologue).__name__}")
+    d = shape.head_dim
+    if d % 2:
+        raise ValueError(f"prologue: RoPE and the fused QK-norm need an even head_dim, got {d}")
+    if (prologue.q_norm is None) != (prologue.k_norm is None):
+        raise ValueError("prologue: q_norm and k_norm must both be given or both be None")
+    tables = (prologue.cos_q, prologue.sin_q, prologue.cos_k, prologue.sin_k)
+    if any(t is None for t in tables) and not all(t is None for t in tables):
+        raise ValueError("prologue: cos_q, sin_q, cos_k and sin_k must all be given or all be None")
+    if prologue.q_norm is None and prologue.cos_q is None:
+        raise ValueError("prologue: give a norm (q_norm, k_norm), RoPE tables, or both")
+    for name in ("q_norm", "k_norm"):
+        g = getattr(prologue, name)
+        if g is not None and (not hasattr(g, "shape") or tuple(g.shape) != (d,)):
+            raise ValueError(f"prologue.{name} must have shape ({d},), got {getattr(g, 'shape', type(g).__name__)}")
+    for name, seq in (("cos_q", shape.seq_q), ("sin_q", shape.seq_q), ("cos_k", shape.seq_k),
+                      ("sin_k", shape.seq_k)):
+        t = getattr(prologue, name)
+        if t is not None and (not hasattr(t, "shape") or tuple(t.shape) != (seq, d // 2)):
+            raise ValueError(f"prologue.{name} must have shape ({seq}, {d // 2}), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    eps = prologue.eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"prologue.eps must be a finite positive number, got {eps!r}")
+    return prologue.q_norm is not None, prologue.cos_q is not None, float(eps)

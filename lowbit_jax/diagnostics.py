@@ -103,7 +103,7 @@ def attention_error_report(
 def _sage_intermediates(q, k, v, do, ref_opts: dict) -> dict:
     ref_opts.pop("backward", None)
     opts = resolve_options(q, k, v, **ref_opts)
-    o_ref, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
+    o_ref, lse, ops = _forward(q, k, v, None, opts=opts, transposed=False)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     _, inter = sage_backward_reference(ops, bias, o_ref, lse, do, sq_len=opts.seq_q, sk_len=opts.seq_k,
                                        causal=opts.causal, per_block=opts.per_block, scale=opts.scale,

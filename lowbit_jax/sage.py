@@ -48,7 +48,8 @@ import jax.numpy as jnp
 
 from lowbit_jax import _checks
 from lowbit_jax.formats import int8
-from lowbit_jax.formats import sage_tiles
+from lowbit_jax.formats import qk_prologue, sage_tiles
+from lowbit_jax.formats.qk_prologue import QKPrologue
 from lowbit_jax.formats.sage_tiles import SageOperands
 from lowbit_jax.reference import reference_attention
 from lowbit_jax.sage_reference import (
@@ -58,6 +59,7 @@ from lowbit_jax.sage_reference import (
     smoothing_bias,
 )
 from pallas_kernels import operand_order
+from pallas_kernels import qk_prologue as prologue_kernels
 from pallas_kernels import quantize as quantize_kernels
 from pallas_kernels import sage_bwd as sage_bwd_kernels
 from pallas_kernels import sage_bwd_mosaic
@@ -86,6 +88,7 @@ class SageOptions:
     backward: str
     seq_q: int
     seq_k: int
+    prologue: tuple[bool, bool, float] | None = None  # a QKPrologue's (norm, rope, eps)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -105,6 +108,7 @@ def sage_attention(
     implementation: Literal["pallas", "xla"] | None = None,
     interpret: bool = False,
     config: SageFwdConfig | None = None,
+    prologue: QKPrologue | None = None,
 ) -> jax.Array:
     """INT8 attention (SageAttention forward, SageBwd backward); differentiable.
 
@@ -128,6 +132,13 @@ def sage_attention(
       interpret: run the Pallas kernels in interpret mode (CPU testing).
       config: tile configuration; default from :func:`sage_fwd_config`. Part of
         the numerics (per-tile scales), so compare implementations with one config.
+      prologue: QK-norm and/or RoPE to apply to q and k first
+        (:class:`lowbit_jax.formats.qk_prologue.QKPrologue`): q and k are then the model's pre-norm
+        projections, and the norm and rotation run inside the quantization kernels (the values of
+        ``qk_prologue.apply``: a Flax ``RMSNorm`` then rotate-half RoPE, roundings to q's dtype included);
+        its backward is one Triton pass per side. Gradients flow to q, k and the norm scales (the RoPE tables
+        get zeros). The pre-norm q and k are kept for that backward (what an unfused model keeps for its
+        norm's backward); the attention's own residuals stay INT8.
     Returns:
       (B, Sq, Hq, D) in q's dtype. Gradients w.r.t. q, k, v in their dtype.
     Raises:
@@ -136,9 +147,9 @@ def sage_attention(
     opts = resolve_options(
         q, k, v, causal=causal, scale=scale, smooth_k=smooth_k, smooth_q=smooth_q,
         qk_granularity=qk_granularity, backward=backward, implementation=implementation, interpret=interpret,
-        config=config,
+        config=config, prologue=prologue,
     )
-    return _sage_attention(q, k, v, opts)
+    return _sage_attention(q, k, v, prologue, opts)
 
 
 def sage_forward(
@@ -168,7 +179,7 @@ def sage_forward(
         qk_granularity=qk_granularity, backward="int8", implementation=implementation, interpret=interpret,
         config=config,
     )
-    o, lse, ops = _forward(q, k, v, opts=opts, transposed=False)
+    o, lse, ops = _forward(q, k, v, None, opts=opts, transposed=False)
     # the public residuals in their documented (natural) layout
     if operand_orders(Padded.of_inputs(q, k, opts.config), opts).v:
         ops = ops._replace(vt=operand_order.from_operand_order(ops.vt, 3))
@@ -176,9 +187,11 @@ def sage_forward(
 
 
 def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_q=False, qk_granularity="per_block",
-                    implementation=None, interpret=False, config=None, backward="int8") -> SageOptions:
+                    implementation=None, interpret=False, config=None, backward="int8",
+                    prologue=None) -> SageOptions:
     """Validate everything eagerly and resolve defaults into static options."""
     shape = _checks.check_qkv(q, k, v)
+    prologue_flags = _checks.check_prologue(prologue, shape)
     causal = _checks.check_bool("causal", causal)
     smooth_k = _checks.check_bool("smooth_k", smooth_k)
     smooth_q = _checks.check_bool("smooth_q", smooth_q)
@@ -195,6 +208,7 @@ def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_
         causal=causal, scale=scale, smooth_k=smooth_k, smooth_q=smooth_q,
         per_block=qk_granularity == "per_block", implementation=impl, interpret=interpret,
         config=config.fitted(shape.seq_q, shape.seq_k), backward=backward, seq_q=shape.seq_q, seq_k=shape.seq_k,
+        prologue=prologue_flags,
     )
 
 
@@ -244,28 +258,34 @@ def operand_orders(padded: Padded, opts: SageOptions) -> OperandOrders:
 
 
 def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, transposed=False,
-                    orders: OperandOrders = OperandOrders(), interpret=False) -> SageOperands:
-    """Quantize with the fused Pallas kernels (see :mod:`pallas_kernels.quantize`); V̂ᵀ and Q̂ᵀ in ``orders``."""
-    k_mean, v_scale = quantize_kernels.sage_channel_stats(k, v, smooth_k=smooth_k, interpret=interpret)
+                    orders: OperandOrders = OperandOrders(), prologue: QKPrologue | None = None,
+                    interpret=False) -> SageOperands:
+    """Quantize with the fused Pallas kernels (see :mod:`pallas_kernels.quantize`); V̂ᵀ and Q̂ᵀ in ``orders``;
+    q and k through ``prologue`` first, inside the kernels."""
+    k_mean, v_scale = quantize_kernels.sage_channel_stats(k, v, prologue, smooth_k=smooth_k, interpret=interpret)
+    q_warps = config.quant_warps if prologue is None else max(config.quant_warps, quantize_kernels.PROLOGUE_WARPS)
     q8, qs, q_mean, q8_t = quantize_kernels.sage_quantize_q(
-        q, block=config.block_q, per_block=per_block, smooth_block=smooth_q, out_scale=scale * LOG2E,
-        transposed=transposed, t_operand_order=orders.q_t, num_warps=config.quant_warps, interpret=interpret,
+        q, prologue, block=config.block_q, per_block=per_block, smooth_block=smooth_q, out_scale=scale * LOG2E,
+        transposed=transposed, t_operand_order=orders.q_t, num_warps=q_warps, interpret=interpret,
     )
     k8, ks, vt8, k8_t = quantize_kernels.sage_quantize_kv(
-        k, v, k_mean, v_scale, block=config.block_k, per_block=per_block, transposed=transposed,
+        k, v, k_mean, v_scale, prologue, block=config.block_k, per_block=per_block, transposed=transposed,
         v_operand_order=orders.v, num_warps=config.kv_quant_warps, interpret=interpret,
     )
     return SageOperands(q8, qs, k8, ks, vt8, v_scale, q_mean, q8_t, k8_t)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "transposed"))
-def _forward(q, k, v, *, opts: SageOptions, transposed: bool):
+def _forward(q, k, v, prologue: QKPrologue | None = None, *, opts: SageOptions, transposed: bool):
     kw = dict(scale=opts.scale, smooth_k=opts.smooth_k, smooth_q=opts.smooth_q, per_block=opts.per_block,
               config=opts.config, transposed=transposed, interpret=opts.interpret)
     orders = operand_orders(Padded.of_inputs(q, k, opts.config), opts)
     if opts.implementation == "pallas":
-        ops = quantize_pallas(q, k, v, orders=orders, **kw)
+        ops = quantize_pallas(q, k, v, orders=orders, prologue=prologue, **kw)
     else:
+        if prologue is not None:
+            q = qk_prologue.apply(q, *prologue.side("q"), eps=prologue.eps)
+            k = qk_prologue.apply(k, *prologue.side("k"), eps=prologue.eps)
         ops = quantize_reference(q, k, v, **kw)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     o, lse = attend_quantized(ops, bias, opts=opts, out_dtype=q.dtype, v_operand_order=orders.v)
@@ -309,20 +329,45 @@ def attend_quantized(ops: SageOperands, bias: jax.Array | None, *, opts: SageOpt
 # ----------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sage_attention(q, k, v, opts: SageOptions):
-    return _forward(q, k, v, opts=opts, transposed=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sage_attention(q, k, v, prologue, opts: SageOptions):
+    return _forward(q, k, v, prologue, opts=opts, transposed=False)[0]
 
 
-def _sage_attention_fwd(q, k, v, opts: SageOptions):
+def _sage_attention_fwd(q, k, v, prologue, opts: SageOptions):
     transposed = opts.backward == "int8" and opts.implementation == "pallas"
-    o, lse, ops = _forward(q, k, v, opts=opts, transposed=transposed)
-    return o, (ops, o, lse)
+    o, lse, ops = _forward(q, k, v, prologue, opts=opts, transposed=transposed)
+    pre = (q, k, prologue) if prologue is not None else None  # the prologue's backward needs its inputs
+    return o, (ops, o, lse, pre)
 
 
 def _sage_attention_bwd(opts: SageOptions, residuals, do):
-    ops, o, lse = residuals
-    return _backward(ops, o, lse, do, opts=opts)
+    ops, o, lse, pre = residuals
+    dq, dk, dv = _backward(ops, o, lse, do, opts=opts)
+    if pre is None:
+        return dq, dk, dv, None
+    q, k, prologue = pre
+    (dq, dgq), (dk, dgk) = (prologue_backward(x, dx, prologue, which, opts) for x, dx, which in
+                            ((q, dq, "q"), (k, dk, "k")))
+    zeros = lambda t: None if t is None else jnp.zeros_like(t)  # noqa: E731
+    dpro = QKPrologue(
+        None if dgq is None else dgq.astype(prologue.q_norm.dtype),
+        None if dgk is None else dgk.astype(prologue.k_norm.dtype),
+        zeros(prologue.cos_q), zeros(prologue.sin_q), zeros(prologue.cos_k), zeros(prologue.sin_k),
+        eps=prologue.eps)
+    return dq, dk, dv, dpro
+
+
+def prologue_backward(x: jax.Array, dz: jax.Array, prologue: QKPrologue, which: str,
+                      opts: SageOptions) -> tuple[jax.Array, jax.Array | None]:
+    """Gradient of ``which`` side ("q" or "k") of the prologue: the Triton pass
+    (:mod:`pallas_kernels.qk_prologue`) with the Pallas implementation, else the reference
+    (``qk_prologue.apply_backward``). x: the pre-norm input; dz: the gradient of its normalized, rotated
+    value. Returns dx in x's dtype and the norm scale's float32 gradient (or None)."""
+    g, cos, sin = prologue.side(which)
+    if opts.implementation == "pallas":
+        return prologue_kernels.qk_prologue_bwd(x, dz, g, cos, sin, eps=prologue.eps, interpret=opts.interpret)
+    return qk_prologue.apply_backward(x, dz, g, cos, sin, eps=prologue.eps)
 
 
 _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)

@@ -174,7 +174,7 @@ def _append_16bit(cache: dict, k: jax.Array, v: jax.Array) -> dict:
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-    """Rotary embedding (rotate-half form).
+    """Rotary embedding (rotate-half form; the tables of :func:`lowbit_jax.rope_tables`).
 
     Args:
       x: (B, S, H, D).
@@ -182,14 +182,12 @@ def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     Returns:
       x's shape and dtype.
     """
-    d = x.shape[-1]
-    inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (..., S, D/2)
-    if angles.ndim == 2:
-        angles = angles[None]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    cos, sin = lb.rope_tables(positions, x.shape[-1], base)  # (..., S, D/2)
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    z1, z2 = lb.formats.qk_prologue.rotate(x1, x2, cos[:, :, None, :], sin[:, :, None, :])
+    return jnp.concatenate([z1, z2], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -202,6 +200,10 @@ class Attention(nnx.Module):
       qk_norm: per-head RMSNorm of q and k with a learnable scale (on by default;
         it keeps the INT8 backward's dS error bounded at large tokens-per-step).
       smooth_k: K-smoothing in the sage kernels.
+      fuse_qk_prologue: with method "sage", hand q and k to :func:`lowbit_jax.sage_attention` before their
+        QK-norm and RoPE, with a :class:`lowbit_jax.QKPrologue`: the norm and rotation then run inside its
+        quantize kernels and their backward in one Triton pass (the same values as this module's own norm
+        and rope; saves XLA's passes over q and k).
       causal: causal mask.
       attention_options: extra keyword options for the attention function
         (e.g. ``implementation``, ``interpret``, ``config``; ``naive_backward``
@@ -210,7 +212,8 @@ class Attention(nnx.Module):
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, method: str = "sage", qk_norm: bool = True,
                  smooth_k: bool = True, causal: bool = True, rope_base: float = 10000.0,
-                 dtype: Any = jnp.bfloat16, attention_options: dict | None = None, rngs: nnx.Rngs):
+                 dtype: Any = jnp.bfloat16, attention_options: dict | None = None, fuse_qk_prologue: bool = True,
+                 rngs: nnx.Rngs):
         check_method(method)
         if num_heads % num_kv_heads or dim % num_heads:
             raise ValueError(f"num_heads ({num_heads}) must divide dim ({dim}) and be a multiple of num_kv_heads "
@@ -218,6 +221,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = dim // num_heads
         self.method, self.causal, self.smooth_k, self.rope_base = method, causal, smooth_k, rope_base
+        self.fuse_qk_prologue, self.dtype = fuse_qk_prologue, dtype
         self.attention_options = dict(attention_options or {})
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, rngs=rngs)
         self.q_proj = linear(dim, num_heads * self.head_dim)
@@ -227,11 +231,26 @@ class Attention(nnx.Module):
         self.q_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, rngs=rngs) if qk_norm else None
         self.k_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, rngs=rngs) if qk_norm else None
 
-    def _qkv(self, x, positions):
+    def _projections(self, x):
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def _prologue(self, s: int) -> lb.QKPrologue:
+        """This module's QK-norm (scales promoted to its dtype, as ``nnx.RMSNorm`` does) and RoPE at positions
+        0..s−1, for :func:`lowbit_jax.sage_attention`."""
+        cos, sin = lb.rope_tables(jnp.arange(s), self.head_dim, self.rope_base)
+        gq = gk = None
+        eps = 1e-6
+        if self.q_norm is not None:
+            gq, gk = (n.scale[...].astype(self.dtype) for n in (self.q_norm, self.k_norm))
+            eps = self.q_norm.epsilon
+        return lb.QKPrologue(gq, gk, cos, sin, cos, sin, eps=eps)
+
+    def _qkv(self, x, positions):
+        q, k, v = self._projections(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, self.rope_base), rope(k, positions, self.rope_base), v
@@ -239,6 +258,11 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (B, S, dim) → (B, S, dim), full-sequence (training / prefill)."""
         b, s, _ = x.shape
+        if self.method == "sage" and self.fuse_qk_prologue:
+            q, k, v = self._projections(x)
+            o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k, prologue=self._prologue(s),
+                                  **self.attention_options)
+            return self.o_proj(o.reshape(b, s, -1))
         q, k, v = self._qkv(x, jnp.arange(s))
         if self.method == "dense":
             o = dense_attention(q, k, v, causal=self.causal)

@@ -45,6 +45,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     dtype: str = "bfloat16"
     remat: str = "none"
+    fuse_qk_prologue: bool = True  # sage: QK-norm and RoPE inside its quantize kernels (same values)
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -131,6 +132,7 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
         self.attn = Attention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, method=cfg.method, qk_norm=cfg.qk_norm,
                               smooth_k=cfg.smooth_k, rope_base=cfg.rope_base, dtype=dtype,
+                              fuse_qk_prologue=cfg.fuse_qk_prologue,
                               attention_options=attention_options, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
         self.gate_up = nnx.Linear(cfg.dim, 2 * cfg.mlp_hidden, use_bias=False, dtype=dtype, rngs=rngs)

@@ -10,37 +10,115 @@ same functions the pure-JAX reference runs.
   K-smoothing, scale (B, Hkv, Sk_pad), V̂ᵀ (B, Hkv, D, Sk_pad).
 * ``sage_channel_stats``: what ``sage_quantize_kv`` needs first, K's token mean and V's per-channel
   scale (B, Hkv, D), from one pass over K and V.
+
+Each takes an optional :class:`lowbit_jax.formats.qk_prologue.QKPrologue`: Q and K then arrive before their
+QK-norm and RoPE, which the kernels apply to each loaded tile (:func:`qk_prologue.forward_halves`, on the two
+channel halves loaded apart) before quantizing, instead of XLA writing and re-reading a normalized, rotated copy.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import int8, sage_tiles
+from lowbit_jax.formats import int8, qk_prologue, sage_tiles
+from lowbit_jax.formats.qk_prologue import QKPrologue
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 from pallas_kernels.operand_order import check_block, transposed as _transposed
 
+#: at least this many warps for ``sage_quantize_q`` with a prologue (its ALU work): on the H200 at B16 S2048 H10
+#: D64 0.039 ms with 8 against 0.046 with 4 (without a prologue 4 stays best: 0.029 vs 0.030;
+#: benchmarks/probes/prologue_sweep.py, benchmarks/NOTES.md, forty-seventh session)
+PROLOGUE_WARPS = 8
+
+
+def _prologue_specs(prologue: QKPrologue | None, which: str, block: int, d: int, s: int):
+    """The extra inputs (and their specs) of a kernel applying ``prologue``'s ``which`` side ("q" or "k") to
+    tiles of ``block`` rows of an (B, s, H, d) array: the norm scale (1, d); the RoPE tables padded to whole
+    blocks (Triton loads whole blocks)."""
+    if prologue is None:
+        return [], []
+    g, cos, sin = prologue.side(which)
+    args, specs = [], []
+    if g is not None:
+        args.append(g.reshape(1, d))
+        specs.append(pl.BlockSpec((1, d), lambda bi, hi, i: (0, 0)))
+    if cos is not None:
+        pad = pl.cdiv(s, block) * block - s
+        args += [jnp.pad(t.astype(jnp.float32), ((0, pad), (0, 0))) for t in (cos, sin)]
+        specs += [pl.BlockSpec((block, d // 2), lambda bi, hi, i: (i, 0))] * 2
+    return args, specs
+
+
+class _Prologue(NamedTuple):
+    """What a kernel applies of a :class:`QKPrologue` (static): the norm, RoPE, the norm's epsilon, and whether
+    the kernel is interpreted (it then rounds as the reference does, :func:`qk_prologue.exact_rounding`: XLA
+    may drop the convert pair that the compiled kernel keeps)."""
+
+    norm: bool = False
+    rope: bool = False
+    eps: float = 0.0
+    interpret: bool = False
+
+
+def _prologue_flags(prologue: QKPrologue | None, interpret: bool) -> _Prologue:
+    """The static :class:`_Prologue` of a call."""
+    if prologue is None:
+        return _Prologue()
+    return _Prologue(prologue.has_norm, prologue.has_rope, prologue.eps, interpret)
+
+
+def _load_tile(x_ref, refs: list, mask, pro: _Prologue):
+    """The tile to quantize: as loaded (no prologue), or the prologue's two channel halves (popping its refs
+    from ``refs``)."""
+    norm, rope, eps = pro.norm, pro.rope, pro.eps
+    if not (norm or rope):
+        return load_rows(x_ref, mask)
+    h = x_ref.shape[-1] // 2
+    g_ref = refs.pop(0) if norm else None
+    cos, sin = (refs.pop(0)[...], refs.pop(0)[...]) if rope else (None, None)
+    g1, g2 = (g_ref[:, pl.ds(0, h)], g_ref[:, pl.ds(h, h)]) if norm else (None, None)
+    x1, x2 = load_rows(x_ref.at[:, pl.ds(0, h)], mask), load_rows(x_ref.at[:, pl.ds(h, h)], mask)
+    rounding = (qk_prologue.exact_rounding if pro.interpret else qk_prologue.convert_rounding)(x_ref.dtype)
+    return qk_prologue.forward_halves(x1, x2, g1, g2, cos, sin, eps=eps, rounding=rounding)
+
+
+def _store_parts(ref, value, *, axis: int = 1) -> None:
+    """Store a tile given whole or as its channel halves (a tuple) along ``axis`` of ``ref``."""
+    if not isinstance(value, tuple):
+        ref[...] = value
+        return
+    h = ref.shape[axis] // 2
+    for j, part in enumerate(value):
+        idx = (slice(None), pl.ds(j * h, h)) if axis == 1 else (pl.ds(j * h, h), slice(None))
+        ref[idx] = part
+
+
+def _parts(value, fn):
+    """``fn`` on a tile or on each of its parts."""
+    return tuple(fn(p) for p in value) if isinstance(value, tuple) else fn(value)
+
 
 def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_block, out_scale, transposed,
-                       t_operand_order):
+                       t_operand_order, pro):
     refs = list(refs)
+    valid = row_mask(pl.program_id(2) * block, block, seq_len)
+    x = _load_tile(x_ref, refs, valid if ragged else None, pro)
     codes_ref, scale_ref = refs.pop(0), refs.pop(0)
     mean_ref = refs.pop(0) if smooth_block else None
     codes_t_ref = refs.pop(0) if transposed else None
-    valid = row_mask(pl.program_id(2) * block, block, seq_len)
-    x = load_rows(x_ref, valid if ragged else None)
     codes, scale, bmean = sage_tiles.quantize_qk_tile(
         x, valid, None, per_block=per_block, smooth_block=smooth_block, out_scale=out_scale
     )
-    codes_ref[...] = codes
+    _store_parts(codes_ref, codes)
     scale_ref[...] = scale
     if smooth_block:
-        mean_ref[...] = bmean
+        _store_parts(mean_ref, bmean)
     if transposed:
-        codes_t_ref[...] = _transposed(codes, t_operand_order)
+        _store_parts(codes_t_ref, _parts(codes, lambda c: _transposed(c, t_operand_order)), axis=0)
 
 
 @functools.partial(
@@ -50,6 +128,7 @@ def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_b
 )
 def sage_quantize_q(
     q: jax.Array,
+    prologue: QKPrologue | None = None,
     *,
     block: int,
     per_block: bool,
@@ -63,7 +142,8 @@ def sage_quantize_q(
     """Quantize Q to INT8, head-major, padded to whole blocks.
 
     Args:
-      q: (B, Sq, H, D) bf16/fp16/fp32.
+      q: (B, Sq, H, D) bf16/fp16/fp32 (before QK-norm and RoPE with a prologue).
+      prologue: QK-norm and RoPE to apply first (its q side), or None.
       block: rows per program and per quantization block.
       per_block: one scale per block instead of per token.
       smooth_block: subtract each block's mean first (Q-smoothing).
@@ -104,17 +184,19 @@ def sage_quantize_q(
         out_scale=out_scale,
         transposed=transposed,
         t_operand_order=t_operand_order,
+        pro=_prologue_flags(prologue, interpret),
     )
+    pro_args, pro_specs = _prologue_specs(prologue, "q", block, d, s)
     outs = pl.pallas_call(
         kernel,
         grid=(b, h, nblk),
-        in_specs=[pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))],
+        in_specs=[pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0)), *pro_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="sage_quantize_q",
-    )(q)
+    )(q, *pro_args)
     outs = list(outs)
     q8, qs = outs.pop(0), outs.pop(0)
     q_mean = outs.pop(0) if smooth_block else None
@@ -123,23 +205,32 @@ def sage_quantize_q(
 
 
 def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth, transposed,
-                        v_operand_order):
+                        v_operand_order, pro):
     refs = list(refs)
-    kmean = refs.pop(0)[...] if smooth else None
-    vscale_ref, kc_ref, ks_ref, vt_ref = refs[:4]
-    kt_ref = refs[4] if transposed else None
     valid = row_mask(pl.program_id(2) * block, block, seq_len)
     mask = valid if ragged else None
-    k = load_rows(k_ref, mask)
+    k = _load_tile(k_ref, refs, mask, pro)
+    kmean = None
+    if smooth:
+        kmean_ref = refs.pop(0)
+        kmean = (_halves_of(kmean_ref) if isinstance(k, tuple) else kmean_ref[...])
+    vscale_ref, kc_ref, ks_ref, vt_ref = refs[:4]
+    kt_ref = refs[4] if transposed else None
     codes, scale, _ = sage_tiles.quantize_qk_tile(
         k, valid, kmean, per_block=per_block, smooth_block=False, out_scale=1.0
     )
-    kc_ref[...] = codes
+    _store_parts(kc_ref, codes)
     ks_ref[...] = scale
     if transposed:
-        kt_ref[...] = codes.T
+        _store_parts(kt_ref, _parts(codes, lambda c: c.T), axis=0)
     v = load_rows(v_ref, mask)
     vt_ref[...] = _transposed(sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]), v_operand_order)
+
+
+def _halves_of(ref) -> tuple[jax.Array, jax.Array]:
+    """A (1, D) ref loaded as its two channel halves."""
+    h = ref.shape[-1] // 2
+    return ref[:, pl.ds(0, h)], ref[:, pl.ds(h, h)]
 
 
 @functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "v_operand_order", "num_warps",
@@ -149,6 +240,7 @@ def sage_quantize_kv(
     v: jax.Array,
     k_mean: jax.Array | None,
     v_scale: jax.Array,
+    prologue: QKPrologue | None = None,
     *,
     block: int,
     per_block: bool,
@@ -160,14 +252,15 @@ def sage_quantize_kv(
     """Quantize K (after smoothing) and V (transposed) to INT8 in one pass.
 
     Args:
-      k, v: (B, Sk, Hkv, D) bf16/fp16/fp32.
-      k_mean: float32 (B, Hkv, D) token mean of K, or None for no smoothing.
+      k, v: (B, Sk, Hkv, D) bf16/fp16/fp32 (k before QK-norm and RoPE with a prologue).
+      k_mean: float32 (B, Hkv, D) token mean of K (after the prologue), or None for no smoothing.
       v_scale: float32 (B, Hkv, D) per-channel V scale.
       block: keys per program and per K quantization block.
       per_block: one K scale per block instead of per token.
       transposed: also write K̂ᵀ (B, Hkv, D, Sk_pad) for the backward's dQ = dS·K.
       v_operand_order: V̂ᵀ's keys in :mod:`pallas_kernels.operand_order` (what the Mosaic forward takes;
         ``block`` a multiple of 16).
+      prologue: QK-norm and RoPE to apply to K first (its k side), or None.
     Returns:
       K̂ int8 (B, Hkv, Sk_pad, D), its float32 scale (B, Hkv, Sk_pad),
       V̂ᵀ int8 (B, Hkv, D, Sk_pad), and K̂ᵀ or None.
@@ -180,11 +273,13 @@ def sage_quantize_kv(
     row_spec = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
     head_vec_spec = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, 0, 0))
     smooth = k_mean is not None
-    args = [k, v] + ([k_mean[:, :, None, :]] if smooth else []) + [v_scale[:, :, None, :]]
-    in_specs = [row_spec, row_spec] + [head_vec_spec] * (2 if smooth else 1)
+    pro_args, pro_specs = _prologue_specs(prologue, "k", block, d, s)
+    args = [k, v, *pro_args] + ([k_mean[:, :, None, :]] if smooth else []) + [v_scale[:, :, None, :]]
+    in_specs = [row_spec, row_spec, *pro_specs] + [head_vec_spec] * (2 if smooth else 1)
     kernel = functools.partial(
         _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth,
         transposed=transposed, v_operand_order=v_operand_order,
+        pro=_prologue_flags(prologue, interpret),
     )
     out_specs = [
         pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),
@@ -220,15 +315,17 @@ STATS_CHUNK = 256
 STATS_WARPS = 4
 
 
-def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth):
+def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth, pro):
     refs = list(refs)
     k_ref = refs.pop(0) if smooth else None
-    v_ref = refs.pop(0)
-    ksum_ref = refs.pop(0) if smooth else None
-    vmax_ref = refs.pop(0)
+    v_ref = refs.pop(0)  # then the prologue's inputs (with smoothing), then the outputs
     valid = row_mask(pl.program_id(2) * chunk, chunk, seq_len) if ragged else None  # padding rows load as 0
     if smooth:
-        ksum_ref[...] = jnp.sum(load_rows(k_ref, valid).astype(jnp.float32), axis=0, keepdims=True)
+        k = _load_tile(k_ref, refs, valid, pro)
+    ksum_ref = refs.pop(0) if smooth else None
+    vmax_ref = refs.pop(0)
+    if smooth:  # padding rows give 0: the prologue maps a zero row to zeros
+        _store_parts(ksum_ref, _parts(k, lambda t: jnp.sum(t.astype(jnp.float32), axis=0, keepdims=True)))
     vmax_ref[...] = jnp.max(jnp.abs(load_rows(v_ref, valid).astype(jnp.float32)), axis=0, keepdims=True)
 
 
@@ -236,6 +333,7 @@ def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth):
 def sage_channel_stats(
     k: jax.Array,
     v: jax.Array,
+    prologue: QKPrologue | None = None,
     *,
     smooth_k: bool,
     chunk: int = STATS_CHUNK,
@@ -253,6 +351,7 @@ def sage_channel_stats(
     Args:
       k, v: (B, Sk, Hkv, D) bf16/fp16/fp32.
       smooth_k: whether K's mean is wanted (K-smoothing); without it K is not read.
+      prologue: QK-norm and RoPE applied to K before its mean (its k side), or None.
       chunk: tokens per program.
     Returns:
       float32 (B, Hkv, D) K mean or None, float32 (B, Hkv, D) V scale (``int8.scale_from_amax`` of |V|'s
@@ -263,15 +362,17 @@ def sage_channel_stats(
     row = pl.BlockSpec((None, chunk, None, d), lambda bi, hi, i: (bi, i, hi, 0))
     part = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0))
     n_out = 2 if smooth_k else 1
+    pro_args, pro_specs = _prologue_specs(prologue if smooth_k else None, "k", chunk, d, s)
     outs = pl.pallas_call(
-        functools.partial(_channel_stats_kernel, chunk=chunk, seq_len=s, ragged=s % chunk != 0, smooth=smooth_k),
+        functools.partial(_channel_stats_kernel, chunk=chunk, seq_len=s, ragged=s % chunk != 0, smooth=smooth_k,
+                          pro=_prologue_flags(prologue if smooth_k else None, interpret)),
         grid=(b, h, nch),
-        in_specs=[row] * n_out,
+        in_specs=[row, row, *pro_specs] if smooth_k else [row],
         out_specs=[part] * n_out,
         out_shape=[jax.ShapeDtypeStruct((b, h, nch, d), jnp.float32)] * n_out,
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="sage_channel_stats",
-    )(*((k, v) if smooth_k else (v,)))
+    )(*((k, v, *pro_args) if smooth_k else (v,)))
     k_mean = jnp.sum(outs[0], axis=2) / s if smooth_k else None
     return k_mean, int8.scale_from_amax(jnp.max(outs[-1], axis=2))

@@ -115,7 +115,7 @@ def test_mosaic_backward_kernels_take_the_stmatrix_stores(monkeypatch, enabled):
     specs, opts = specs_and_options(384, 512, 8, 2, 64, True, "per_block", False, cfg)
 
     def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, None, opts).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     common.lower_for_h200(grads, *specs)

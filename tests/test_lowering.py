@@ -69,7 +69,7 @@ def test_sage_backward_lowers_to_triton(case):
     specs, opts = specs_and_options(*case)
 
     def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, None, opts).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = lower_for_h200(grads, *specs)
@@ -274,7 +274,7 @@ def test_sage_backward_lowers_to_mosaic_gpu(monkeypatch, causal, ds_scale, sq, d
     specs, opts = specs_and_options(sq, 512, 8, 2, d, causal, granularity, False, cfg)
 
     def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, None, opts).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = lower_for_h200(grads, *specs)
@@ -462,3 +462,25 @@ def test_relayout_is_not_installed_over_other_layouts(monkeypatch):
     supported = constraints._is_supported_tiled_relayout
     assert not mos._install_8bit_relayout()
     assert fa.FragmentedArray.to_layout is unpatched and constraints._is_supported_tiled_relayout is supported
+
+
+@pytest.mark.parametrize("d,norm", [(64, True), (128, False)])
+def test_sage_with_the_qk_prologue_lowers_to_triton(d, norm):
+    """QK-norm and RoPE inside the quantize kernels, and their backward pass, lower for the H200."""
+    b, s, hq, hkv = 2, 300, 4, 2
+    q, kv = jnp.zeros((b, s, hq, d), jnp.bfloat16), jnp.zeros((b, s, hkv, d), jnp.bfloat16)
+    cos, sin = lb.rope_tables(jnp.arange(s), d)
+    g = jnp.ones((d,), jnp.bfloat16) if norm else None
+    opts = sage_mod.resolve_options(q, kv, kv, causal=True, implementation="pallas", interpret=True,
+                                    prologue=lb.QKPrologue(g, g, cos, sin, cos, sin))
+    opts = dataclasses.replace(opts, interpret=False)
+
+    def grads(q, k, v, cos, sin, do):
+        pro = lb.QKPrologue(g, g, cos, sin, cos, sin)
+        return jax.vjp(lambda q, k, v, pro: sage_mod._sage_attention(q, k, v, pro, opts), q, k, v, pro)[1](do)
+
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    text = lower_for_h200(grads, spec(q.shape), spec(kv.shape), spec(kv.shape), spec(cos.shape, jnp.float32),
+                          spec(sin.shape, jnp.float32), spec(q.shape))
+    for name in ("sage_channel_stats", "sage_quantize_q", "sage_quantize_kv", "qk_prologue_bwd"):
+        assert triton_named(text, name), name

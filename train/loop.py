@@ -45,6 +45,7 @@ class TrainConfig:
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
     naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
     ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (faster, more accurate)
+    fuse_qk_prologue: bool = True  # sage only: QK-norm and RoPE inside its quantize kernels (same values)
     corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
     max_corpus_mb: int = 64
     steps: int = 200
@@ -111,7 +112,7 @@ def build(cfg: TrainConfig) -> dict:
                          "then sample with `python -m train.generate --from RUN --method thrift`")
     longest = {} if cfg.max_len is None else {"max_len": cfg.max_len}
     mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
-                        remat=cfg.remat, **longest)
+                        remat=cfg.remat, fuse_qk_prologue=cfg.fuse_qk_prologue, **longest)
     if cfg.seq > mcfg.max_len:
         raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for preset "
                          f"{cfg.preset!r}; set max_len to train longer sequences")

@@ -4,6 +4,6 @@ Imports nothing else of the project (the kernels import it while the package
 initializes).
 """
 
-from lowbit_jax.formats import int8, nvfp4, sage_tiles, smoothing
+from lowbit_jax.formats import int8, nvfp4, qk_prologue, sage_tiles, smoothing
 
-__all__ = ["int8", "nvfp4", "sage_tiles", "smoothing"]
+__all__ = ["int8", "nvfp4", "qk_prologue", "sage_tiles", "smoothing"]

@@ -54,42 +54,50 @@ class SageOperands(NamedTuple):
 
 
 def quantize_qk_tile(
-    x: jax.Array,
+    x: jax.Array | tuple[jax.Array, ...],
     valid: jax.Array,
-    mean: jax.Array | None,
+    mean: jax.Array | tuple[jax.Array, ...] | None,
     *,
     per_block: bool,
     smooth_block: bool,
     out_scale: float,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+) -> tuple:
     """Smooth and INT8-quantize a tile of Q or K rows.
 
     Args:
-      x: (..., rows, D) any float dtype: the tile as loaded (invalid rows any value).
+      x: (..., rows, D) any float dtype: the tile as loaded (invalid rows any value); or a tuple of its
+        column parts (..., rows, D_i) (the channel halves a kernel loads apart, :mod:`qk_prologue`).
       valid: bool (..., rows, 1): rows inside the sequence.
-      mean: float32 (..., 1, D) channel mean to subtract (K-smoothing), or None.
+      mean: float32 (..., 1, D) channel mean to subtract (K-smoothing), or None; a tuple of parts with x's.
       per_block: one scale for the tile instead of one per row.
       smooth_block: subtract the tile's own mean over valid rows (Q-smoothing).
       out_scale: constant folded into the returned scale (``scale·log2 e`` for Q).
     Returns:
       ``(codes, scale, block_mean)``: int8 (..., rows, D) with invalid rows zero;
       float32 (..., rows) scale times ``out_scale``; the removed tile mean
-      float32 (..., 1, D) when ``smooth_block`` else None.
+      float32 (..., 1, D) when ``smooth_block`` else None. Codes and mean are tuples of parts when x is.
     """
-    xf = x.astype(jnp.float32)
-    if mean is not None:
-        xf = xf - mean
-    bmean = None
-    if smooth_block:
-        bmean = masked_tile_mean(xf, valid)
-        xf = xf - bmean
-    xf = jnp.where(valid, xf, 0.0)
-    amax = jnp.max(jnp.abs(xf), axis=-1)  # (..., rows)
+    parts = isinstance(x, tuple)
+    xs = x if parts else (x,)
+    means = (mean if parts else (mean,)) if mean is not None else (None,) * len(xs)
+    xfs, bmeans = [], []
+    for xp, mp in zip(xs, means):
+        xf = xp.astype(jnp.float32)
+        if mp is not None:
+            xf = xf - mp
+        if smooth_block:
+            bmeans.append(masked_tile_mean(xf, valid))
+            xf = xf - bmeans[-1]
+        xfs.append(jnp.where(valid, xf, 0.0))
+    amax = jnp.max(jnp.abs(xfs[0]), axis=-1)  # (..., rows)
+    for xf in xfs[1:]:
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(xf), axis=-1))
     if per_block:
         amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)
     scale = int8.scale_from_amax(amax)
-    codes = int8.encode_with_scale(xf, scale[..., None])
-    return codes, scale * out_scale, bmean
+    codes = tuple(int8.encode_with_scale(xf, scale[..., None]) for xf in xfs)
+    bmean = (tuple(bmeans) if parts else bmeans[0]) if smooth_block else None
+    return (codes if parts else codes[0]), scale * out_scale, bmean
 
 
 def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array) -> jax.Array:

@@ -1,0 +1,60 @@
+"""Launch parameters of the prologue kernels at the 50m model's attention shape (B16 S2048 Hq10 Hkv5 D64).
+
+Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/probes/prologue_sweep.py``. Times (device busy,
+``benchmarks.profiling``) the backward pass ``qk_prologue_bwd`` over rows per program and warps, and the
+quantize kernels with the prologue over warps. Writes ``$OUT/prologue_sweep.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+import lowbit_jax as lb
+from benchmarks.profiling import profile_calls
+from pallas_kernels import quantize
+from pallas_kernels.qk_prologue import qk_prologue_bwd
+
+
+def busy(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))
+    return profile_calls(lambda: jax.block_until_ready(fn(*args)), 10)["busy_ms"]
+
+
+def main() -> None:
+    b, s, hq, hkv, d = 16, 2048, 10, 5, 64
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
+    g = jnp.ones((d,), jnp.bfloat16)
+    cos, sin = lb.rope_tables(jnp.arange(s), d)
+    pro = lb.QKPrologue(g, g, cos, sin, cos, sin)
+    rows = []
+    for block in (64, 128, 256):
+        for warps in (2, 4, 8):
+            fn = jax.jit(lambda x, dz, block=block, warps=warps: qk_prologue_bwd(
+                x, dz, g, cos, sin, eps=1e-6, block=block, num_warps=warps))
+            rows.append(dict(kernel="qk_prologue_bwd q", block=block, warps=warps, ms=busy(fn, q, q)))
+            print(rows[-1], flush=True)
+    for warps in (2, 4, 8):
+        for name, p in (("with", pro), ("without", None)):
+            fq = jax.jit(lambda q, p=p, w=warps: quantize.sage_quantize_q(
+                q, p, block=64, per_block=True, smooth_block=False, out_scale=0.18, transposed=True,
+                t_operand_order=True, num_warps=w))
+            fs = jax.jit(lambda k, v, p=p, w=warps: quantize.sage_channel_stats(k, v, p, smooth_k=True, num_warps=w))
+            km, vs = fs(k, v)
+            fk = jax.jit(lambda k, v, km, vs, p=p, w=warps: quantize.sage_quantize_kv(
+                k, v, km, vs, p, block=128, per_block=True, transposed=True, v_operand_order=True, num_warps=w))
+            rows.append(dict(kernel=f"quantize {name} prologue", warps=warps, q_ms=busy(fq, q),
+                             stats_ms=busy(fs, k, v), kv_ms=busy(fk, k, v, km, vs)))
+            print(rows[-1], flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "prologue_sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The backward of the QK-norm + RoPE prologue (:mod:`lowbit_jax.formats.qk_prologue`) as one Triton pass.
+
+The forward's prologue runs inside the quantize kernels (:mod:`pallas_kernels.quantize`). Its backward reads
+the attention's gradient dz of the normalized, rotated q (or k) and the pre-norm input x once, and writes dx and
+each program's partial sum of the norm scale's gradient: the work XLA splits into a rotation, a row reduction,
+an element-wise pass and a column reduction over every token (five passes over the activations at the 50m
+training shape, benchmarks/NOTES.md, forty-seventh session). The math is
+:func:`lowbit_jax.formats.qk_prologue.backward_halves`, the function the reference runs on whole arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lowbit_jax.formats import qk_prologue
+from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
+
+#: token rows per program and warps: at B16 S2048 H10 D64 on the H200 64 rows with 2 warps took 0.0436 ms, with 4
+#: 0.0506, with 8 0.0598; 128 rows 0.047–0.062, 256 rows 0.057–0.73 (benchmarks/probes/prologue_sweep.py,
+#: benchmarks/NOTES.md, forty-seventh session)
+BLOCK = 64
+WARPS = 2
+
+
+def _bwd_kernel(x_ref, dz_ref, *refs, seq_len, block, ragged, norm, rope, eps, interpret):
+    refs = list(refs)
+    h = x_ref.shape[-1] // 2
+    g1 = g2 = cos = sin = None
+    if norm:
+        g_ref = refs.pop(0)
+        g1, g2 = g_ref[:, pl.ds(0, h)], g_ref[:, pl.ds(h, h)]
+    if rope:
+        cos, sin = refs.pop(0)[...], refs.pop(0)[...]
+    dx_ref = refs.pop(0)
+    valid = row_mask(pl.program_id(2) * block, block, seq_len) if ragged else None
+    halves = lambda ref: (load_rows(ref.at[:, pl.ds(0, h)], valid), load_rows(ref.at[:, pl.ds(h, h)], valid))  # noqa: E731
+    rounding = (qk_prologue.exact_rounding if interpret else qk_prologue.convert_rounding)(x_ref.dtype)
+    dx1, dx2, dg1, dg2 = qk_prologue.backward_halves(*halves(x_ref), *halves(dz_ref), g1, g2, cos, sin, eps=eps,
+                                                     rounding=rounding)
+    store_rows(dx_ref.at[:, pl.ds(0, h)], dx1.astype(dx_ref.dtype), valid)
+    store_rows(dx_ref.at[:, pl.ds(h, h)], dx2.astype(dx_ref.dtype), valid)
+    if norm:  # padding rows load as zeros and add nothing
+        dg_ref = refs.pop(0)
+        dg_ref[:, pl.ds(0, h)] = jnp.sum(dg1, axis=0, keepdims=True)
+        dg_ref[:, pl.ds(h, h)] = jnp.sum(dg2, axis=0, keepdims=True)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block", "num_warps", "interpret"))
+def qk_prologue_bwd(
+    x: jax.Array,
+    dz: jax.Array,
+    g: jax.Array | None,
+    cos: jax.Array | None,
+    sin: jax.Array | None,
+    *,
+    eps: float,
+    block: int = BLOCK,
+    num_warps: int = WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gradients of ``qk_prologue.apply(x, g, cos, sin)`` for the cotangent ``dz``.
+
+    Args:
+      x: (B, S, H, D) bf16/fp16/fp32, the pre-norm input (D even).
+      dz: (B, S, H, D) any float dtype, the cotangent of the prologue's output.
+      g: (D,) the norm scale or None; cos, sin: float32 (S, D/2) or None.
+      eps: the norm's epsilon.
+    Returns:
+      dx (B, S, H, D) in x's dtype and the norm scale's gradient float32 (D,) (None without a norm).
+    """
+    b, s, h, d = x.shape
+    if dz.shape != x.shape:
+        raise ValueError(f"dz must have x's shape {tuple(x.shape)}, got {tuple(dz.shape)}")
+    norm, rope = g is not None, cos is not None
+    nblk = pl.cdiv(s, block)
+    row = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
+    args, specs = [x, dz], [row, row]
+    if norm:
+        args.append(g.reshape(1, d))
+        specs.append(pl.BlockSpec((1, d), lambda bi, hi, i: (0, 0)))
+    if rope:
+        pad = nblk * block - s
+        args += [jnp.pad(t.astype(jnp.float32), ((0, pad), (0, 0))) for t in (cos, sin)]
+        specs += [pl.BlockSpec((block, d // 2), lambda bi, hi, i: (i, 0))] * 2
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    out_specs = [row]
+    if norm:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, nblk, d), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0)))
+    kernel = functools.partial(_bwd_kernel, seq_len=s, block=block, ragged=s % block != 0, norm=norm, rope=rope,
+                               eps=eps, interpret=interpret)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, h, nblk),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="qk_prologue_bwd",
+    )(*args)
+    return outs[0], (jnp.sum(outs[1], axis=(0, 1, 2)) if norm else None)
