@@ -50,7 +50,7 @@ def lower_mosaic_fwd_bwd(method: str, head_dim: int, causal: bool, *, dq_kernel:
         opts = sage_mod.resolve_options(*zeros, causal=causal, scale=None, smooth_k=True, smooth_q=False,
                                         qk_granularity="per_block", implementation="pallas", interpret=True,
                                         config=config)
-        attend = sage_mod._sage_attention
+        attend = lambda q, k, v, opts: sage_mod._sage_attention(q, k, v, None, opts)  # noqa: E731
     elif method == "qat":
         config = dataclasses.replace(lb.qat_config(head_dim, causal, "NVIDIA H200"), fwd_backend="mosaic",
                                      bwd_backend="mosaic", **dq)

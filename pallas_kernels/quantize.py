@@ -313,6 +313,10 @@ def sage_quantize_kv(
 #: about 3.7 TB/s; benchmarks/NOTES.md, thirty-ninth session)
 STATS_CHUNK = 256
 STATS_WARPS = 4
+#: tokens per program with a prologue (its halves and tables in registers): on the H200 at B16 S2048 Hkv5 D64
+#: 0.0208 ms with 128 rows and 4 warps against 0.0248 with 256 (64: 0.0236–0.0303, 32: 0.0237–0.0427;
+#: benchmarks/probes/prologue_sweep.py, benchmarks/NOTES.md, forty-seventh session)
+PROLOGUE_STATS_CHUNK = 128
 
 
 def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth, pro):
@@ -336,7 +340,7 @@ def sage_channel_stats(
     prologue: QKPrologue | None = None,
     *,
     smooth_k: bool,
-    chunk: int = STATS_CHUNK,
+    chunk: int | None = None,
     num_warps: int = STATS_WARPS,
     interpret: bool = False,
 ) -> tuple[jax.Array | None, jax.Array]:
@@ -352,12 +356,14 @@ def sage_channel_stats(
       k, v: (B, Sk, Hkv, D) bf16/fp16/fp32.
       smooth_k: whether K's mean is wanted (K-smoothing); without it K is not read.
       prologue: QK-norm and RoPE applied to K before its mean (its k side), or None.
-      chunk: tokens per program.
+      chunk: tokens per program (None: :data:`STATS_CHUNK`, :data:`PROLOGUE_STATS_CHUNK` with a prologue).
     Returns:
       float32 (B, Hkv, D) K mean or None, float32 (B, Hkv, D) V scale (``int8.scale_from_amax`` of |V|'s
       maximum over tokens).
     """
     b, s, h, d = v.shape
+    if chunk is None:
+        chunk = PROLOGUE_STATS_CHUNK if prologue is not None and smooth_k else STATS_CHUNK
     nch = pl.cdiv(s, chunk)
     row = pl.BlockSpec((None, chunk, None, d), lambda bi, hi, i: (bi, i, hi, 0))
     part = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0))

@@ -52,6 +52,31 @@ def main() -> None:
             rows.append(dict(kernel=f"quantize {name} prologue", warps=warps, q_ms=busy(fq, q),
                              stats_ms=busy(fs, k, v), kv_ms=busy(fk, k, v, km, vs)))
             print(rows[-1], flush=True)
+    for chunk in (32, 64, 128, 256):  # sage_channel_stats' tokens per program, with the prologue
+        for warps in (1, 2, 4, 8):
+            fs = jax.jit(lambda k, v, c=chunk, w=warps: quantize.sage_channel_stats(k, v, pro, smooth_k=True, chunk=c,
+                                                                                  num_warps=w))
+            rows.append(dict(kernel="channel_stats with prologue", chunk=chunk, warps=warps, ms=busy(fs, k, v)))
+            print(rows[-1], flush=True)
+    km, vs = quantize.sage_channel_stats(k, v, pro, smooth_k=True)
+    for block in (64, 128):  # K's quantization block is the config's block_k (128 at D64): 64 only for reference
+        for warps in (2, 4, 8, 16):
+            fk = jax.jit(lambda k, v, km, vs, bl=block, w=warps: quantize.sage_quantize_kv(
+                k, v, km, vs, pro, block=bl, per_block=True, transposed=True, v_operand_order=True, num_warps=w))
+            rows.append(dict(kernel="quantize_kv with prologue", block=block, warps=warps, ms=busy(fk, k, v, km, vs)))
+            print(rows[-1], flush=True)
+    for warps in (8, 16):
+        fq = jax.jit(lambda q, w=warps: quantize.sage_quantize_q(
+            q, pro, block=64, per_block=True, smooth_block=False, out_scale=0.18, transposed=True,
+            t_operand_order=True, num_warps=w))
+        rows.append(dict(kernel="quantize_q with prologue", warps=warps, ms=busy(fq, q)))
+        print(rows[-1], flush=True)
+    for block in (32, 64):
+        for warps in (1, 2):
+            fn = jax.jit(lambda x, dz, block=block, warps=warps: qk_prologue_bwd(
+                x, dz, g, cos, sin, eps=1e-6, block=block, num_warps=warps))
+            rows.append(dict(kernel="qk_prologue_bwd k", block=block, warps=warps, ms=busy(fn, k, k)))
+            print(rows[-1], flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "prologue_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
