@@ -303,7 +303,7 @@ def render_training(data: dict) -> list[str]:
            "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention."
            + (" sage: the model hands q and k to `sage_attention` before QK-norm and RoPE (`lb.QKPrologue`: the "
               "norm and rotation inside its quantize kernels, their backward one Triton pass; "
-              "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 19:40); `sage~unfused`: the same "
+              "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 18:19); `sage~unfused`: the same "
               "model with QK-norm and RoPE computed by XLA (the sage rows of earlier runs)."
               if any("~unfused" in r["method"] for r in data["rows"]) else "")
            + (f" Median of {data['rounds']} interleaved windows of {data['steps_per_round']} steps; the ratio to "

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit_jax.formats.qk_prologue import QKPrologue
 from pallas_kernels._triton import on_gpu
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -113,8 +114,6 @@ def check_prologue(prologue, shape: AttentionShape) -> tuple[bool, bool, float] 
     None; returns its static (norm, rope, eps), else TypeError/ValueError naming the field."""
     if prologue is None:
         return None
-    from lowbit_jax.formats.qk_prologue import QKPrologue  # noqa: PLC0415
-
     if not isinstance(prologue, QKPrologue):
         raise TypeError(f"prologue must be a QKPrologue or None, got {type(prologue).__name__}")
     d = shape.head_dim

@@ -25,21 +25,50 @@ BLOCK = 64
 WARPS = 2
 
 
-def _bwd_kernel(x_ref, dz_ref, *refs, seq_len, block, ragged, norm, rope, eps, interpret):
-    refs = list(refs)
-    h = x_ref.shape[-1] // 2
+def side_inputs(g: jax.Array | None, cos: jax.Array | None, sin: jax.Array | None, *, block: int, d: int,
+                s: int) -> tuple[list, list]:
+    """The inputs (and block specs) that give a kernel over tiles of ``block`` rows of a (B, s, H, d) array (grid
+    (batch, head, row block)) one side of a prologue: the norm scale as (1, d) if ``g``; the RoPE tables padded
+    to whole blocks (Triton loads whole blocks) if ``cos``. :func:`load_side` reads them in the kernel."""
+    args, specs = [], []
+    if g is not None:
+        args.append(g.reshape(1, d))
+        specs.append(pl.BlockSpec((1, d), lambda bi, hi, i: (0, 0)))
+    if cos is not None:
+        pad = pl.cdiv(s, block) * block - s
+        args += [jnp.pad(t.astype(jnp.float32), ((0, pad), (0, 0))) for t in (cos, sin)]
+        specs += [pl.BlockSpec((block, d // 2), lambda bi, hi, i: (i, 0))] * 2
+    return args, specs
+
+
+def load_side(refs: list, *, norm: bool, rope: bool, d: int) -> tuple:
+    """In a kernel: ``(g1, g2, cos, sin)`` from the refs :func:`side_inputs` made (popped from the front of
+    ``refs``): the norm scale's halves (1, d/2) and the tile's tables (rows, d/2), None where absent."""
+    h = d // 2
     g1 = g2 = cos = sin = None
     if norm:
         g_ref = refs.pop(0)
         g1, g2 = g_ref[:, pl.ds(0, h)], g_ref[:, pl.ds(h, h)]
     if rope:
         cos, sin = refs.pop(0)[...], refs.pop(0)[...]
+    return g1, g2, cos, sin
+
+
+def load_halves(ref, valid) -> tuple[jax.Array, jax.Array]:
+    """A (rows, d) tile loaded as its two channel halves (rows outside ``valid`` as zeros)."""
+    h = ref.shape[-1] // 2
+    return load_rows(ref.at[:, pl.ds(0, h)], valid), load_rows(ref.at[:, pl.ds(h, h)], valid)
+
+
+def _bwd_kernel(x_ref, dz_ref, *refs, seq_len, block, ragged, norm, rope, eps, interpret):
+    refs = list(refs)
+    h = x_ref.shape[-1] // 2
+    g1, g2, cos, sin = load_side(refs, norm=norm, rope=rope, d=x_ref.shape[-1])
     dx_ref = refs.pop(0)
     valid = row_mask(pl.program_id(2) * block, block, seq_len) if ragged else None
-    halves = lambda ref: (load_rows(ref.at[:, pl.ds(0, h)], valid), load_rows(ref.at[:, pl.ds(h, h)], valid))  # noqa: E731
-    rounding = (qk_prologue.exact_rounding if interpret else qk_prologue.convert_rounding)(x_ref.dtype)
-    dx1, dx2, dg1, dg2 = qk_prologue.backward_halves(*halves(x_ref), *halves(dz_ref), g1, g2, cos, sin, eps=eps,
-                                                     rounding=rounding)
+    dx1, dx2, dg1, dg2 = qk_prologue.backward_halves(
+        *load_halves(x_ref, valid), *load_halves(dz_ref, valid), g1, g2, cos, sin, eps=eps,
+        rounding=qk_prologue.kernel_rounding(x_ref.dtype, interpret))
     store_rows(dx_ref.at[:, pl.ds(0, h)], dx1.astype(dx_ref.dtype), valid)
     store_rows(dx_ref.at[:, pl.ds(h, h)], dx2.astype(dx_ref.dtype), valid)
     if norm:  # padding rows load as zeros and add nothing
@@ -77,14 +106,8 @@ def qk_prologue_bwd(
     norm, rope = g is not None, cos is not None
     nblk = pl.cdiv(s, block)
     row = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
-    args, specs = [x, dz], [row, row]
-    if norm:
-        args.append(g.reshape(1, d))
-        specs.append(pl.BlockSpec((1, d), lambda bi, hi, i: (0, 0)))
-    if rope:
-        pad = nblk * block - s
-        args += [jnp.pad(t.astype(jnp.float32), ((0, pad), (0, 0))) for t in (cos, sin)]
-        specs += [pl.BlockSpec((block, d // 2), lambda bi, hi, i: (i, 0))] * 2
+    side_args, side_specs = side_inputs(g, cos, sin, block=block, d=d, s=s)
+    args, specs = [x, dz, *side_args], [row, row, *side_specs]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     out_specs = [row]
     if norm:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from lowbit_jax.formats import int8, qk_prologue, sage_tiles
 from lowbit_jax.formats.qk_prologue import QKPrologue
+from pallas_kernels import qk_prologue as qk_prologue_kernels
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 from pallas_kernels.operand_order import check_block, transposed as _transposed
 
@@ -37,20 +38,11 @@ PROLOGUE_WARPS = 8
 
 def _prologue_specs(prologue: QKPrologue | None, which: str, block: int, d: int, s: int):
     """The extra inputs (and their specs) of a kernel applying ``prologue``'s ``which`` side ("q" or "k") to
-    tiles of ``block`` rows of an (B, s, H, d) array: the norm scale (1, d); the RoPE tables padded to whole
-    blocks (Triton loads whole blocks)."""
+    tiles of ``block`` rows of an (B, s, H, d) array (``qk_prologue_kernels.side_inputs``)."""
     if prologue is None:
         return [], []
     g, cos, sin = prologue.side(which)
-    args, specs = [], []
-    if g is not None:
-        args.append(g.reshape(1, d))
-        specs.append(pl.BlockSpec((1, d), lambda bi, hi, i: (0, 0)))
-    if cos is not None:
-        pad = pl.cdiv(s, block) * block - s
-        args += [jnp.pad(t.astype(jnp.float32), ((0, pad), (0, 0))) for t in (cos, sin)]
-        specs += [pl.BlockSpec((block, d // 2), lambda bi, hi, i: (i, 0))] * 2
-    return args, specs
+    return qk_prologue_kernels.side_inputs(g, cos, sin, block=block, d=d, s=s)
 
 
 class _Prologue(NamedTuple):
@@ -74,16 +66,11 @@ def _prologue_flags(prologue: QKPrologue | None, interpret: bool) -> _Prologue:
 def _load_tile(x_ref, refs: list, mask, pro: _Prologue):
     """The tile to quantize: as loaded (no prologue), or the prologue's two channel halves (popping its refs
     from ``refs``)."""
-    norm, rope, eps = pro.norm, pro.rope, pro.eps
-    if not (norm or rope):
+    if not (pro.norm or pro.rope):
         return load_rows(x_ref, mask)
-    h = x_ref.shape[-1] // 2
-    g_ref = refs.pop(0) if norm else None
-    cos, sin = (refs.pop(0)[...], refs.pop(0)[...]) if rope else (None, None)
-    g1, g2 = (g_ref[:, pl.ds(0, h)], g_ref[:, pl.ds(h, h)]) if norm else (None, None)
-    x1, x2 = load_rows(x_ref.at[:, pl.ds(0, h)], mask), load_rows(x_ref.at[:, pl.ds(h, h)], mask)
-    rounding = (qk_prologue.exact_rounding if pro.interpret else qk_prologue.convert_rounding)(x_ref.dtype)
-    return qk_prologue.forward_halves(x1, x2, g1, g2, cos, sin, eps=eps, rounding=rounding)
+    side = qk_prologue_kernels.load_side(refs, norm=pro.norm, rope=pro.rope, d=x_ref.shape[-1])
+    return qk_prologue.forward_halves(*qk_prologue_kernels.load_halves(x_ref, mask), *side, eps=pro.eps,
+                                      rounding=qk_prologue.kernel_rounding(x_ref.dtype, pro.interpret))
 
 
 def _store_parts(ref, value, *, axis: int = 1) -> None:

@@ -57,6 +57,12 @@ def convert_rounding(dtype) -> Rounding:
     return lambda v: v.astype(dtype).astype(F32)
 
 
+def kernel_rounding(dtype, interpret: bool) -> Rounding:
+    """A kernel's rounding: :func:`convert_rounding` compiled, :func:`exact_rounding` interpreted (XLA may drop
+    the convert pair there, which the compiled kernel keeps)."""
+    return (exact_rounding if interpret else convert_rounding)(dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QKPrologue:
