@@ -41,29 +41,38 @@ def side_inputs(g: jax.Array | None, cos: jax.Array | None, sin: jax.Array | Non
     return args, specs
 
 
-def load_side(refs: list, *, norm: bool, rope: bool, d: int) -> tuple:
+def load_side(refs: list, *, norm: bool, rope: bool) -> tuple:
     """In a kernel: ``(g1, g2, cos, sin)`` from the refs :func:`side_inputs` made (popped from the front of
     ``refs``): the norm scale's halves (1, d/2) and the tile's tables (rows, d/2), None where absent."""
-    h = d // 2
     g1 = g2 = cos = sin = None
     if norm:
-        g_ref = refs.pop(0)
-        g1, g2 = g_ref[:, pl.ds(0, h)], g_ref[:, pl.ds(h, h)]
+        g1, g2 = load_halves(refs.pop(0), None)
     if rope:
         cos, sin = refs.pop(0)[...], refs.pop(0)[...]
     return g1, g2, cos, sin
 
 
 def load_halves(ref, valid) -> tuple[jax.Array, jax.Array]:
-    """A (rows, d) tile loaded as its two channel halves (rows outside ``valid`` as zeros)."""
+    """A (rows, d) tile loaded as its two channel halves (rows outside ``valid`` as zeros; None: all rows)."""
     h = ref.shape[-1] // 2
     return load_rows(ref.at[:, pl.ds(0, h)], valid), load_rows(ref.at[:, pl.ds(h, h)], valid)
+
+
+def store_parts(ref, value, *, axis: int = 1) -> None:
+    """Store a tile given whole, or as its two channel halves (a tuple) along ``axis`` of ``ref``."""
+    if not isinstance(value, tuple):
+        ref[...] = value
+        return
+    h = ref.shape[axis] // 2
+    for j, part in enumerate(value):
+        idx = (slice(None), pl.ds(j * h, h)) if axis == 1 else (pl.ds(j * h, h), slice(None))
+        ref[idx] = part
 
 
 def _bwd_kernel(x_ref, dz_ref, *refs, seq_len, block, ragged, norm, rope, eps, interpret):
     refs = list(refs)
     h = x_ref.shape[-1] // 2
-    g1, g2, cos, sin = load_side(refs, norm=norm, rope=rope, d=x_ref.shape[-1])
+    g1, g2, cos, sin = load_side(refs, norm=norm, rope=rope)
     dx_ref = refs.pop(0)
     valid = row_mask(pl.program_id(2) * block, block, seq_len) if ragged else None
     dx1, dx2, dg1, dg2 = qk_prologue.backward_halves(
@@ -72,9 +81,7 @@ def _bwd_kernel(x_ref, dz_ref, *refs, seq_len, block, ragged, norm, rope, eps, i
     store_rows(dx_ref.at[:, pl.ds(0, h)], dx1.astype(dx_ref.dtype), valid)
     store_rows(dx_ref.at[:, pl.ds(h, h)], dx2.astype(dx_ref.dtype), valid)
     if norm:  # padding rows load as zeros and add nothing
-        dg_ref = refs.pop(0)
-        dg_ref[:, pl.ds(0, h)] = jnp.sum(dg1, axis=0, keepdims=True)
-        dg_ref[:, pl.ds(h, h)] = jnp.sum(dg2, axis=0, keepdims=True)
+        store_parts(refs.pop(0), (jnp.sum(dg1, axis=0, keepdims=True), jnp.sum(dg2, axis=0, keepdims=True)))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block", "num_warps", "interpret"))

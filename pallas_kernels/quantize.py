@@ -68,20 +68,9 @@ def _load_tile(x_ref, refs: list, mask, pro: _Prologue):
     from ``refs``)."""
     if not (pro.norm or pro.rope):
         return load_rows(x_ref, mask)
-    side = qk_prologue_kernels.load_side(refs, norm=pro.norm, rope=pro.rope, d=x_ref.shape[-1])
+    side = qk_prologue_kernels.load_side(refs, norm=pro.norm, rope=pro.rope)
     return qk_prologue.forward_halves(*qk_prologue_kernels.load_halves(x_ref, mask), *side, eps=pro.eps,
                                       rounding=qk_prologue.kernel_rounding(x_ref.dtype, pro.interpret))
-
-
-def _store_parts(ref, value, *, axis: int = 1) -> None:
-    """Store a tile given whole or as its channel halves (a tuple) along ``axis`` of ``ref``."""
-    if not isinstance(value, tuple):
-        ref[...] = value
-        return
-    h = ref.shape[axis] // 2
-    for j, part in enumerate(value):
-        idx = (slice(None), pl.ds(j * h, h)) if axis == 1 else (pl.ds(j * h, h), slice(None))
-        ref[idx] = part
 
 
 def _parts(value, fn):
@@ -100,12 +89,12 @@ def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_b
     codes, scale, bmean = sage_tiles.quantize_qk_tile(
         x, valid, None, per_block=per_block, smooth_block=smooth_block, out_scale=out_scale
     )
-    _store_parts(codes_ref, codes)
+    qk_prologue_kernels.store_parts(codes_ref, codes)
     scale_ref[...] = scale
     if smooth_block:
-        _store_parts(mean_ref, bmean)
+        qk_prologue_kernels.store_parts(mean_ref, bmean)
     if transposed:
-        _store_parts(codes_t_ref, _parts(codes, lambda c: _transposed(c, t_operand_order)), axis=0)
+        qk_prologue_kernels.store_parts(codes_t_ref, _parts(codes, lambda c: _transposed(c, t_operand_order)), axis=0)
 
 
 @functools.partial(
@@ -200,24 +189,18 @@ def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, 
     kmean = None
     if smooth:
         kmean_ref = refs.pop(0)
-        kmean = (_halves_of(kmean_ref) if isinstance(k, tuple) else kmean_ref[...])
+        kmean = qk_prologue_kernels.load_halves(kmean_ref, None) if isinstance(k, tuple) else kmean_ref[...]
     vscale_ref, kc_ref, ks_ref, vt_ref = refs[:4]
     kt_ref = refs[4] if transposed else None
     codes, scale, _ = sage_tiles.quantize_qk_tile(
         k, valid, kmean, per_block=per_block, smooth_block=False, out_scale=1.0
     )
-    _store_parts(kc_ref, codes)
+    qk_prologue_kernels.store_parts(kc_ref, codes)
     ks_ref[...] = scale
     if transposed:
-        _store_parts(kt_ref, _parts(codes, lambda c: c.T), axis=0)
+        qk_prologue_kernels.store_parts(kt_ref, _parts(codes, lambda c: c.T), axis=0)
     v = load_rows(v_ref, mask)
     vt_ref[...] = _transposed(sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]), v_operand_order)
-
-
-def _halves_of(ref) -> tuple[jax.Array, jax.Array]:
-    """A (1, D) ref loaded as its two channel halves."""
-    h = ref.shape[-1] // 2
-    return ref[:, pl.ds(0, h)], ref[:, pl.ds(h, h)]
 
 
 @functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "v_operand_order", "num_warps",
@@ -316,7 +299,7 @@ def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth, pro):
     ksum_ref = refs.pop(0) if smooth else None
     vmax_ref = refs.pop(0)
     if smooth:  # padding rows give 0: the prologue maps a zero row to zeros
-        _store_parts(ksum_ref, _parts(k, lambda t: jnp.sum(t.astype(jnp.float32), axis=0, keepdims=True)))
+        qk_prologue_kernels.store_parts(ksum_ref, _parts(k, lambda t: jnp.sum(t.astype(jnp.float32), axis=0, keepdims=True)))
     vmax_ref[...] = jnp.max(jnp.abs(load_rows(v_ref, valid).astype(jnp.float32)), axis=0, keepdims=True)
 
 
