@@ -56,7 +56,7 @@ def lower_mosaic_fwd_bwd(method: str, head_dim: int, causal: bool, *, dq_kernel:
                                      bwd_backend="mosaic", **dq)
         opts = qat_mod.resolve_qat_options(*zeros, causal=causal, naive_backward=False, implementation="pallas",
                                            interpret=True, config=config)
-        attend = qat_mod._qat_attention
+        attend = lambda q, k, v, opts: qat_mod._qat_attention(q, k, v, None, opts)  # noqa: E731
     else:
         raise ValueError(f"method must be 'sage' or 'qat', got {method!r}")
     opts = dataclasses.replace(opts, interpret=False)

@@ -303,8 +303,10 @@ def render_training(data: dict) -> list[str]:
            "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention."
            + (" sage: the model hands q and k to `sage_attention` before QK-norm and RoPE (`lb.QKPrologue`: the "
               "norm and rotation inside its quantize kernels, their backward one Triton pass; "
-              "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 18:19); `sage~unfused`: the same "
-              "model with QK-norm and RoPE computed by XLA (the sage rows of earlier runs)."
+              "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 18:19); qat_fp4 likewise to "
+              "`qat_attention`, the norm and rotation inside its fake-quantization kernel (the default from "
+              "2026-12-03 21:30); `METHOD~unfused`: the same model with QK-norm and RoPE computed by XLA (the rows "
+              "of earlier runs)."
               if any("~unfused" in r["method"] for r in data["rows"]) else "")
            + (f" Median of {data['rounds']} interleaved windows of {data['steps_per_round']} steps; the ratio to "
               "dense is the median of the per-round ratios." if data.get("rounds") else

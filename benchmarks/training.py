@@ -45,7 +45,8 @@ def flops_per_token(cfg, seq: int, n_params: int) -> float:
 
 def prepare(method: str, preset: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
     """A compiled, warmed-up train step for ``method`` (a model method; "sage:row": sage with dS scaled per
-    row; "sage~unfused": QK-norm and RoPE by XLA, not in sage's kernels (``ModelConfig.fuse_qk_prologue``);
+    row; "sage~unfused", "qat_fp4~unfused": QK-norm and RoPE by XLA, not in the attention's kernels
+    (``ModelConfig.fuse_qk_prologue``);
     "METHOD@block" / "METHOD@dots": with ``ModelConfig.remat``) and ``run()``, which times ``steps`` steps
     and returns seconds per step (called once to warm up, then ``rounds`` times: the LR schedule spans all
     those steps)."""

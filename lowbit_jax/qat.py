@@ -25,8 +25,9 @@ from typing import Literal
 
 import jax
 
-from lowbit_jax import _checks
-from lowbit_jax.formats import smoothing
+from lowbit_jax import _checks, prologue_grad
+from lowbit_jax.formats import qk_prologue, smoothing
+from lowbit_jax.formats.qk_prologue import QKPrologue
 from lowbit_jax.qat_reference import (
     fake_quant_operands,
     mma_dtype,
@@ -55,6 +56,7 @@ class QatOptions:
     config: QatConfig
     seq_q: int
     seq_k: int
+    prologue: tuple[bool, bool, float] | None = None  # a QKPrologue's (norm, rope, eps)
 
 
 def qat_attention(
@@ -69,6 +71,7 @@ def qat_attention(
     implementation: Literal["pallas", "xla"] | None = None,
     interpret: bool = False,
     config: QatConfig | None = None,
+    prologue: QKPrologue | None = None,
 ) -> jax.Array:
     """NVFP4 fake-quantized attention (Attn-QAT); differentiable and jit-able.
 
@@ -89,6 +92,12 @@ def qat_attention(
         semantics), or None: pallas on GPU, xla elsewhere.
       interpret: run the Pallas kernels in interpret mode.
       config: :class:`QatConfig`; its forward ``block_k`` is part of the numerics.
+      prologue: QK-norm and/or RoPE to apply to q and k first (:class:`lowbit_jax.QKPrologue`, as in
+        :func:`lowbit_jax.sage_attention`): q and k are then the model's pre-norm projections, and the Pallas
+        implementation normalizes and rotates each tile inside the fake-quantization kernel (the values of
+        FQ(``qk_prologue.apply(q, …)``)); its backward is one Triton pass per side after the straight-through
+        estimator. Gradients flow to q, k and the norm scales (the RoPE tables get zeros). The pre-norm q and k
+        are kept for that backward. With ``smooth_k`` the prologue runs unfused (XLA, before the smoothing).
     Returns:
       O, (B, Sq, Hq, D) in q's dtype (the FP4 output path). The products run in
       bfloat16 (float16 for float16 inputs) with fp32 accumulation.
@@ -97,18 +106,24 @@ def qat_attention(
     """
     opts = resolve_qat_options(q, k, v, causal=causal, scale=scale, naive_backward=naive_backward,
                                smooth_k=smooth_k, implementation=implementation, interpret=interpret,
-                               config=config)
+                               config=config, prologue=prologue)
     if opts.smooth_k:
+        if prologue is not None:  # K's token mean is of the normalized, rotated k: unfused, by autodiff
+            q = qk_prologue.apply(q, *prologue.side("q"), eps=prologue.eps)
+            k = qk_prologue.apply(k, *prologue.side("k"), eps=prologue.eps)
+            prologue, opts = None, dataclasses.replace(opts, prologue=None)
         k = smoothing.subtract_token_mean(k)
-    return _qat_attention(q, k, v, opts)
+    return _qat_attention(q, k, v, prologue, opts)
 
 
 def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                         scale: float | None = None, naive_backward: bool = False, smooth_k: bool = False,
                         implementation: str | None = None, interpret: bool = False,
-                        config: QatConfig | None = None) -> QatOptions:
-    """Validate eagerly (shapes, dtypes, option types) and resolve defaults into static options."""
+                        config: QatConfig | None = None, prologue: QKPrologue | None = None) -> QatOptions:
+    """Validate eagerly (shapes, dtypes, option types, the prologue's fields) and resolve defaults into static
+    options."""
     shape = _checks.check_qkv(q, k, v)
+    prologue_flags = _checks.check_prologue(prologue, shape)
     causal = _checks.check_bool("causal", causal)
     naive_backward = _checks.check_bool("naive_backward", naive_backward)
     smooth_k = _checks.check_bool("smooth_k", smooth_k)
@@ -123,21 +138,30 @@ def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
                       implementation=impl, interpret=interpret,
                       config=config.fitted(shape.seq_q, shape.seq_k).with_backends(
                           impl == "pallas" and not interpret and on_hopper()),
-                      seq_q=shape.seq_q, seq_k=shape.seq_k)
+                      seq_q=shape.seq_q, seq_k=shape.seq_k, prologue=prologue_flags)
 
 
 def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, opts: QatOptions, *,
-                      lane_order: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      lane_order: bool = False,
+                      prologue: QKPrologue | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q̃, K̃, Ṽ: (B, H, S_pad, D) bf16/fp16, head-major and padded, by the implementation ``opts`` names;
-    ``lane_order`` (Pallas only): K̃ and Ṽ in the Mosaic kernels' lane order (:mod:`pallas_kernels.lane_groups`)."""
+    ``lane_order`` (Pallas only): K̃ and Ṽ in the Mosaic kernels' lane order (:mod:`pallas_kernels.lane_groups`);
+    ``prologue``: q and k are pre-norm, normalized and rotated first (in the fake-quantization kernel)."""
     cfg = opts.config
     if opts.implementation != "pallas":
+        if prologue is not None:
+            q = qk_prologue.apply(q, *prologue.side("q"), eps=prologue.eps)
+            k = qk_prologue.apply(k, *prologue.side("k"), eps=prologue.eps)
         return fake_quant_operands(q, k, v, config=cfg)
-    fq = lambda x, lanes=False: fake_quant_kernels.fp4_fake_quant_heads(  # noqa: E731
-        x, seq_pad=padded(x.shape[1], cfg.pad), block=max(cfg.quant_block, lane_groups.BLOCK) if lanes else
-        cfg.quant_block, out_dtype=mma_dtype(x.dtype), lane_order=lanes, num_warps=cfg.quant_warps,
-        interpret=opts.interpret)
-    return fq(q), fq(k, lane_order), fq(v, lane_order)
+
+    def fq(x, pro=None, which="q", lanes=False):
+        return fake_quant_kernels.fp4_fake_quant_heads(
+            x, pro, which, seq_pad=padded(x.shape[1], cfg.pad),
+            block=max(cfg.quant_block, lane_groups.BLOCK) if lanes else cfg.quant_block, out_dtype=mma_dtype(x.dtype),
+            lane_order=lanes, num_warps=fake_quant_kernels.warps_for(cfg.quant_warps, x.shape[-1], pro),
+            interpret=opts.interpret)
+
+    return fq(q, prologue, "q"), fq(k, prologue, "k", lane_order), fq(v, lanes=lane_order)
 
 
 def _runs_mosaic_forward(opts: QatOptions, head_dim: int, dtype) -> bool:
@@ -161,15 +185,16 @@ def kv_in_key_order(kf: jax.Array, vf: jax.Array, opts: QatOptions, dtype) -> tu
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "with_aux"))
-def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, with_aux: bool):
+def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, prologue: QKPrologue | None = None, *, opts: QatOptions,
+                with_aux: bool):
     """Forward with residuals: (o, o_aux or None, lse, m, (q̃, k̃, ṽ)).
 
     Shapes as :func:`pallas_kernels.qat_fwd.qat_attention_fwd` and :func:`quantize_operands`; k̃ and ṽ
-    are in lane order where :func:`kv_lane_order` says so.
+    are in lane order where :func:`kv_lane_order` says so. ``prologue``: as :func:`qat_attention`'s.
     """
     mosaic = _runs_mosaic_forward(opts, q.shape[-1], q.dtype)
     lane_order = mosaic and lane_groups.ENABLED  # = kv_lane_order(opts, …)
-    qf, kf, vf = quantize_operands(q, k, v, opts, lane_order=lane_order)
+    qf, kf, vf = quantize_operands(q, k, v, opts, lane_order=lane_order, prologue=prologue)
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               out_dtype=q.dtype, with_aux=with_aux)
     if opts.implementation == "pallas":
@@ -182,17 +207,27 @@ def qat_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, opts: QatOptions, w
     return o, o_aux, lse, m, (qf, kf, vf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _qat_attention(q, k, v, opts: QatOptions):
-    return qat_forward(q, k, v, opts=opts, with_aux=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _qat_attention(q, k, v, prologue, opts: QatOptions):
+    return qat_forward(q, k, v, prologue, opts=opts, with_aux=False)[0]
 
 
-def _qat_fwd(q, k, v, opts: QatOptions):
-    o, o_aux, lse, m, operands = qat_forward(q, k, v, opts=opts, with_aux=not opts.naive_backward)
-    return o, (operands, o if opts.naive_backward else o_aux, lse, m)
+def _qat_fwd(q, k, v, prologue, opts: QatOptions):
+    o, o_aux, lse, m, operands = qat_forward(q, k, v, prologue, opts=opts, with_aux=not opts.naive_backward)
+    # the prologue's backward needs its inputs
+    return o, (operands, o if opts.naive_backward else o_aux, lse, m, prologue_grad.residuals(q, k, prologue))
 
 
 def _qat_bwd(opts: QatOptions, residuals, do):
+    *residuals, pre = residuals
+    dq, dk, dv = _qat_operand_grads(opts, residuals, do)
+    dq, dk, dpro = prologue_grad.cotangents(pre, dq, dk, pallas=opts.implementation == "pallas",
+                                            interpret=opts.interpret)
+    return dq, dk, dv, dpro
+
+
+def _qat_operand_grads(opts: QatOptions, residuals, do):
+    """The gradients w.r.t. Q̃, K̃, Ṽ (= w.r.t. the fake-quantizers' inputs by the STE)."""
     (qf, kf, vf), o_aux, lse, m = residuals
     kw = dict(sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale, config=opts.config,
               naive=opts.naive_backward)

@@ -46,7 +46,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax import _checks
+from lowbit_jax import _checks, prologue_grad
 from lowbit_jax.formats import int8
 from lowbit_jax.formats import qk_prologue, sage_tiles
 from lowbit_jax.formats.qk_prologue import QKPrologue
@@ -59,7 +59,6 @@ from lowbit_jax.sage_reference import (
     smoothing_bias,
 )
 from pallas_kernels import operand_order
-from pallas_kernels import qk_prologue as prologue_kernels
 from pallas_kernels import quantize as quantize_kernels
 from pallas_kernels import sage_bwd as sage_bwd_kernels
 from pallas_kernels import sage_bwd_mosaic
@@ -337,37 +336,15 @@ def _sage_attention(q, k, v, prologue, opts: SageOptions):
 def _sage_attention_fwd(q, k, v, prologue, opts: SageOptions):
     transposed = opts.backward == "int8" and opts.implementation == "pallas"
     o, lse, ops = _forward(q, k, v, prologue, opts=opts, transposed=transposed)
-    pre = (q, k, prologue) if prologue is not None else None  # the prologue's backward needs its inputs
-    return o, (ops, o, lse, pre)
+    return o, (ops, o, lse, prologue_grad.residuals(q, k, prologue))  # the prologue's backward needs its inputs
 
 
 def _sage_attention_bwd(opts: SageOptions, residuals, do):
     ops, o, lse, pre = residuals
     dq, dk, dv = _backward(ops, o, lse, do, opts=opts)
-    if pre is None:
-        return dq, dk, dv, None
-    q, k, prologue = pre
-    (dq, dgq), (dk, dgk) = (prologue_backward(x, dx, prologue, which, opts) for x, dx, which in
-                            ((q, dq, "q"), (k, dk, "k")))
-    zeros = lambda t: None if t is None else jnp.zeros_like(t)  # noqa: E731
-    dpro = QKPrologue(
-        None if dgq is None else dgq.astype(prologue.q_norm.dtype),
-        None if dgk is None else dgk.astype(prologue.k_norm.dtype),
-        zeros(prologue.cos_q), zeros(prologue.sin_q), zeros(prologue.cos_k), zeros(prologue.sin_k),
-        eps=prologue.eps)
+    dq, dk, dpro = prologue_grad.cotangents(pre, dq, dk, pallas=opts.implementation == "pallas",
+                                            interpret=opts.interpret)
     return dq, dk, dv, dpro
-
-
-def prologue_backward(x: jax.Array, dz: jax.Array, prologue: QKPrologue, which: str,
-                      opts: SageOptions) -> tuple[jax.Array, jax.Array | None]:
-    """Gradient of ``which`` side ("q" or "k") of the prologue: the Triton pass
-    (:mod:`pallas_kernels.qk_prologue`) with the Pallas implementation, else the reference
-    (``qk_prologue.apply_backward``). x: the pre-norm input; dz: the gradient of its normalized, rotated
-    value. Returns dx in x's dtype and the norm scale's float32 gradient (or None)."""
-    g, cos, sin = prologue.side(which)
-    if opts.implementation == "pallas":
-        return prologue_kernels.qk_prologue_bwd(x, dz, g, cos, sin, eps=prologue.eps, interpret=opts.interpret)
-    return qk_prologue.apply_backward(x, dz, g, cos, sin, eps=prologue.eps)
 
 
 _sage_attention.defvjp(_sage_attention_fwd, _sage_attention_bwd)

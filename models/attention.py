@@ -27,6 +27,8 @@ from lowbit_jax.thrift import MAX_DECODE_ROWS
 from pallas_kernels._triton import on_gpu
 
 METHODS = ("dense", "sage", "qat_fp4", "thrift")
+#: the methods whose attention takes QK-norm and RoPE as a prologue of its own kernels (``fuse_qk_prologue``)
+FUSED_PROLOGUE_METHODS = ("sage", "qat_fp4")
 
 
 def check_method(method: str) -> None:
@@ -200,10 +202,10 @@ class Attention(nnx.Module):
       qk_norm: per-head RMSNorm of q and k with a learnable scale (on by default;
         it keeps the INT8 backward's dS error bounded at large tokens-per-step).
       smooth_k: K-smoothing in the sage kernels.
-      fuse_qk_prologue: with method "sage", hand q and k to :func:`lowbit_jax.sage_attention` before their
-        QK-norm and RoPE, with a :class:`lowbit_jax.QKPrologue`: the norm and rotation then run inside its
-        quantize kernels and their backward in one Triton pass (the same values as this module's own norm
-        and rope; saves XLA's passes over q and k).
+      fuse_qk_prologue: with method "sage" or "qat_fp4", hand q and k to :func:`lowbit_jax.sage_attention` /
+        :func:`lowbit_jax.qat_attention` before their QK-norm and RoPE, with a :class:`lowbit_jax.QKPrologue`: the
+        norm and rotation then run inside its quantize (or fake-quantize) kernels and their backward in one Triton
+        pass (the same values as this module's own norm and rope; saves XLA's passes over q and k).
       causal: causal mask.
       attention_options: extra keyword options for the attention function
         (e.g. ``implementation``, ``interpret``, ``config``; ``naive_backward``
@@ -240,7 +242,7 @@ class Attention(nnx.Module):
 
     def _prologue(self, s: int) -> lb.QKPrologue:
         """This module's QK-norm (scales promoted to its dtype, as ``nnx.RMSNorm`` does) and RoPE at positions
-        0..s−1, for :func:`lowbit_jax.sage_attention`."""
+        0..s−1, for :func:`lowbit_jax.sage_attention` and :func:`lowbit_jax.qat_attention`."""
         cos, sin = lb.rope_tables(jnp.arange(s), self.head_dim, self.rope_base)
         gq = gk = None
         eps = 1e-6
@@ -258,10 +260,14 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (B, S, dim) → (B, S, dim), full-sequence (training / prefill)."""
         b, s, _ = x.shape
-        if self.method == "sage" and self.fuse_qk_prologue:
+        if self.method in FUSED_PROLOGUE_METHODS and self.fuse_qk_prologue:
             q, k, v = self._projections(x)
-            o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k, prologue=self._prologue(s),
-                                  **self.attention_options)
+            if self.method == "sage":
+                o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k,
+                                      prologue=self._prologue(s), **self.attention_options)
+            else:
+                o = lb.qat_attention(q, k, v, causal=self.causal, prologue=self._prologue(s),
+                                     **self.attention_options)
             return self.o_proj(o.reshape(b, s, -1))
         q, k, v = self._qkv(x, jnp.arange(s))
         if self.method == "dense":

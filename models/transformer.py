@@ -45,7 +45,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     dtype: str = "bfloat16"
     remat: str = "none"
-    fuse_qk_prologue: bool = True  # sage: QK-norm and RoPE inside its quantize kernels (same values)
+    fuse_qk_prologue: bool = True  # sage, qat_fp4: QK-norm and RoPE inside their quantize kernels (same values)
 
     def __post_init__(self) -> None:
         check_method(self.method)

@@ -21,26 +21,49 @@ import jax
 import jax.numpy as jnp
 
 from lowbit_jax.formats import nvfp4
+from lowbit_jax.formats.qk_prologue import QKPrologue
 from pallas_kernels import lane_groups
-from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
+from pallas_kernels import qk_prologue as qk_prologue_kernels
+from pallas_kernels._triton import compiler_params, pl, row_mask
 
 
-def _fake_quant_kernel(x_ref, o_ref, *, block, seq_len, ragged, along, lane_order):
+#: at least this many warps for a fake quantization with a prologue from head dim 128 (its ALU work): on the H200 at
+#: B4 S4096 H32 D128 (64 rows per program) 0.095 ms with 8 against 0.114 with 4; at B16 S2048 H10 D64 4 stay best
+#: (0.035 vs 0.037 with 8); without a prologue 4 and 8 are level (benchmarks/probes/prologue_sweep.py --part qat,
+#: benchmarks/NOTES.md, forty-eighth session)
+PROLOGUE_WARPS_WIDE = 8
+
+
+def warps_for(num_warps: int, head_dim: int, prologue: QKPrologue | None) -> int:
+    """The warps of :func:`fp4_fake_quant_heads` given a config's ``num_warps`` (:data:`PROLOGUE_WARPS_WIDE`)."""
+    return max(num_warps, PROLOGUE_WARPS_WIDE) if prologue is not None and head_dim >= 128 else num_warps
+
+
+def _fake_quant_kernel(x_ref, *refs, block, seq_len, ragged, along, lane_order, pro):
+    refs = list(refs)
     valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
-    x = load_rows(x_ref, valid).astype(jnp.float32)
-    if along == "channels":
-        fq = nvfp4.fake_quant_last(x)
-    else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
-        fq = nvfp4.fake_quant_last(x.T).T
-    if lane_order:
-        fq = lane_groups.to_lane_order(fq, 0)
-    o_ref[...] = fq.astype(o_ref.dtype)
+    x = qk_prologue_kernels.load_tile(x_ref, refs, valid, pro)  # with a prologue: its two channel halves
+    o_ref = refs.pop(0)
+
+    def quantize(t):
+        t = t.astype(jnp.float32)
+        if along == "channels":
+            fq = nvfp4.fake_quant_last(t)
+        else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
+            fq = nvfp4.fake_quant_last(t.T).T
+        if lane_order:
+            fq = lane_groups.to_lane_order(fq, 0)
+        return fq.astype(o_ref.dtype)
+
+    # groups of 16 channels never straddle the halves (D/2 is a multiple of 16)
+    qk_prologue_kernels.store_parts(o_ref, tuple(map(quantize, x)) if isinstance(x, tuple) else quantize(x))
 
 
-@functools.partial(jax.jit, static_argnames=("seq_pad", "block", "out_dtype", "along", "lane_order", "num_warps",
-                                             "interpret"))
-def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, along: str = "channels",
-                         lane_order: bool = False, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("which", "seq_pad", "block", "out_dtype", "along", "lane_order",
+                                             "num_warps", "interpret"))
+def fp4_fake_quant_heads(x: jax.Array, prologue: QKPrologue | None = None, which: str = "q", *, seq_pad: int,
+                         block: int, out_dtype, along: str = "channels", lane_order: bool = False, num_warps: int = 4,
+                         interpret: bool = False) -> jax.Array:
     """FQ(x), transposed to head-major and padded.
 
     Args:
@@ -53,6 +76,9 @@ def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, a
         is that twin).
       lane_order: write the rows of every 64-row block in the Mosaic Attn-QAT kernels' lane order
         (:func:`pallas_kernels.lane_groups.to_lane_order`; ``block`` a multiple of 64).
+      prologue, which: QK-norm and/or RoPE (``prologue``'s ``which`` side, "q" or "k") applied to each loaded tile
+        before it is quantized (x is then the pre-norm q or k; ``along="channels"`` only): the values of
+        FQ(``qk_prologue.apply(x, …)``).
     Returns:
       (B, H, seq_pad, D) out_dtype; rows ≥ S are zeros.
     """
@@ -60,16 +86,20 @@ def fp4_fake_quant_heads(x: jax.Array, *, seq_pad: int, block: int, out_dtype, a
         raise ValueError(f"along must be 'channels' or 'tokens', got {along!r}")
     if lane_order and block % lane_groups.BLOCK:
         raise ValueError(f"lane_order needs block a multiple of {lane_groups.BLOCK}, got {block}")
+    if prologue is not None and along != "channels":
+        raise ValueError("a prologue needs along='channels' (it normalizes and rotates each token's channels)")
     b, s, h, d = x.shape
     kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s, along=along,
-                               lane_order=lane_order)
+                               lane_order=lane_order, pro=qk_prologue_kernels.prologue_flags(prologue, interpret))
+    pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue, which, block, d, s,
+                                                             row_block=lambda i, bi, hi: i)
     return pl.pallas_call(
         kernel,
         grid=(seq_pad // block, b, h),
-        in_specs=[pl.BlockSpec((None, block, None, d), lambda i, bi, hi: (bi, i, hi, 0))],
+        in_specs=[pl.BlockSpec((None, block, None, d), lambda i, bi, hi: (bi, i, hi, 0)), *pro_specs],
         out_specs=pl.BlockSpec((None, None, block, d), lambda i, bi, hi: (bi, hi, i, 0)),
         out_shape=jax.ShapeDtypeStruct((b, h, seq_pad, d), out_dtype),
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="fp4_fake_quant",
-    )(x)
+    )(x, *pro_args)

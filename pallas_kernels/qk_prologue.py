@@ -1,6 +1,9 @@
-"""The backward of the QK-norm + RoPE prologue (:mod:`lowbit_jax.formats.qk_prologue`) as one Triton pass.
+"""The QK-norm + RoPE prologue (:mod:`lowbit_jax.formats.qk_prologue`) in Triton kernels: its backward as one pass,
+and the helpers with which the forward's kernels apply it to the tiles they load.
 
-The forward's prologue runs inside the quantize kernels (:mod:`pallas_kernels.quantize`). Its backward reads
+The forward's prologue runs inside the kernels that read q and k anyway: SageAttention's quantize kernels
+(:mod:`pallas_kernels.quantize`) and Attn-QAT's fake quantization (:mod:`pallas_kernels.fake_quant`), through
+:func:`prologue_specs`, :func:`prologue_flags` and :func:`load_tile`. Its backward reads
 the attention's gradient dz of the normalized, rotated q (or k) and the pre-norm input x once, and writes dx and
 each program's partial sum of the norm scale's gradient: the work XLA splits into a rotation, a row reduction,
 an element-wise pass and a column reduction over every token (five passes over the activations at the 50m
@@ -11,34 +14,81 @@ training shape, benchmarks/NOTES.md, forty-seventh session). The math is
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from lowbit_jax.formats import qk_prologue
+from lowbit_jax.formats.qk_prologue import QKPrologue
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 
-#: token rows per program and warps: at B16 S2048 H10 D64 on the H200 64 rows with 2 warps took 0.0436 ms, with 4
-#: 0.0506, with 8 0.0598; 128 rows 0.047–0.062, 256 rows 0.057–0.73 (benchmarks/probes/prologue_sweep.py,
-#: benchmarks/NOTES.md, forty-seventh session)
-BLOCK = 64
+#: elements (token rows × head dim) per program of the backward pass, and its warps up to head dim 64 and beyond:
+#: on the H200 (benchmarks/probes/prologue_sweep.py, benchmarks/NOTES.md, forty-seventh and forty-eighth sessions)
+#: at B16 S2048 H10 D64 64 rows with 2 warps took 0.0436 ms (4: 0.0506, 8: 0.0598; 32 rows 0.045, 128 rows
+#: 0.049–0.37); at B4 S4096 H32 D128 32 rows with 4 warps 0.131 ms (2: 0.141; 64 rows with 2 warps, the D64 choice,
+#: 0.243; with 4 0.155; 128 rows 0.17–2.3)
+BLOCK_ELEMENTS = 4096
 WARPS = 2
+WARPS_WIDE = 4
+
+
+def launch(head_dim: int) -> tuple[int, int]:
+    """(token rows per program, warps) of :func:`qk_prologue_bwd` at this head dim (:data:`BLOCK_ELEMENTS`)."""
+    return max(16, BLOCK_ELEMENTS // head_dim), WARPS if head_dim <= 64 else WARPS_WIDE
 
 
 def side_inputs(g: jax.Array | None, cos: jax.Array | None, sin: jax.Array | None, *, block: int, d: int,
-                s: int) -> tuple[list, list]:
-    """The inputs (and block specs) that give a kernel over tiles of ``block`` rows of a (B, s, H, d) array (grid
-    (batch, head, row block)) one side of a prologue: the norm scale as (1, d) if ``g``; the RoPE tables padded
-    to whole blocks (Triton loads whole blocks) if ``cos``. :func:`load_side` reads them in the kernel."""
+                s: int, row_block=lambda bi, hi, i: i) -> tuple[list, list]:
+    """The inputs (and block specs) that give a kernel over tiles of ``block`` rows of a (B, s, H, d) array one
+    side of a prologue: the norm scale as (1, d) if ``g``; the RoPE tables padded to whole blocks (Triton loads
+    whole blocks) if ``cos``. ``row_block`` maps the kernel's grid indices to the tile's row block (default: grid
+    (batch, head, row block)). :func:`load_side` reads them in the kernel."""
     args, specs = [], []
     if g is not None:
         args.append(g.reshape(1, d))
-        specs.append(pl.BlockSpec((1, d), lambda bi, hi, i: (0, 0)))
+        specs.append(pl.BlockSpec((1, d), lambda *_: (0, 0)))
     if cos is not None:
         pad = pl.cdiv(s, block) * block - s
         args += [jnp.pad(t.astype(jnp.float32), ((0, pad), (0, 0))) for t in (cos, sin)]
-        specs += [pl.BlockSpec((block, d // 2), lambda bi, hi, i: (i, 0))] * 2
+        specs += [pl.BlockSpec((block, d // 2), lambda *idx: (row_block(*idx), 0))] * 2
     return args, specs
+
+
+def prologue_specs(prologue: QKPrologue | None, which: str, block: int, d: int, s: int, **kw) -> tuple[list, list]:
+    """:func:`side_inputs` of ``prologue``'s ``which`` side ("q" or "k"); none without a prologue."""
+    if prologue is None:
+        return [], []
+    g, cos, sin = prologue.side(which)
+    return side_inputs(g, cos, sin, block=block, d=d, s=s, **kw)
+
+
+class Flags(NamedTuple):
+    """What a kernel applies of a :class:`QKPrologue` (static): the norm, RoPE, the norm's epsilon, and whether
+    the kernel is interpreted (it then rounds as the reference does, :func:`qk_prologue.exact_rounding`: XLA
+    may drop the convert pair that the compiled kernel keeps)."""
+
+    norm: bool = False
+    rope: bool = False
+    eps: float = 0.0
+    interpret: bool = False
+
+
+def prologue_flags(prologue: QKPrologue | None, interpret: bool) -> Flags:
+    """The static :class:`Flags` of a call."""
+    if prologue is None:
+        return Flags()
+    return Flags(prologue.has_norm, prologue.has_rope, prologue.eps, interpret)
+
+
+def load_tile(x_ref, refs: list, mask, pro: Flags):
+    """A kernel's input tile: as loaded (no prologue), or the prologue's two channel halves, float32 (popping its
+    refs from ``refs``)."""
+    if not (pro.norm or pro.rope):
+        return load_rows(x_ref, mask)
+    side = load_side(refs, norm=pro.norm, rope=pro.rope)
+    return qk_prologue.forward_halves(*load_halves(x_ref, mask), *side, eps=pro.eps,
+                                      rounding=qk_prologue.kernel_rounding(x_ref.dtype, pro.interpret))
 
 
 def load_side(refs: list, *, norm: bool, rope: bool) -> tuple:
@@ -93,8 +143,8 @@ def qk_prologue_bwd(
     sin: jax.Array | None,
     *,
     eps: float,
-    block: int = BLOCK,
-    num_warps: int = WARPS,
+    block: int | None = None,
+    num_warps: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gradients of ``qk_prologue.apply(x, g, cos, sin)`` for the cotangent ``dz``.
@@ -104,6 +154,7 @@ def qk_prologue_bwd(
       dz: (B, S, H, D) any float dtype, the cotangent of the prologue's output.
       g: (D,) the norm scale or None; cos, sin: float32 (S, D/2) or None.
       eps: the norm's epsilon.
+      block, num_warps: token rows per program and warps; None: :func:`launch`'s for D.
     Returns:
       dx (B, S, H, D) in x's dtype and the norm scale's gradient float32 (D,) (None without a norm).
     """
@@ -111,6 +162,8 @@ def qk_prologue_bwd(
     if dz.shape != x.shape:
         raise ValueError(f"dz must have x's shape {tuple(x.shape)}, got {tuple(dz.shape)}")
     norm, rope = g is not None, cos is not None
+    default_block, default_warps = launch(d)
+    block, num_warps = block or default_block, num_warps or default_warps
     nblk = pl.cdiv(s, block)
     row = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
     side_args, side_specs = side_inputs(g, cos, sin, block=block, d=d, s=s)

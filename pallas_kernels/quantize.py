@@ -19,12 +19,11 @@ channel halves loaded apart) before quantizing, instead of XLA writing and re-re
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import int8, qk_prologue, sage_tiles
+from lowbit_jax.formats import int8, sage_tiles
 from lowbit_jax.formats.qk_prologue import QKPrologue
 from pallas_kernels import qk_prologue as qk_prologue_kernels
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
@@ -36,43 +35,6 @@ from pallas_kernels.operand_order import check_block, transposed as _transposed
 PROLOGUE_WARPS = 8
 
 
-def _prologue_specs(prologue: QKPrologue | None, which: str, block: int, d: int, s: int):
-    """The extra inputs (and their specs) of a kernel applying ``prologue``'s ``which`` side ("q" or "k") to
-    tiles of ``block`` rows of an (B, s, H, d) array (``qk_prologue_kernels.side_inputs``)."""
-    if prologue is None:
-        return [], []
-    g, cos, sin = prologue.side(which)
-    return qk_prologue_kernels.side_inputs(g, cos, sin, block=block, d=d, s=s)
-
-
-class _Prologue(NamedTuple):
-    """What a kernel applies of a :class:`QKPrologue` (static): the norm, RoPE, the norm's epsilon, and whether
-    the kernel is interpreted (it then rounds as the reference does, :func:`qk_prologue.exact_rounding`: XLA
-    may drop the convert pair that the compiled kernel keeps)."""
-
-    norm: bool = False
-    rope: bool = False
-    eps: float = 0.0
-    interpret: bool = False
-
-
-def _prologue_flags(prologue: QKPrologue | None, interpret: bool) -> _Prologue:
-    """The static :class:`_Prologue` of a call."""
-    if prologue is None:
-        return _Prologue()
-    return _Prologue(prologue.has_norm, prologue.has_rope, prologue.eps, interpret)
-
-
-def _load_tile(x_ref, refs: list, mask, pro: _Prologue):
-    """The tile to quantize: as loaded (no prologue), or the prologue's two channel halves (popping its refs
-    from ``refs``)."""
-    if not (pro.norm or pro.rope):
-        return load_rows(x_ref, mask)
-    side = qk_prologue_kernels.load_side(refs, norm=pro.norm, rope=pro.rope)
-    return qk_prologue.forward_halves(*qk_prologue_kernels.load_halves(x_ref, mask), *side, eps=pro.eps,
-                                      rounding=qk_prologue.kernel_rounding(x_ref.dtype, pro.interpret))
-
-
 def _parts(value, fn):
     """``fn`` on a tile or on each of its parts."""
     return tuple(fn(p) for p in value) if isinstance(value, tuple) else fn(value)
@@ -82,7 +44,7 @@ def _quantize_q_kernel(x_ref, *refs, seq_len, block, ragged, per_block, smooth_b
                        t_operand_order, pro):
     refs = list(refs)
     valid = row_mask(pl.program_id(2) * block, block, seq_len)
-    x = _load_tile(x_ref, refs, valid if ragged else None, pro)
+    x = qk_prologue_kernels.load_tile(x_ref, refs, valid if ragged else None, pro)
     codes_ref, scale_ref = refs.pop(0), refs.pop(0)
     mean_ref = refs.pop(0) if smooth_block else None
     codes_t_ref = refs.pop(0) if transposed else None
@@ -160,9 +122,9 @@ def sage_quantize_q(
         out_scale=out_scale,
         transposed=transposed,
         t_operand_order=t_operand_order,
-        pro=_prologue_flags(prologue, interpret),
+        pro=qk_prologue_kernels.prologue_flags(prologue, interpret),
     )
-    pro_args, pro_specs = _prologue_specs(prologue, "q", block, d, s)
+    pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue, "q", block, d, s)
     outs = pl.pallas_call(
         kernel,
         grid=(b, h, nblk),
@@ -185,7 +147,7 @@ def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, 
     refs = list(refs)
     valid = row_mask(pl.program_id(2) * block, block, seq_len)
     mask = valid if ragged else None
-    k = _load_tile(k_ref, refs, mask, pro)
+    k = qk_prologue_kernels.load_tile(k_ref, refs, mask, pro)
     kmean = None
     if smooth:
         kmean_ref = refs.pop(0)
@@ -243,13 +205,13 @@ def sage_quantize_kv(
     row_spec = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
     head_vec_spec = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, 0, 0))
     smooth = k_mean is not None
-    pro_args, pro_specs = _prologue_specs(prologue, "k", block, d, s)
+    pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue, "k", block, d, s)
     args = [k, v, *pro_args] + ([k_mean[:, :, None, :]] if smooth else []) + [v_scale[:, :, None, :]]
     in_specs = [row_spec, row_spec, *pro_specs] + [head_vec_spec] * (2 if smooth else 1)
     kernel = functools.partial(
         _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth,
         transposed=transposed, v_operand_order=v_operand_order,
-        pro=_prologue_flags(prologue, interpret),
+        pro=qk_prologue_kernels.prologue_flags(prologue, interpret),
     )
     out_specs = [
         pl.BlockSpec((None, None, block, d), lambda bi, hi, i: (bi, hi, i, 0)),
@@ -295,7 +257,7 @@ def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth, pro):
     v_ref = refs.pop(0)  # then the prologue's inputs (with smoothing), then the outputs
     valid = row_mask(pl.program_id(2) * chunk, chunk, seq_len) if ragged else None  # padding rows load as 0
     if smooth:
-        k = _load_tile(k_ref, refs, valid, pro)
+        k = qk_prologue_kernels.load_tile(k_ref, refs, valid, pro)
     ksum_ref = refs.pop(0) if smooth else None
     vmax_ref = refs.pop(0)
     if smooth:  # padding rows give 0: the prologue maps a zero row to zeros
@@ -338,10 +300,10 @@ def sage_channel_stats(
     row = pl.BlockSpec((None, chunk, None, d), lambda bi, hi, i: (bi, i, hi, 0))
     part = pl.BlockSpec((None, None, 1, d), lambda bi, hi, i: (bi, hi, i, 0))
     n_out = 2 if smooth_k else 1
-    pro_args, pro_specs = _prologue_specs(prologue if smooth_k else None, "k", chunk, d, s)
+    pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue if smooth_k else None, "k", chunk, d, s)
     outs = pl.pallas_call(
         functools.partial(_channel_stats_kernel, chunk=chunk, seq_len=s, ragged=s % chunk != 0, smooth=smooth_k,
-                          pro=_prologue_flags(prologue if smooth_k else None, interpret)),
+                          pro=qk_prologue_kernels.prologue_flags(prologue if smooth_k else None, interpret)),
         grid=(b, h, nch),
         in_specs=[row, row, *pro_specs] if smooth_k else [row],
         out_specs=[part] * n_out,

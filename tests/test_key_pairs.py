@@ -127,7 +127,7 @@ def test_mosaic_backward_kernels_take_the_stmatrix_stores(monkeypatch, enabled):
     qopts = dataclasses.replace(qopts, interpret=False)
 
     def qat_grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, qopts).astype(jnp.float32))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, None, qopts).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     common.lower_for_h200(qat_grads, *specs)

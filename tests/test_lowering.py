@@ -204,7 +204,7 @@ def test_qat_forward_and_backward_lower_to_triton(case):
     opts = compiled_options(qat_mod.resolve_qat_options, q, kv, causal=causal, naive_backward=naive, config=config)
 
     def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, opts).astype(jnp.float32))  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, None, opts).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = lower_for_h200(grads, q, kv, kv)
@@ -366,7 +366,7 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     opts = dataclasses.replace(opts, interpret=False)
 
     def grads(q, k, v, w):  # a cotangent w, not a constant (XLA would fold dO's transpose into a broadcast)
-        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, opts).astype(jnp.float32) * w)  # noqa: E731
+        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, None, opts).astype(jnp.float32) * w)  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = lower_for_h200(grads, q, kv, kv, jax.ShapeDtypeStruct(q.shape, jnp.float32))
@@ -464,23 +464,35 @@ def test_relayout_is_not_installed_over_other_layouts(monkeypatch):
     assert fa.FragmentedArray.to_layout is unpatched and constraints._is_supported_tiled_relayout is supported
 
 
+@pytest.mark.parametrize("method", ["sage", "qat"])
 @pytest.mark.parametrize("d,norm", [(64, True), (128, False)])
-def test_sage_with_the_qk_prologue_lowers_to_triton(d, norm):
-    """QK-norm and RoPE inside the quantize kernels, and their backward pass, lower for the H200."""
+def test_the_qk_prologue_lowers_to_triton(method, d, norm):
+    """QK-norm and RoPE inside sage's quantize kernels or Attn-QAT's fake quantization, and their backward pass,
+    lower for the H200 (beside the Mosaic GPU attention kernels)."""
+    from lowbit_jax import qat as qat_mod
+
     b, s, hq, hkv = 2, 300, 4, 2
     q, kv = jnp.zeros((b, s, hq, d), jnp.bfloat16), jnp.zeros((b, s, hkv, d), jnp.bfloat16)
     cos, sin = lb.rope_tables(jnp.arange(s), d)
     g = jnp.ones((d,), jnp.bfloat16) if norm else None
-    opts = sage_mod.resolve_options(q, kv, kv, causal=True, implementation="pallas", interpret=True,
-                                    prologue=lb.QKPrologue(g, g, cos, sin, cos, sin))
+    pro = lb.QKPrologue(g, g, cos, sin, cos, sin)
+    if method == "sage":
+        opts = sage_mod.resolve_options(q, kv, kv, causal=True, implementation="pallas", interpret=True, prologue=pro)
+        attend, kernels = sage_mod._sage_attention, ("sage_channel_stats", "sage_quantize_q", "sage_quantize_kv")
+    else:
+        config = dataclasses.replace(lb.qat_config(d, True, "NVIDIA H200"), fwd_backend="mosaic",
+                                     bwd_backend="mosaic")
+        opts = qat_mod.resolve_qat_options(q, kv, kv, causal=True, implementation="pallas", interpret=True,
+                                           config=config, prologue=pro)
+        attend, kernels = qat_mod._qat_attention, ("fp4_fake_quant",)
     opts = dataclasses.replace(opts, interpret=False)
 
     def grads(q, k, v, cos, sin, do):
         pro = lb.QKPrologue(g, g, cos, sin, cos, sin)
-        return jax.vjp(lambda q, k, v, pro: sage_mod._sage_attention(q, k, v, pro, opts), q, k, v, pro)[1](do)
+        return jax.vjp(lambda q, k, v, pro: attend(q, k, v, pro, opts), q, k, v, pro)[1](do)
 
     spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     text = lower_for_h200(grads, spec(q.shape), spec(kv.shape), spec(kv.shape), spec(cos.shape, jnp.float32),
                           spec(sin.shape, jnp.float32), spec(q.shape))
-    for name in ("sage_channel_stats", "sage_quantize_q", "sage_quantize_kv", "qk_prologue_bwd"):
+    for name in (*kernels, "qk_prologue_bwd"):
         assert triton_named(text, name), name

@@ -201,11 +201,13 @@ def test_bad_prologue_is_rejected(change, match):
         lb.sage_attention(q, k, v, prologue=(gq, gk), implementation="xla")
 
 
-def test_model_with_the_fused_prologue_matches_the_unfused_model():
-    """The sage model hands q and k to sage_attention before QK-norm and RoPE (``fuse_qk_prologue``): same loss
-    to float32 rounding; gradients within the 16-bit rounding differences of two backward formulas of the norm
-    (Flax's autodiff rounds its two terms of dx to bf16 apart), compounded over the layers."""
-    cfg = model_config("tiny", method="sage", num_layers=2)
+@pytest.mark.parametrize("method,loss_tol", [("sage", 1e-4), ("qat_fp4", 1e-3)])
+def test_model_with_the_fused_prologue_matches_the_unfused_model(method, loss_tol):
+    """The sage and qat_fp4 models hand q and k to their attention before QK-norm and RoPE
+    (``fuse_qk_prologue``): same loss to float32 rounding (Attn-QAT: and a rare FP4 rounding flip where a row's
+    rsqrt differs in its last bit); gradients within the 16-bit rounding differences of two backward formulas of
+    the norm (Flax's autodiff rounds its two terms of dx to bf16 apart), compounded over the layers."""
+    cfg = model_config("tiny", method=method, num_layers=2)
     tokens = jax.random.randint(jax.random.key(0), (2, 96), 0, cfg.vocab_size)
     results = {}
     for fuse in (True, False):
@@ -215,6 +217,6 @@ def test_model_with_the_fused_prologue_matches_the_unfused_model():
         loss = lambda st: jnp.mean(nnx.merge(graph, st)(tokens).astype(jnp.float32) ** 2)  # noqa: E731,B023
         results[fuse] = jax.value_and_grad(loss)(state)
     (loss_f, grads_f), (loss_u, grads_u) = results[True], results[False]
-    assert abs(float(loss_f) - float(loss_u)) < 1e-4 * abs(float(loss_u))
+    assert abs(float(loss_f) - float(loss_u)) < loss_tol * abs(float(loss_u))
     worst = max(rel_l1(a, b) for a, b in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_u)))
     assert worst < 5e-2

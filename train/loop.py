@@ -45,7 +45,7 @@ class TrainConfig:
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
     naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
     ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (faster, more accurate)
-    fuse_qk_prologue: bool = True  # sage only: QK-norm and RoPE inside its quantize kernels (same values)
+    fuse_qk_prologue: bool = True  # sage, qat_fp4: QK-norm and RoPE inside their quantize kernels (same values)
     corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
     max_corpus_mb: int = 64
     steps: int = 200

@@ -1,13 +1,15 @@
-"""SageAttention with the fused QK-norm + RoPE prologue against the unfused composition, compiled on the GPU.
+"""SageAttention or Attn-QAT with the fused QK-norm + RoPE prologue against the unfused composition, compiled on
+the GPU.
 
-Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/probes/prologue_check.py``. For each shape it
-runs ``sage_attention(q, k, v, prologue=…)`` and ``sage_attention(apply(q), apply(k), v)`` (the prologue by XLA)
-under one ``jax.vjp``, reports the relative L1 difference of o and of every gradient, and the device busy time
-of each (``benchmarks.profiling``). Writes ``$OUT/prologue_check.json``.
+Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/probes/prologue_check.py [--method sage|qat]``.
+For each shape it runs ``attention(q, k, v, prologue=…)`` and ``attention(apply(q), apply(k), v)`` (the prologue
+by XLA) under one ``jax.vjp``, reports the relative L1 difference of o and of every gradient, and the device busy
+time of each (``benchmarks.profiling``). Writes ``$OUT/prologue_check[_qat].json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -27,6 +29,10 @@ def rel(a, b) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--method", choices=("sage", "qat"), default="sage")
+    args = ap.parse_args()
+    attention = lb.sage_attention if args.method == "sage" else lb.qat_attention
     rows = []
     for b, hq, hkv, s, d, causal in SHAPES:
         ks = jax.random.split(jax.random.key(0), 6)
@@ -39,12 +45,12 @@ def main() -> None:
 
         def fused(q, k, v, gq, gk):
             pro = lb.QKPrologue(gq, gk, cos, sin, cos, sin)
-            return lb.sage_attention(q, k, v, causal=causal, prologue=pro)
+            return attention(q, k, v, causal=causal, prologue=pro)
 
         def unfused(q, k, v, gq, gk):
             qz = qk_prologue.apply(q, gq, cos, sin, eps=1e-6)
             kz = qk_prologue.apply(k, gk, cos, sin, eps=1e-6)
-            return lb.sage_attention(qz, kz, v, causal=causal)
+            return attention(qz, kz, v, causal=causal)
 
         outs, times = {}, {}
         for name, fn in (("fused", fused), ("unfused", unfused)):
@@ -58,8 +64,9 @@ def main() -> None:
         row = dict(shape=[b, hq, hkv, s, d, causal], rel_l1_fused_vs_unfused=diffs, **times)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "prologue_check.json"), "w") as f:
-        json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+    name = "prologue_check.json" if args.method == "sage" else f"prologue_check_{args.method}.json"
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
+        json.dump(dict(device=str(jax.devices()[0].device_kind), method=args.method, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
-"""Launch parameters of the prologue kernels at the 50m model's attention shape (B16 S2048 Hq10 Hkv5 D64).
+"""Launch parameters of the prologue kernels.
 
-Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/probes/prologue_sweep.py``. Times (device busy,
-``benchmarks.profiling``) the backward pass ``qk_prologue_bwd`` over rows per program and warps, and the
-quantize kernels with the prologue over warps. Writes ``$OUT/prologue_sweep.json``.
+Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/probes/prologue_sweep.py [--part sage|qat]``.
+Times (device busy, ``benchmarks.profiling``):
+
+* ``--part sage`` (default), at the 50m model's attention shape (B16 S2048 Hq10 Hkv5 D64): the backward pass
+  ``qk_prologue_bwd`` over rows per program and warps, and SageAttention's quantize kernels with the prologue
+  over warps. Writes ``$OUT/prologue_sweep.json``.
+* ``--part qat``, at that shape and at B4 S4096 H32 D128: ``qk_prologue_bwd`` over rows and warps, and Attn-QAT's
+  fake quantization (``fp4_fake_quant_heads``) with and without the prologue over rows and warps. Writes
+  ``$OUT/prologue_sweep_qat.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -16,6 +23,7 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.profiling import profile_calls
 from pallas_kernels import quantize
+from pallas_kernels.fake_quant import fp4_fake_quant_heads
 from pallas_kernels.qk_prologue import qk_prologue_bwd
 
 
@@ -24,7 +32,38 @@ def busy(fn, *args) -> float:
     return profile_calls(lambda: jax.block_until_ready(fn(*args)), 10)["busy_ms"]
 
 
+def qat_part() -> list[dict]:
+    rows = []
+    for b, s, hq, d in ((16, 2048, 10, 64), (4, 4096, 32, 128)):
+        x = jax.random.normal(jax.random.key(0), (b, s, hq, d), jnp.bfloat16)
+        g = jnp.ones((d,), jnp.bfloat16)
+        cos, sin = lb.rope_tables(jnp.arange(s), d)
+        pro = lb.QKPrologue(g, g, cos, sin, cos, sin)
+        shape = f"B{b} S{s} H{hq} D{d}"
+        for block in (32, 64, 128):
+            for warps in (1, 2, 4, 8):
+                fn = jax.jit(lambda x, dz, block=block, warps=warps: qk_prologue_bwd(
+                    x, dz, g, cos, sin, eps=1e-6, block=block, num_warps=warps))
+                rows.append(dict(kernel="qk_prologue_bwd", shape=shape, block=block, warps=warps, ms=busy(fn, x, x)))
+                print(rows[-1], flush=True)
+        for name, p in (("with", pro), ("without", None)):
+            for block in (64, 128):
+                for warps in (2, 4, 8, 16):
+                    fn = jax.jit(lambda x, p=p, bl=block, w=warps: fp4_fake_quant_heads(
+                        x, p, "k", seq_pad=s, block=bl, out_dtype=jnp.bfloat16, lane_order=True, num_warps=w))
+                    rows.append(dict(kernel=f"fp4_fake_quant {name} prologue", shape=shape, block=block, warps=warps,
+                                     ms=busy(fn, x)))
+                    print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("sage", "qat"), default="sage")
+    if ap.parse_args().part == "qat":
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), "prologue_sweep_qat.json"), "w") as f:
+            json.dump(qat_part(), f, indent=1)
+        return
     b, s, hq, hkv, d = 16, 2048, 10, 5, 64
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (b, s, hq, d), jnp.bfloat16)
