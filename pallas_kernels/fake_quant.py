@@ -86,6 +86,8 @@ def fp4_fake_quant_heads(x: jax.Array, prologue: QKPrologue | None = None, which
         raise ValueError(f"along must be 'channels' or 'tokens', got {along!r}")
     if lane_order and block % lane_groups.BLOCK:
         raise ValueError(f"lane_order needs block a multiple of {lane_groups.BLOCK}, got {block}")
+    if which not in ("q", "k"):
+        raise ValueError(f"which must be 'q' or 'k' (the prologue's side), got {which!r}")
     if prologue is not None and along != "channels":
         raise ValueError("a prologue needs along='channels' (it normalizes and rotates each token's channels)")
     b, s, h, d = x.shape

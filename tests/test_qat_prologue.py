@@ -64,11 +64,13 @@ def test_fake_quant_kernel_with_the_prologue_quantizes_its_output(d, s, norm, ro
     assert rel_l1(fp4_fake_quant_heads(q, pro, "q", **kw), plain) > 0.05
 
 
-def test_fake_quant_kernel_refuses_a_prologue_along_tokens():
+def test_fake_quant_kernel_refuses_a_prologue_along_tokens_and_a_bad_side():
     q, _, _, _, gq, gk = _inputs(1, 64, 64, 2, 2, 64)
+    kw = dict(seq_pad=64, block=64, out_dtype=jnp.bfloat16, interpret=True)
     with pytest.raises(ValueError, match="along='channels'"):
-        fp4_fake_quant_heads(q, _prologue(64, 64, 64, gq, gk), "q", seq_pad=64, block=64, out_dtype=jnp.bfloat16,
-                             along="tokens", interpret=True)
+        fp4_fake_quant_heads(q, _prologue(64, 64, 64, gq, gk), "q", along="tokens", **kw)
+    with pytest.raises(ValueError, match="which must be 'q' or 'k'"):
+        fp4_fake_quant_heads(q, _prologue(64, 64, 64, gq, gk), "v", **kw)
 
 
 def _fused_and_unfused(q, k, v, do, pro, **kw):
