@@ -109,11 +109,11 @@ def check_bool(name: str, value) -> bool:
     return bool(value)
 
 
-def check_prologue(prologue, shape: AttentionShape) -> tuple[bool, bool, float] | None:
-    """A :class:`lowbit_jax.formats.qk_prologue.QKPrologue` fitting q (B, Sq, Hq, D) and k (B, Sk, Hkv, D), or
-    None; returns its static (norm, rope, eps), else TypeError/ValueError naming the field."""
+def check_prologue(prologue, shape: AttentionShape) -> None:
+    """Accept a :class:`lowbit_jax.formats.qk_prologue.QKPrologue` fitting q (B, Sq, Hq, D) and k (B, Sk, Hkv, D),
+    or None; else TypeError/ValueError naming the field."""
     if prologue is None:
-        return None
+        return
     if not isinstance(prologue, QKPrologue):
         raise TypeError(f"prologue must be a QKPrologue or None, got {type(prologue).__name__}")
     d = shape.head_dim
@@ -139,4 +139,3 @@ def check_prologue(prologue, shape: AttentionShape) -> tuple[bool, bool, float] 
     eps = prologue.eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"prologue.eps must be a finite positive number, got {eps!r}")
-    return prologue.q_norm is not None, prologue.cos_q is not None, float(eps)

@@ -56,7 +56,6 @@ class QatOptions:
     config: QatConfig
     seq_q: int
     seq_k: int
-    prologue: tuple[bool, bool, float] | None = None  # a QKPrologue's (norm, rope, eps)
 
 
 def qat_attention(
@@ -108,10 +107,9 @@ def qat_attention(
                                smooth_k=smooth_k, implementation=implementation, interpret=interpret,
                                config=config, prologue=prologue)
     if opts.smooth_k:
-        if prologue is not None:  # K's token mean is of the normalized, rotated k: unfused, by autodiff
-            q = qk_prologue.apply(q, *prologue.side("q"), eps=prologue.eps)
-            k = qk_prologue.apply(k, *prologue.side("k"), eps=prologue.eps)
-            prologue, opts = None, dataclasses.replace(opts, prologue=None)
+        # K's token mean is of the normalized, rotated k: the prologue unfused, by autodiff
+        q, k = qk_prologue.apply_qk(q, k, prologue)
+        prologue = None
         k = smoothing.subtract_token_mean(k)
     return _qat_attention(q, k, v, prologue, opts)
 
@@ -123,7 +121,7 @@ def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
     """Validate eagerly (shapes, dtypes, option types, the prologue's fields) and resolve defaults into static
     options."""
     shape = _checks.check_qkv(q, k, v)
-    prologue_flags = _checks.check_prologue(prologue, shape)
+    _checks.check_prologue(prologue, shape)
     causal = _checks.check_bool("causal", causal)
     naive_backward = _checks.check_bool("naive_backward", naive_backward)
     smooth_k = _checks.check_bool("smooth_k", smooth_k)
@@ -138,7 +136,7 @@ def resolve_qat_options(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
                       implementation=impl, interpret=interpret,
                       config=config.fitted(shape.seq_q, shape.seq_k).with_backends(
                           impl == "pallas" and not interpret and on_hopper()),
-                      seq_q=shape.seq_q, seq_k=shape.seq_k, prologue=prologue_flags)
+                      seq_q=shape.seq_q, seq_k=shape.seq_k)
 
 
 def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, opts: QatOptions, *,
@@ -149,10 +147,7 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, opts: QatOptions
     ``prologue``: q and k are pre-norm, normalized and rotated first (in the fake-quantization kernel)."""
     cfg = opts.config
     if opts.implementation != "pallas":
-        if prologue is not None:
-            q = qk_prologue.apply(q, *prologue.side("q"), eps=prologue.eps)
-            k = qk_prologue.apply(k, *prologue.side("k"), eps=prologue.eps)
-        return fake_quant_operands(q, k, v, config=cfg)
+        return fake_quant_operands(*qk_prologue.apply_qk(q, k, prologue), v, config=cfg)
 
     def fq(x, pro=None, which="q", lanes=False):
         return fake_quant_kernels.fp4_fake_quant_heads(

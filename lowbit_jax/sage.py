@@ -87,7 +87,6 @@ class SageOptions:
     backward: str
     seq_q: int
     seq_k: int
-    prologue: tuple[bool, bool, float] | None = None  # a QKPrologue's (norm, rope, eps)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -190,7 +189,7 @@ def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_
                     prologue=None) -> SageOptions:
     """Validate everything eagerly and resolve defaults into static options."""
     shape = _checks.check_qkv(q, k, v)
-    prologue_flags = _checks.check_prologue(prologue, shape)
+    _checks.check_prologue(prologue, shape)
     causal = _checks.check_bool("causal", causal)
     smooth_k = _checks.check_bool("smooth_k", smooth_k)
     smooth_q = _checks.check_bool("smooth_q", smooth_q)
@@ -207,7 +206,6 @@ def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_
         causal=causal, scale=scale, smooth_k=smooth_k, smooth_q=smooth_q,
         per_block=qk_granularity == "per_block", implementation=impl, interpret=interpret,
         config=config.fitted(shape.seq_q, shape.seq_k), backward=backward, seq_q=shape.seq_q, seq_k=shape.seq_k,
-        prologue=prologue_flags,
     )
 
 
@@ -282,9 +280,7 @@ def _forward(q, k, v, prologue: QKPrologue | None = None, *, opts: SageOptions, 
     if opts.implementation == "pallas":
         ops = quantize_pallas(q, k, v, orders=orders, prologue=prologue, **kw)
     else:
-        if prologue is not None:
-            q = qk_prologue.apply(q, *prologue.side("q"), eps=prologue.eps)
-            k = qk_prologue.apply(k, *prologue.side("k"), eps=prologue.eps)
+        q, k = qk_prologue.apply_qk(q, k, prologue)
         ops = quantize_reference(q, k, v, **kw)
     bias = smoothing_bias(ops, scale=opts.scale) if opts.smooth_q else None
     o, lse = attend_quantized(ops, bias, opts=opts, out_dtype=q.dtype, v_operand_order=orders.v)

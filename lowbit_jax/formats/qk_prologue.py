@@ -204,6 +204,15 @@ def apply(x: jax.Array, g: jax.Array | None, cos: jax.Array | None, sin: jax.Arr
     return jnp.concatenate([z1, z2], axis=-1).astype(x.dtype)
 
 
+def apply_qk(q: jax.Array, k: jax.Array, prologue: QKPrologue | None) -> tuple[jax.Array, jax.Array]:
+    """:func:`apply` of ``prologue``'s q side to q and its k side to k (both unchanged without a prologue): the
+    normalized, rotated q (B, Sq, Hq, D) and k (B, Sk, Hkv, D) in their dtypes, what an attention without the
+    fused prologue is given."""
+    if prologue is None:
+        return q, k
+    return (apply(q, *prologue.side("q"), eps=prologue.eps), apply(k, *prologue.side("k"), eps=prologue.eps))
+
+
 def apply_backward(x: jax.Array, dz: jax.Array, g: jax.Array | None, cos: jax.Array | None,
                    sin: jax.Array | None, *, eps: float) -> tuple[jax.Array, jax.Array | None]:
     """:func:`backward_halves` on whole arrays (the reference of the backward kernel).
