@@ -268,20 +268,22 @@ def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offs
     return lax.cond(all_visible, lambda s: s, masked, scores)
 
 
-def grid_position() -> tuple:
-    """(batch, head, warpgroup) of this thread on a ("heads", <blocks>, "batch") grid with axis "wg"."""
-    return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+def grid_position(pos: dict | None = None) -> tuple:
+    """(batch, head, warpgroup) of this thread on a ("heads", <blocks>, "batch") grid with axis "wg"; ``pos``: the
+    work item's grid indices (:meth:`WorkItems.run`), else this CTA's."""
+    index = (lambda name: pos[name]) if pos is not None else lax.axis_index
+    return index("batch"), index("heads"), lax.axis_index("wg")
 
 
 def query_block_keys(rows: int, sk_pad: int, block_k: int, *, sk_len: int, causal: bool, offset: int,
-                     heavy_first_of: int | None = None) -> tuple:
-    """For a CTA of ``rows`` query rows (grid axis "q") streaming ``block_k``-key tiles of a
-    ``sk_pad``-key sequence: its first query row, how many key tiles it visits (all, or if
-    causal, bottom-right aligned, up to the last one its last row sees) and whether its tiles
+                     heavy_first_of: int | None = None, block=None) -> tuple:
+    """For a CTA of ``rows`` query rows (grid axis "q", or ``block``: a work item's index along it) streaming
+    ``block_k``-key tiles of a ``sk_pad``-key sequence: its first query row, how many key tiles it visits (all, or
+    if causal, bottom-right aligned, up to the last one its last row sees) and whether its tiles
     need masking (causal, or padded keys). ``heavy_first_of`` (the number of query blocks):
     if causal, grid index 0 takes the last block, which sees the most keys (launched first,
     the longest CTAs do not trail the grid)."""
-    block = lax.axis_index("q")
+    block = lax.axis_index("q") if block is None else block
     if causal and heavy_first_of is not None:
         block = heavy_first_of - 1 - block
     start = block * rows
@@ -308,6 +310,20 @@ def first_query_tile(cta_keys, block_q: int, n_qtiles: int, *, causal: bool, off
     """The first query tile that sees a CTA's keys (from ``cta_keys`` on): 0, or if causal the
     tile of query ``cta_keys − offset``; earlier tiles are fully masked."""
     return jnp.clip(lax.div(cta_keys - offset, block_q), 0, n_qtiles) if causal else 0
+
+
+def group_tile(i, n_tiles, first=0) -> tuple:
+    """Step ``i`` of a dK/dV pipeline over ``n_tiles`` query tiles (from ``first`` on) of each query head of a GQA
+    group → (head of the group, query tile)."""
+    return lax.div(i, n_tiles), first + lax.rem(i, n_tiles)
+
+
+def group_allocations(in_specs: Callable, gmem_refs, *, group: int, n_tiles: int, stages: int,
+                      compute_wgs: int = 2) -> Callable[[], dict]:
+    """:func:`pipeline_allocations` of a dK/dV pipeline over all ``n_tiles`` query tiles of each of a GQA group's
+    ``group`` heads, whose BlockSpecs are ``in_specs(head_and_tile)`` (:func:`group_tile`)."""
+    return pipeline_allocations(in_specs(functools.partial(group_tile, n_tiles=n_tiles)), group * n_tiles, gmem_refs,
+                                compute_wgs=compute_wgs, stages=stages)
 
 
 def tma_rows(n: int) -> int:
@@ -381,9 +397,100 @@ def wg_tiles(wgs: int, rows: int, dtype, cols: int):
 EXTRA_SMEM_BYTES = 0
 
 
+#: probe switch, off: non-causal kernels whose pipeline length is a multiple of their stages run on a persistent grid
+#: (:class:`WorkItems`): one CTA per SM, each looping over work items as Mosaic GPU's pipeline of pipelines, its
+#: memory warpgroup loading the next item's first tiles while the compute warpgroups finish the current one. Same
+#: values (bit for bit interpreted; compiled rel-L1 vs the xla twin unchanged), but on the H200 (benchmarks/NOTES.md,
+#: forty-ninth session) ptxas spilled far more in the persistent backwards (Attn-QAT dK/dV/dQ 464 bytes against 64,
+#: SageBwd 868 against 68; not understood: a guess is the item loop around each pipeline's split of the warpgroups by
+#: role and its register-count changes), and the kernels got slower: Attn-QAT backward 5.97 → 8.85 ms at B4 H32 S4096 D128, 24.1 → 36.2 at B1
+#: H32 S16384 D128; its forward 2.92 → 2.98 and 11.7 → 12.4 (at B8 H32 S2048 D64 1.117 → 1.107); SageBwd 5.64 → 10.75
+#: at B4 H32 S4096 D128. Looping each role under its own branch (both loops traced, the inner split folding away)
+#: spilled 1256 bytes. What it would take: a hand-written warp-specialised pipeline whose role split sits outside the
+#: item loop.
+PERSISTENT = False
+#: CTAs of a persistent launch in the interpreter (the CPU has no SMs): few, so that each runs several items
+INTERPRET_CTAS = 3
+#: SMs assumed where no GPU is attached (lowering for an abstract H200): an H100 SXM's or H200's
+DEFAULT_SMS = 132
+
+
+def sm_count() -> int:
+    """SMs of the default device if it is a GPU, else :data:`DEFAULT_SMS`."""
+    if jax.default_backend() in ("gpu", "cuda"):
+        return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SMS)
+    return DEFAULT_SMS
+
+
+class WorkItems(NamedTuple):
+    """The work items of a kernel launch: one per point of ``grid`` (axes ``names``, the first varying fastest,
+    as CUDA's x), and how they map onto CTAs.
+
+    ``ctas`` None: one CTA per item, the grid launched as it is. Otherwise a persistent launch of ``ctas`` CTAs
+    (grid axis "cta"); CTA c takes items c, c + ctas, c + 2·ctas, … in that order (at least two each), and its
+    items' pipelines share their SMEM buffers and barriers as one pipeline of pipelines (``pipeline_state`` START,
+    STEADY…, STOP): the memory warpgroup loads an item's first tiles while the compute warpgroups run the last
+    steps and the epilogue of the one before, and the CTA's launch and teardown are paid once.
+    """
+
+    grid: tuple[int, ...]
+    names: tuple[str, ...]
+    ctas: int | None = None
+
+    @classmethod
+    def plan(cls, grid: tuple[int, ...], names: tuple[str, ...], *, steps, stages: int, causal: bool,
+             interpret: bool) -> WorkItems:
+        """Persistent (:data:`PERSISTENT`) where Mosaic GPU's pipeline of pipelines applies — a static pipeline
+        length ``steps`` that is a multiple of ``stages``, so not causal (whose lengths vary by item) — and there
+        are at least two items per SM (:func:`sm_count`; :data:`INTERPRET_CTAS` interpreted); else one CTA per
+        item."""
+        n_items = int(np.prod(grid))
+        sms = INTERPRET_CTAS if interpret else sm_count()
+        if (not PERSISTENT or causal or not isinstance(steps, int) or steps % stages or n_items < 2 * sms):
+            return cls(tuple(grid), tuple(names))
+        return cls(tuple(grid), tuple(names), sms)
+
+    @property
+    def launch_grid(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The grid and its axis names that :func:`launch` starts."""
+        return (self.grid, self.names) if self.ctas is None else ((self.ctas,), ("cta",))
+
+    def run(self, body: Callable, allocations: Callable[[], dict] | None = None) -> None:
+        """In the kernel: ``body(pos, state, allocations)`` for each of this CTA's items, where ``pos`` maps each
+        grid axis name to the item's index. One CTA per item: ``state`` and ``allocations`` are None (the
+        pipeline allocates its own). Persistent: ``allocations()`` (called once, :func:`pipeline_allocations`)
+        gives the pipeline's SMEM buffers and barriers, shared by every item; ``state`` is the item's
+        ``plgpu.PipelinePipeline`` (static: the first and last items are traced apart from the loop between)."""
+        if self.ctas is None:
+            body({name: lax.axis_index(name) for name in self.names}, None, None)
+            return
+        cta = lax.axis_index("cta")
+        count = lax.div(int(np.prod(self.grid)) - cta + (self.ctas - 1), self.ctas)  # ≥ 2 (:meth:`plan`)
+
+        def item(i, state, allocs):
+            index, pos = cta + i * self.ctas, {}
+            for name, size in zip(self.names, self.grid):
+                pos[name], index = lax.rem(index, size), lax.div(index, size)
+            body(pos, state, allocs)
+
+        def items(allocs):
+            item(0, plgpu.PipelinePipeline.START, allocs)
+
+            @pl.loop(1, count - 1)
+            def _steady(i):
+                item(i, plgpu.PipelinePipeline.STEADY, allocs)
+
+            item(count - 1, plgpu.PipelinePipeline.STOP, allocs)
+
+        pl.run_scoped(lambda **allocs: items(allocs), **allocations(), collective_axes="wg")
+
+
 def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool):
     """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
-    is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous")."""
+    is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous"). ``grid`` may be a
+    :class:`WorkItems` (``grid_names`` then None)."""
+    if isinstance(grid, WorkItems):
+        grid, grid_names = grid.launch_grid
     if EXTRA_SMEM_BYTES:
         scratch_types = [*scratch_types, plgpu.SMEM((EXTRA_SMEM_BYTES,), jnp.int8)]
         kernel = (lambda body: lambda *refs: body(*refs[:-1]))(kernel)  # the padding is never touched
@@ -693,15 +800,24 @@ def schedule_barrier() -> plgpu.Barrier:
     return plgpu.Barrier(num_arrivals=2)
 
 
-def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 2, stages: int = 2):
+def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 2, stages: int = 2, state=None):
     """A warp-specialised pipeline: one memory warpgroup streams ``in_specs`` tiles for
     ``steps`` steps into ``stages`` SMEM buffers; ``compute_wgs`` warpgroups run
     ``step(index, *tiles, *consumed_barriers, carry) -> carry`` (each must arrive on the
-    consumed barriers) inside ``compute(pipeline)`` (their prologue and epilogue)."""
+    consumed barriers) inside ``compute(pipeline)`` (their prologue and epilogue). ``state``: a persistent work
+    item's ``plgpu.PipelinePipeline`` (:meth:`WorkItems.run`; call the result with its ``allocations=``)."""
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(steps,), max_concurrent_steps=stages, num_compute_wgs=compute_wgs,
         memory_registers=MEMORY_REGISTERS, wg_axis="wg", manual_consumed_barriers=True,
-        compute_context=compute, in_specs=in_specs)
+        compute_context=compute, in_specs=in_specs, pipeline_state=state)
+
+
+def pipeline_allocations(in_specs, steps: int, gmem_refs, *, compute_wgs: int = 2, stages: int = 2) -> Callable[[], dict]:
+    """For :meth:`WorkItems.run`: the SMEM buffers and barriers of a :func:`compute_pipeline` over ``in_specs``
+    (their block shapes, dtypes and transforms; not their index maps) reading ``gmem_refs`` (refs of one item's
+    slices, for their shapes), shared by the items of a persistent CTA."""
+    return lambda: compute_pipeline(None, None, in_specs, steps, compute_wgs=compute_wgs,
+                                    stages=stages).get_allocations(*gmem_refs)
 
 
 def guarded_step(run, carry, consumed, *, needed=None, skipped=None):
@@ -903,4 +1019,5 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
            "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT", "STAGE_SWIZZLE", "stage_transforms",
-           "PingPong", "schedule_barrier"]
+           "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "pipeline_allocations", "group_tile",
+           "group_allocations"]

@@ -51,10 +51,12 @@ from jax import lax
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels import lane_groups, stmatrix
 from pallas_kernels._mosaic import (
-    PingPong, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile, grid_position,
+    PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
+    grid_position, group_allocations, group_tile,
     launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul,
     reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand,
-    row_vector, rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    row_vector, rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows,
+    wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -142,8 +144,8 @@ def _ds(e, dp, inv_l_row, delta_row, dtype):
     return (e * rows_of(inv_l_row, shape) * (dp - rows_of(delta_row, shape))).astype(dtype)
 
 
-def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, group, n_qtiles, head_dim, sk_len,
-                 causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native):
+def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, items, group, n_qtiles, head_dim,
+                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
@@ -152,106 +154,119 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, g
         cta_barrier = cta_barrier[0] if split else None
     else:
         dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers = refs
-    b, hkv, wg = grid_position()
+    wg = lax.axis_index("wg")
     # split: both warpgroups meet at the CTA-wide barrier (PingPong's two-arrival barrier as a plain rendezvous)
     cta_sync = PingPong(cta_barrier, wg, enabled=True).sync if split else None
     out_shape, half = (TILE, head_dim), head_dim // 2
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
-    cta_keys = lax.axis_index("kv") * (WGS * TILE)
-    key_start = cta_keys + wg * TILE
-    rows = pl.ds(key_start, TILE)
-    # Causal: query tiles before i_first see none of this CTA's keys (not even loaded).
-    i_first = first_query_tile(cta_keys, TILE, n_qtiles, causal=causal, offset=offset)
-    n_vis = n_qtiles - i_first
-
-    def compute(pipeline):
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        copy_in(((k_ref.at[b, hkv, rows], k_smem), (v_ref.at[b, hkv, rows], v_smem)), barriers, wg)
-        zeros = wgmma_zeros(out_shape)
-        dk, dv = pipeline((zeros, zeros))
-        if split:  # the other warpgroup's last dQ products have read this K̃ tile
-            cta_sync()
-        # K̃ and Ṽ are no longer needed: reuse their SMEM; lane-ordered rows go back to key order on the way
-        for acc, smem in (((dk * scale), k_smem), (dv, v_smem)):
-            if lane_groups.ENABLED:
-                stmatrix.store_rows(smem, acc.astype(smem.dtype), interpret, key_of_row=lane_groups.key_of_column,
-                                    from_order=lane_groups.from_lane_order)
-            else:
-                smem[...] = acc.astype(smem.dtype)
-        copy_out(((k_smem, dk_ref.at[b, rows, hkv]), (v_smem, dv_ref.at[b, rows, hkv])))
-
-    def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
-        *consumed, (dk, dv) = consumed_and_carry
-        # split: the dS tiles the other warpgroup reads are double-buffered by step parity
-        ds_tile = (lambda w: ds_smem2.at[lax.rem(idx[0], 2), w]) if split else (  # noqa: E731
-            lambda w: ds_smem2.at[w])
-        k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
-        s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
-                        fused=not interpret)
-        if masked:
-            q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
-            s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
-                            key_of_column=lane_groups.key_order())
-        e = _exponentials(s, row_vector(m_smem), score_scale, head_dim)  # row max 1: FQ relative to it
-        il_row = row_vector(il_smem)
-        inv_l = rows_of(il_row, s.shape)
-        dt = p_smem.dtype
-        # P̃·(1/l) = e2m1 · (sf·(1/l)): the scale product once per FP4 group
-        pv = (e * inv_l).astype(dt) if naive else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt)
-        p_smem[...] = pv
-        ds_smem[...] = _ds(e, dp, il_row, row_vector(delta_smem), dt)
-        plgpu.commit_smem()
-        if split:  # both warpgroups' dS tiles are published
-            cta_sync()
-        products = ((p_smem.T, do_smem), (ds_smem.T, q_smem))
-        if fused_dq:
-            g, t = head_and_tile(idx[0])
-            acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
-        # one dQ product a step: split, columns wg·D/2… over the CTA's 128 keys, Σ_w dS_w·K̃_w[:, cols] (whole
-        # 128-byte swizzle rows of K̃, splits_dq_columns); else, up to REDUCE_COLS columns, dS·K̃
-        one_dq = fused_dq and (split or head_dim <= REDUCE_COLS)
-        first = one_dq and dq_first(head_dim, causal)
-        if one_dq:
-            cols = pl.ds(wg * half, half) if split else pl.ds(0, head_dim)
-            dq_product = ((TILE, half if split else head_dim), jnp.float32,
-                          tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
-                          else ((ds_smem, k_smem.at[:, cols]),))
-            # issued first, its stage is freed while the three products run (_mosaic.early_stage_wait; issued after
-            # dV and dK, freeing it early measured slower: benchmarks/NOTES.md, forty-second session)
-            free = early_stage_wait() if first else None
-            add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret,  # noqa: E731
-                                               waited=free is not None)
-        if first:  # reduce-added while dV's and dK's products run
-            dv, dk = product_first(dq_product, (dv, dk), products, add_dq, fused=not interpret, issued=free)
-        else:
-            dv, dk = accumulate((dv, dk), products, fused=not interpret)
-            if one_dq:
-                add_dq(matmul_sum(*dq_product, fused=not interpret))
-            elif fused_dq:  # unsplit beyond REDUCE_COLS columns: one product and reduce-add per chunk
-                reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim, dq_dst,
-                                  interpret=interpret)
-        for barrier in consumed:
-            plgpu.barrier_arrive(barrier)
-        return dk, dv
-
-    def head_and_tile(i):  # step i → (query head of the group, query tile)
-        return lax.div(i, n_vis), i_first + lax.rem(i, n_vis)
-
     dt = q_ref.dtype
-    tile = plgpu.BlockSpec((None, TILE, head_dim), lambda i: (*head_and_tile(i), 0),
-                           transforms=tile_transforms(dt, head_dim))
-    vec = plgpu.BlockSpec((None, TILE), head_and_tile)
-    heads = pl.ds(hkv * group, group)
-    do_tile, do_heads = tile, do_ref.at[b, heads]
-    if do_native:  # dO (B, Sq_pad, Hq, D): a tile is TILE rows of one head, read by TMA with the head's stride
-        do_tile = plgpu.BlockSpec((TILE, None, head_dim), lambda i: (head_and_tile(i)[1], head_and_tile(i)[0], 0),
-                                  transforms=tile_transforms(dt, head_dim))
-        do_heads = do_ref.at[b, :, heads]
     stages = STAGES_D64 if head_dim <= 64 else STAGES
-    pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
-                                in_specs=[tile, do_tile, vec, vec, vec])
-    pipeline(q_ref.at[b, heads], do_heads, m_ref.at[b, heads], il_ref.at[b, heads], delta_ref.at[b, heads])
+
+    def in_specs(head_and_tile):  # the pipeline's tiles for step i → (query head of the group, query tile)
+        tile = plgpu.BlockSpec((None, TILE, head_dim), lambda i: (*head_and_tile(i), 0),
+                               transforms=tile_transforms(dt, head_dim))
+        vec = plgpu.BlockSpec((None, TILE), head_and_tile)
+        do_tile = tile
+        if do_native:  # dO (B, Sq_pad, Hq, D): a tile is TILE rows of one head, read by TMA with the head's stride
+            do_tile = plgpu.BlockSpec((TILE, None, head_dim),
+                                      lambda i: (head_and_tile(i)[1], head_and_tile(i)[0], 0),
+                                      transforms=tile_transforms(dt, head_dim))
+        return [tile, do_tile, vec, vec, vec]
+
+    def gmem(b, hkv):  # the pipeline's arrays for the query heads of kv head hkv
+        heads = pl.ds(hkv * group, group)
+        do_heads = do_ref.at[b, :, heads] if do_native else do_ref.at[b, heads]
+        return q_ref.at[b, heads], do_heads, m_ref.at[b, heads], il_ref.at[b, heads], delta_ref.at[b, heads]
+
+    def item(pos, state, allocations):  # one (kv head, 128-key block, batch) work item (_mosaic.WorkItems)
+        b, hkv, _ = grid_position(pos)
+        kv_block = pos["kv"]
+        cta_keys = kv_block * (WGS * TILE)
+        key_start = cta_keys + wg * TILE
+        rows = pl.ds(key_start, TILE)
+        # Causal: query tiles before i_first see none of this CTA's keys (not even loaded).
+        i_first = first_query_tile(cta_keys, TILE, n_qtiles, causal=causal, offset=offset)
+        n_vis = n_qtiles - i_first
+        head_and_tile = functools.partial(group_tile, n_tiles=n_vis, first=i_first)  # step → (head, query tile)
+
+        def compute(pipeline):
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            copy_in(((k_ref.at[b, hkv, rows], k_smem), (v_ref.at[b, hkv, rows], v_smem)), barriers, wg)
+            zeros = wgmma_zeros(out_shape)
+            dk, dv = pipeline((zeros, zeros))
+            if split:  # the other warpgroup's last dQ products have read this K̃ tile
+                cta_sync()
+            # K̃ and Ṽ are no longer needed: reuse their SMEM; lane-ordered rows go back to key order on the way
+            for acc, smem in (((dk * scale), k_smem), (dv, v_smem)):
+                if lane_groups.ENABLED:
+                    stmatrix.store_rows(smem, acc.astype(smem.dtype), interpret, key_of_row=lane_groups.key_of_column,
+                                        from_order=lane_groups.from_lane_order)
+                else:
+                    smem[...] = acc.astype(smem.dtype)
+            copy_out(((k_smem, dk_ref.at[b, rows, hkv]), (v_smem, dv_ref.at[b, rows, hkv])))
+
+        def step(idx, q_smem, do_smem, m_smem, il_smem, delta_smem, *consumed_and_carry):
+            *consumed, (dk, dv) = consumed_and_carry
+            # split: the dS tiles the other warpgroup reads are double-buffered by step parity
+            ds_tile = (lambda w: ds_smem2.at[lax.rem(idx[0], 2), w]) if split else (  # noqa: E731
+                lambda w: ds_smem2.at[w])
+            k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
+            s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
+                            fused=not interpret)
+            if masked:
+                q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
+                s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
+                                key_of_column=lane_groups.key_order())
+            e = _exponentials(s, row_vector(m_smem), score_scale, head_dim)  # row max 1: FQ relative to it
+            il_row = row_vector(il_smem)
+            inv_l = rows_of(il_row, s.shape)
+            dt = p_smem.dtype
+            # P̃·(1/l) = e2m1 · (sf·(1/l)): the scale product once per FP4 group
+            pv = (e * inv_l).astype(dt) if naive else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt)
+            p_smem[...] = pv
+            ds_smem[...] = _ds(e, dp, il_row, row_vector(delta_smem), dt)
+            plgpu.commit_smem()
+            if split:  # both warpgroups' dS tiles are published
+                cta_sync()
+            products = ((p_smem.T, do_smem), (ds_smem.T, q_smem))
+            if fused_dq:
+                g, t = head_and_tile(idx[0])
+                acc = reduce_add_slot(dq_ref, (kv_block, wg), interpret=interpret)
+                dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
+            # one dQ product a step: split, columns wg·D/2… over the CTA's 128 keys, Σ_w dS_w·K̃_w[:, cols] (whole
+            # 128-byte swizzle rows of K̃, splits_dq_columns); else, up to REDUCE_COLS columns, dS·K̃
+            one_dq = fused_dq and (split or head_dim <= REDUCE_COLS)
+            first = one_dq and dq_first(head_dim, causal)
+            if one_dq:
+                cols = pl.ds(wg * half, half) if split else pl.ds(0, head_dim)
+                dq_product = ((TILE, half if split else head_dim), jnp.float32,
+                              tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
+                              else ((ds_smem, k_smem.at[:, cols]),))
+                # issued first, its stage is freed while the three products run (_mosaic.early_stage_wait; issued after
+                # dV and dK, freeing it early measured slower: benchmarks/NOTES.md, forty-second session)
+                free = early_stage_wait() if first else None
+                add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret,  # noqa: E731
+                                                   waited=free is not None)
+            if first:  # reduce-added while dV's and dK's products run
+                dv, dk = product_first(dq_product, (dv, dk), products, add_dq, fused=not interpret, issued=free)
+            else:
+                dv, dk = accumulate((dv, dk), products, fused=not interpret)
+                if one_dq:
+                    add_dq(matmul_sum(*dq_product, fused=not interpret))
+                elif fused_dq:  # unsplit beyond REDUCE_COLS columns: one product and reduce-add per chunk
+                    reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim, dq_dst,
+                                      interpret=interpret)
+            for barrier in consumed:
+                plgpu.barrier_arrive(barrier)
+            return dk, dv
+
+        pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
+                                    in_specs=in_specs(head_and_tile), state=state)
+        pipeline(*gmem(b, hkv), allocations=allocations)
+
+    # persistent (not causal): every item's pipeline runs over all query tiles of the group's heads
+    items.run(item, group_allocations(in_specs, gmem(0, 0), group=group, n_tiles=n_qtiles, stages=stages,
+                                      compute_wgs=WGS))
 
 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
@@ -348,11 +363,13 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         dkdv_scratch += [reduce_add_stage(WGS, TILE), *([schedule_barrier()] if split else [])]
         dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
                                                 after=do_in))
+    n_qtiles = sq_pad // TILE
+    items = WorkItems.plan((hkv, kv_blocks, b), ("heads", "kv", "batch"), steps=group * n_qtiles,
+                           stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
     dk, dv = launch(
-        functools.partial(_dkdv_kernel, group=group, n_qtiles=sq_pad // TILE, naive=naive, fused_dq=fused_dq,
+        functools.partial(_dkdv_kernel, items=items, group=group, n_qtiles=n_qtiles, naive=naive, fused_dq=fused_dq,
                           split=split, **common),
-        [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch,
-        (hkv, kv_blocks, b), ("heads", "kv", "batch"), name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
+        [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch, items, None, name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
         compute_wgs=WGS, interpret=interpret,
     )(*dkdv_args)
     if fused_dq:

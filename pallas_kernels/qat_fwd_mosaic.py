@@ -41,8 +41,8 @@ from jax import lax
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
-    PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul, pad_rows, pl,
-    plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
+    PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul,
+    pad_rows, pipeline_allocations, pl, plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
     tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
@@ -77,7 +77,7 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
             and (not causal or sq_len <= sk_len))
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, causal, offset, score_scale,
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sk_len, causal, offset, score_scale,
                 with_aux, pingpong, wgs, interpret):
     n_out = 4 if with_aux else 3
     outs, scratch = refs[:n_out], list(refs[n_out:])
@@ -86,77 +86,86 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, group, block_k, head_dim, sk_len, ca
     lse_smem2, m_smem2, barriers, sched, *p_smem = scratch
     p_smem = p_smem[0] if interpret else None  # (WGS, 2, TILE, block_k): the interpreter's A operands
     o_ref, o2_ref, lse_ref, m_ref = outs if with_aux else (outs[0], None, *outs[1:])
-    b, h, wg = grid_position()
-    hkv = lax.div(h, group)
+    wg = lax.axis_index("wg")
     shape = (TILE, block_k)
     out_shape = (TILE, head_dim)
-    cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
-                                                    causal=causal, offset=offset,
-                                                    heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE)))
-    q_start = cta_queries + wg * TILE
-    rows = pl.ds(q_start, TILE)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     pp = PingPong(sched, wg, pingpong and wgs == 2)
-
-    def compute(pipeline):
-        copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)
-        zeros = wgmma_zeros(out_shape)
-        m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
-        l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
-        pp.start()
-        acc, acc2, m, l = pipeline((zeros, zeros if with_aux else None, m, l))
-        pp.finish()
-        inv_l = rows_of(int8.reciprocal_or_zero(l), out_shape)
-        o_smem, lse_smem, m_smem = o_smem2.at[wg], lse_smem2.at[wg], m_smem2.at[wg]
-        o_smem[...] = (acc * inv_l).astype(o_smem.dtype)
-        lse_smem[...] = sage_tiles.base2_lse(m, l)
-        m_smem[...] = m
-        if with_aux:
-            o2_smem2.at[wg][...] = (acc2 * inv_l).astype(o_smem.dtype)
-        aux = ((o2_smem2.at[wg], o2_ref.at[b, rows, h]),) if with_aux else ()
-        copy_out(((o_smem, o_ref.at[b, rows, h]), *aux, (lse_smem, lse_ref.at[b, h, rows]),
-                  (m_smem, m_ref.at[b, h, rows])))
-
-    def step(idx, k_smem, v_smem, *consumed_and_carry):
-        *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
-        s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync)
-        if not SCALE_IN_EXP:
-            s = s * score_scale
-        if masked:
-            s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len,
-                            key_of_column=lane_groups.key_order())
-        m_tile = jnp.max(s, axis=1)
-        if SCALE_IN_EXP:  # the scale is positive: max(s)·c is the row max of s·c (and −inf stays −inf)
-            m_tile = m_tile * score_scale
-        m_new = jnp.maximum(m_prev, m_tile)
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        p = jnp.exp2((s * score_scale if SCALE_IN_EXP else s) - rows_of(m_ref, shape))  # s·c − m: one FFMA
-        rescale = jnp.exp2(m_prev - m_ref)  # of the running sums, per row
-        alpha = rows_of(rescale, out_shape)
-        l_new = l_prev * rescale + jnp.sum(p, axis=1)
-        dt = v_smem.dtype
-        pq = lane_groups.fake_quant_p(p, interpret, dtype=dt)
-        p16 = p.astype(dt) if with_aux else None
-        acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
-        pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)
-        pp.sync()  # the other warpgroup's products run while this one did the element-wise work
-        pq = register_operand(pq, p_smem.at[wg, 0] if interpret else None, interpret)
-        # accumulate P̃Ṽ (and PṼ) into the rescaled registers, both products issued together
-        if with_aux:
-            p16 = register_operand(p16, p_smem.at[wg, 1] if interpret else None, interpret)
-            acc, acc2 = accumulate((acc, acc2), ((pq, v_smem), (p16, v_smem)), fused=not interpret)
-        else:
-            (acc,) = accumulate((acc,), ((pq, v_smem),), fused=not interpret)
-        for barrier in consumed:
-            plgpu.barrier_arrive(barrier)
-        return acc, acc2, m_new, l_new
 
     def kv_spec(dtype):
         return plgpu.BlockSpec((block_k, head_dim), lambda j: (j, 0), transforms=tile_transforms(dtype, head_dim))
 
-    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES,
-                                in_specs=[kv_spec(k_ref.dtype), kv_spec(v_ref.dtype)])
-    pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv])
+    in_specs = [kv_spec(k_ref.dtype), kv_spec(v_ref.dtype)]
+
+    def item(pos, state, allocations):  # one (head, 128-query block, batch) work item (_mosaic.WorkItems)
+        b, h, _ = grid_position(pos)
+        hkv = lax.div(h, group)
+        cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
+                                                        causal=causal, offset=offset,
+                                                        heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE)),
+                                                        block=pos["q"])
+        q_start = cta_queries + wg * TILE
+        rows = pl.ds(q_start, TILE)
+
+        def compute(pipeline):
+            copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)
+            zeros = wgmma_zeros(out_shape)
+            m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), row_layout)
+            l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), row_layout)
+            pp.start()
+            acc, acc2, m, l = pipeline((zeros, zeros if with_aux else None, m, l))
+            pp.finish()
+            inv_l = rows_of(int8.reciprocal_or_zero(l), out_shape)
+            o_smem, lse_smem, m_smem = o_smem2.at[wg], lse_smem2.at[wg], m_smem2.at[wg]
+            o_smem[...] = (acc * inv_l).astype(o_smem.dtype)
+            lse_smem[...] = sage_tiles.base2_lse(m, l)
+            m_smem[...] = m
+            if with_aux:
+                o2_smem2.at[wg][...] = (acc2 * inv_l).astype(o_smem.dtype)
+            aux = ((o2_smem2.at[wg], o2_ref.at[b, rows, h]),) if with_aux else ()
+            copy_out(((o_smem, o_ref.at[b, rows, h]), *aux, (lse_smem, lse_ref.at[b, h, rows]),
+                      (m_smem, m_ref.at[b, h, rows])))
+
+        def step(idx, k_smem, v_smem, *consumed_and_carry):
+            *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
+            s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync)
+            if not SCALE_IN_EXP:
+                s = s * score_scale
+            if masked:
+                s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len,
+                                key_of_column=lane_groups.key_order())
+            m_tile = jnp.max(s, axis=1)
+            if SCALE_IN_EXP:  # the scale is positive: max(s)·c is the row max of s·c (and −inf stays −inf)
+                m_tile = m_tile * score_scale
+            m_new = jnp.maximum(m_prev, m_tile)
+            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            p = jnp.exp2((s * score_scale if SCALE_IN_EXP else s) - rows_of(m_ref, shape))  # s·c − m: one FFMA
+            rescale = jnp.exp2(m_prev - m_ref)  # of the running sums, per row
+            alpha = rows_of(rescale, out_shape)
+            l_new = l_prev * rescale + jnp.sum(p, axis=1)
+            dt = v_smem.dtype
+            pq = lane_groups.fake_quant_p(p, interpret, dtype=dt)
+            p16 = p.astype(dt) if with_aux else None
+            acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
+            pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)
+            pp.sync()  # the other warpgroup's products run while this one did the element-wise work
+            pq = register_operand(pq, p_smem.at[wg, 0] if interpret else None, interpret)
+            # accumulate P̃Ṽ (and PṼ) into the rescaled registers, both products issued together
+            if with_aux:
+                p16 = register_operand(p16, p_smem.at[wg, 1] if interpret else None, interpret)
+                acc, acc2 = accumulate((acc, acc2), ((pq, v_smem), (p16, v_smem)), fused=not interpret)
+            else:
+                (acc,) = accumulate((acc,), ((pq, v_smem),), fused=not interpret)
+            for barrier in consumed:
+                plgpu.barrier_arrive(barrier)
+            return acc, acc2, m_new, l_new
+
+        pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES,
+                                    in_specs=in_specs, state=state)
+        pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv], allocations=allocations)
+
+    items.run(item, pipeline_allocations(in_specs, k_ref.shape[2] // block_k, (k_ref.at[0, 0], v_ref.at[0, 0]),
+                                         compute_wgs=wgs, stages=STAGES))
 
 
 @functools.partial(
@@ -186,7 +195,10 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     hkv = kf.shape[1]
     f32 = jnp.float32
     wgs = compute_wgs(d)
-    kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
+    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
+    items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=kf.shape[2] // config.block_k,
+                           stages=STAGES, causal=causal, interpret=interpret)
+    kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
                                pingpong=config.pingpong, wgs=wgs,
                                interpret=interpret)
@@ -201,12 +213,11 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
         scratch.append(plgpu.SMEM((wgs, 2, TILE, bk), qf.dtype, transforms=tile_transforms(qf.dtype, bk)))
     if lane_groups.ENABLED and not lane_ordered:
         kf, vf = lane_groups.to_lane_order(kf, 2), lane_groups.to_lane_order(vf, 2)
-    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     qf = pad_rows(qf, rows.q, axis=2)
     o_type = jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype)
     row_type = jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)
     *outs, lse, m = launch(kernel, [o_type] + ([o_type] if with_aux else []) + [row_type, row_type], scratch,
-                           (hq, rows.ctas, b), ("heads", "q", "batch"), name="qat_attention_fwd",
+                           items, None, name="qat_attention_fwd",
                            compute_wgs=wgs, interpret=interpret)(qf, kf, vf)
     outs = [trim_rows(o, sq_len) for o in outs]
     return outs[0], outs[1] if with_aux else None, trim_rows(lse, sq_len, axis=2), trim_rows(m, sq_len, axis=2)

@@ -75,9 +75,11 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
-    col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile, grid_position,
+    WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
+    grid_position, group_allocations, group_tile,
     guarded_step, key_step_specs,
-    int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys, register_operand,
+    int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys,
+    register_operand,
     row_vector, rows_of, scalar, tile_absmax, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
     reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
     trim_rows, wg_tiles, wgmma_zeros, REDUCE_COLS,
@@ -221,7 +223,7 @@ def _ds_quantize(x: jax.Array, scratch, per_row: bool, interpret: bool) -> tuple
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
-                 *refs, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, pairs,
+                 *refs, items, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, pairs,
                  operand, scale, permuted, interpret):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``). ``pairs``: K̂ and Ṽ rows in :mod:`pallas_kernels.key_pairs` order (the
@@ -239,141 +241,22 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     ds_smem2 = take()[0] if smem_ds else None
     red_smem2, barriers = take(2)
     kt_smem2, dsq_smem2, stage2 = take(3) if fused_dq else (None,) * 3
-    b, hkv, wg = grid_position()
-    h0 = hkv * group
+    wg = lax.axis_index("wg")
     shape = (TILE, TILE)  # (keys, queries)
     p_in_registers, ds_in_registers = head_dim >= REGISTER_P_MIN_HEAD_DIM, head_dim >= REGISTER_DS_MIN_HEAD_DIM
-    # Causal: the query tiles before the first one that sees any key of this CTA are skipped
-    # (not even loaded); the rest are masked element-wise (bottom-right aligned, tile_ranges).
-    cta_keys = lax.axis_index("kv") * (WGS * TILE)
-    i_first = first_query_tile(cta_keys, TILE, n_qtiles, causal=causal, offset=offset)
-    n_vis = n_qtiles - i_first
-
-    def compute(pipeline):
-        k_smem, vd_smem, ks_smem = k_smem2.at[wg], vd_smem2.at[wg], ks_smem2.at[wg]
-        rows = pl.ds(cta_keys + wg * TILE, TILE)
-        copies = [(k_ref.at[b, hkv, rows], k_smem), (vd_ref.at[b, hkv, rows], vd_smem),
-                  (ks_ref.at[b, hkv, rows], ks_smem)]
-        if fused_dq:
-            copies.append((kt_ref.at[b, hkv, :, rows], kt_smem2.at[wg]))
-        copy_in(copies, barriers, wg)
-        zeros = wgmma_zeros((TILE, head_dim))
-        dk, dv = pipeline((zeros, zeros))
-        if fused_dq:  # no dK tile in SMEM (it would not fit beside the dQ buffers at D128): both through Ṽ's
-            plgpu.wait_smem_to_gmem(0)  # the last dQ copy is done
-            for acc, out_ref in ((dk, dk_ref), (dv, dv_ref)):
-                if pairs:  # back to natural key order on the way to SMEM
-                    key_pairs.store_rows(vd_smem, acc.astype(vd_smem.dtype), interpret)
-                else:
-                    vd_smem[...] = acc.astype(vd_smem.dtype)
-                copy_out(((vd_smem, out_ref.at[b, rows, hkv]),))
-            return
-        dk_smem = dk_smem2.at[wg]
-        dk_smem[...] = dk.astype(dk_smem.dtype)
-        vd_smem[...] = dv.astype(vd_smem.dtype)  # Ṽ is no longer needed: reuse its SMEM
-        copy_out(((dk_smem, dk_ref.at[b, rows, hkv]), (vd_smem, dv_ref.at[b, rows, hkv])))
-
-    def step(idx, *args):  # args: the eight tiles, the consumed barriers, the carry
-        tiles, consumed, carry = args[:8], args[8:-1], args[-1]
-        # a query tile that sees none of this warpgroup's keys adds nothing (see SKIP_EMPTY_STEPS)
-        needed = (needed_query_tile(head_and_tile(idx[0])[1], cta_keys + wg * TILE, offset=offset)
-                  if causal and SKIP_EMPTY_STEPS else None)
-        return guarded_step(lambda c: backprop(idx, *tiles, c), carry, consumed, needed=needed, skipped=_skipped_step)
-
-    def backprop(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, carry):
-        dk_acc, dv_acc = carry
-        k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
-        p_smem = p_smem2.at[wg] if smem_p else None
-        ds_smem = ds_smem2.at[wg] if smem_ds else None
-        qs = None if per_block else col_vector(qs_smem)  # per-token Q scales
-        # Sᵀ = K̂Q̂ᵀ (INT8) and dPᵀ = ṼdOᵀ (16-bit), issued together
-        st, dpt = matmuls((shape, shape), (jnp.int32, jnp.float32), ((k_smem, q_smem.T), (vd_smem, do_smem.T)),
-                          fused=fused)
-        st = st.astype(jnp.float32)
-        if per_block:  # one K scale per key tile, one Q scale per query tile: a scalar each
-            q0, k0 = scalar(qs_smem), scalar(ks_smem2.at[wg])
-            st = st * (k0 * q0)  # base-2 scores Sᵀ
-        else:
-            st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
-        if causal:
-            q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
-            st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True,
-                             key_of_column=key_pairs.key_of_row if pairs else None)
-        pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
-        # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
-        p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
-        p_op = a_operand(p8, p_smem, p_in_registers)
-        dv_scale = p_scale * scalar(dosc_smem)
-        # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
-        dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
-        if per_block:
-            ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row, interpret)
-            factor = ds_scale * q0 * (1.0 / LOG2E)
-        else:
-            ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row, interpret)
-            factor = ds_scale * (1.0 / LOG2E)
-        ds_op = a_operand(ds8, ds_smem, ds_in_registers)
-        if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
-            if pairs:
-                key_pairs.store_transposed(dsq_smem2.at[wg], ds8, interpret)
-            else:
-                _store_transposed(dsq_smem2.at[wg], ds8)
-        if fused_dq or smem_p or smem_ds:
-            plgpu.commit_smem()  # P̂ or dŜ went to SMEM, or dŜ transposed
-        # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
-        # one after the other, since two (64 × 128) int32 products beside the dK, dV accumulators spill registers
-        products = ((p_op, dot_smem.T), (ds_op, qt_smem.T))
-        out_shape = (TILE, head_dim)
-        dq_factor = ds_scale * k0 * scale if fused_dq else None  # dS scale · K scale · softmax scale
-        if fused_dq:
-            g, t = head_and_tile(idx[0])
-            acc = reduce_add_slot(dq_ref, (lax.axis_index("kv"), wg), interpret=interpret)
-            dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
-            kt_smem = kt_smem2.at[wg]
-        dq_joins = fused_dq and head_dim <= 64 and causal and DQ_WITH_DKDV_CAUSAL
-        if dq_joins:  # the dQ stage freed while the three run (_mosaic.early_stage_wait)
-            free = early_stage_wait()
-            dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
-                                                (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused, issued=free)
-        elif head_dim <= 64:
-            dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
-        else:
-            dv_part = matmul(out_shape, jnp.int32, *products[0])
-        dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(dv_scale, out_shape)
-        if head_dim > 64:
-            dk_part = matmul(out_shape, jnp.int32, *products[1])
-        dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
-        if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
-            reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
-                               factor=dq_factor, waited=free is not None, permuted=permuted)
-        elif fused_dq:
-            # the stage freed early from EARLY_FREE_MIN_HEAD_DIM: at D64 this product follows dV's and dK's wait, where
-            # Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
-            reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
-                              interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
-                              early=head_dim >= EARLY_FREE_MIN_HEAD_DIM, permuted=permuted)
-        return dk_acc, dv_acc
-
-    def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)
-        if operand:  # Q̂ᵀ, dÔᵀ in operand order: the registers as they are
-            return operand_order.register_operand(codes, scratch, interpret, commit=False)
-        return register_operand(codes, scratch, interpret, commit=False, registers=registers)
-
-    def head_and_tile(i):  # step i → (query head of the group, query tile)
-        return lax.div(i, n_vis), i_first + lax.rem(i, n_vis)
-
-    def q_tile(*block):  # (group, Sq_pad, *) arrays
-        return lambda i: (*head_and_tile(i), *([0] * len(block)))
-
-    def qt_tile(i):  # (group, D, Sq_pad) arrays
-        g, t = head_and_tile(i)
-        return g, 0, t
-
     i8, f16 = jnp.int8, do_ref.dtype
-    vec = plgpu.BlockSpec((None, TILE), q_tile())
-    pipeline = compute_pipeline(
-        step, compute, steps=group * n_vis, compute_wgs=WGS, stages=STAGES_D64 if head_dim <= 64 else STAGES,
-        in_specs=[
+    stages = STAGES_D64 if head_dim <= 64 else STAGES
+
+    def in_specs(head_and_tile):  # the pipeline's tiles for step i → (query head of the group, query tile)
+        def q_tile(*block):  # (group, Sq_pad, *) arrays
+            return lambda i: (*head_and_tile(i), *([0] * len(block)))
+
+        def qt_tile(i):  # (group, D, Sq_pad) arrays
+            g, t = head_and_tile(i)
+            return g, 0, t
+
+        vec = plgpu.BlockSpec((None, TILE), q_tile())
+        return [
             plgpu.BlockSpec((None, TILE, head_dim), q_tile(0), transforms=tile_transforms(i8, head_dim)),
             vec,
             plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),
@@ -383,11 +266,141 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                             transforms=tile_transforms(f16, head_dim)),
             plgpu.BlockSpec((None, head_dim, TILE), qt_tile, transforms=tile_transforms(i8, TILE)),
             vec,
-        ],
-    )
-    heads = pl.ds(h0, group)
-    pipeline(q_ref.at[b, heads], qs_ref.at[b, heads], qt_ref.at[b, heads], lse_ref.at[b, heads],
-             delta_ref.at[b, heads], do_ref.at[b, :, heads], dot_ref.at[b, heads], dosc_ref.at[b, heads])
+        ]
+
+    def gmem(b, hkv):  # the pipeline's arrays for the query heads of kv head hkv
+        heads = pl.ds(hkv * group, group)
+        return (q_ref.at[b, heads], qs_ref.at[b, heads], qt_ref.at[b, heads], lse_ref.at[b, heads],
+                delta_ref.at[b, heads], do_ref.at[b, :, heads], dot_ref.at[b, heads], dosc_ref.at[b, heads])
+
+    def item(pos, state, allocations):  # one (kv head, 128-key block, batch) work item (_mosaic.WorkItems)
+        b, hkv, _ = grid_position(pos)
+        kv_block = pos["kv"]
+        h0 = hkv * group
+        # Causal: the query tiles before the first one that sees any key of this CTA are skipped
+        # (not even loaded); the rest are masked element-wise (bottom-right aligned, tile_ranges).
+        cta_keys = kv_block * (WGS * TILE)
+        i_first = first_query_tile(cta_keys, TILE, n_qtiles, causal=causal, offset=offset)
+        n_vis = n_qtiles - i_first
+        head_and_tile = functools.partial(group_tile, n_tiles=n_vis, first=i_first)  # step → (head, query tile)
+
+        def compute(pipeline):
+            k_smem, vd_smem, ks_smem = k_smem2.at[wg], vd_smem2.at[wg], ks_smem2.at[wg]
+            rows = pl.ds(cta_keys + wg * TILE, TILE)
+            copies = [(k_ref.at[b, hkv, rows], k_smem), (vd_ref.at[b, hkv, rows], vd_smem),
+                      (ks_ref.at[b, hkv, rows], ks_smem)]
+            if fused_dq:
+                copies.append((kt_ref.at[b, hkv, :, rows], kt_smem2.at[wg]))
+            copy_in(copies, barriers, wg)
+            zeros = wgmma_zeros((TILE, head_dim))
+            dk, dv = pipeline((zeros, zeros))
+            if fused_dq:  # no dK tile in SMEM (it would not fit beside the dQ buffers at D128): both through Ṽ's
+                plgpu.wait_smem_to_gmem(0)  # the last dQ copy is done
+                for acc, out_ref in ((dk, dk_ref), (dv, dv_ref)):
+                    if pairs:  # back to natural key order on the way to SMEM
+                        key_pairs.store_rows(vd_smem, acc.astype(vd_smem.dtype), interpret)
+                    else:
+                        vd_smem[...] = acc.astype(vd_smem.dtype)
+                    copy_out(((vd_smem, out_ref.at[b, rows, hkv]),))
+                return
+            dk_smem = dk_smem2.at[wg]
+            dk_smem[...] = dk.astype(dk_smem.dtype)
+            vd_smem[...] = dv.astype(vd_smem.dtype)  # Ṽ is no longer needed: reuse its SMEM
+            copy_out(((dk_smem, dk_ref.at[b, rows, hkv]), (vd_smem, dv_ref.at[b, rows, hkv])))
+
+        def step(idx, *args):  # args: the eight tiles, the consumed barriers, the carry
+            tiles, consumed, carry = args[:8], args[8:-1], args[-1]
+            # a query tile that sees none of this warpgroup's keys adds nothing (see SKIP_EMPTY_STEPS)
+            needed = (needed_query_tile(head_and_tile(idx[0])[1], cta_keys + wg * TILE, offset=offset)
+                      if causal and SKIP_EMPTY_STEPS else None)
+            return guarded_step(lambda c: backprop(idx, *tiles, c), carry, consumed, needed=needed, skipped=_skipped_step)
+
+        def backprop(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, carry):
+            dk_acc, dv_acc = carry
+            k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
+            p_smem = p_smem2.at[wg] if smem_p else None
+            ds_smem = ds_smem2.at[wg] if smem_ds else None
+            qs = None if per_block else col_vector(qs_smem)  # per-token Q scales
+            # Sᵀ = K̂Q̂ᵀ (INT8) and dPᵀ = ṼdOᵀ (16-bit), issued together
+            st, dpt = matmuls((shape, shape), (jnp.int32, jnp.float32), ((k_smem, q_smem.T), (vd_smem, do_smem.T)),
+                              fused=fused)
+            st = st.astype(jnp.float32)
+            if per_block:  # one K scale per key tile, one Q scale per query tile: a scalar each
+                q0, k0 = scalar(qs_smem), scalar(ks_smem2.at[wg])
+                st = st * (k0 * q0)  # base-2 scores Sᵀ
+            else:
+                st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
+            if causal:
+                q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
+                st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True,
+                                 key_of_column=key_pairs.key_of_row if pairs else None)
+            pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
+            # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
+            p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
+            p_op = a_operand(p8, p_smem, p_in_registers)
+            dv_scale = p_scale * scalar(dosc_smem)
+            # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
+            dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
+            if per_block:
+                ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row, interpret)
+                factor = ds_scale * q0 * (1.0 / LOG2E)
+            else:
+                ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row, interpret)
+                factor = ds_scale * (1.0 / LOG2E)
+            ds_op = a_operand(ds8, ds_smem, ds_in_registers)
+            if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
+                if pairs:
+                    key_pairs.store_transposed(dsq_smem2.at[wg], ds8, interpret)
+                else:
+                    _store_transposed(dsq_smem2.at[wg], ds8)
+            if fused_dq or smem_p or smem_ds:
+                plgpu.commit_smem()  # P̂ or dŜ went to SMEM, or dŜ transposed
+            # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
+            # one after the other, since two (64 × 128) int32 products beside the dK, dV accumulators spill registers
+            products = ((p_op, dot_smem.T), (ds_op, qt_smem.T))
+            out_shape = (TILE, head_dim)
+            dq_factor = ds_scale * k0 * scale if fused_dq else None  # dS scale · K scale · softmax scale
+            if fused_dq:
+                g, t = head_and_tile(idx[0])
+                acc = reduce_add_slot(dq_ref, (kv_block, wg), interpret=interpret)
+                dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
+                kt_smem = kt_smem2.at[wg]
+            dq_joins = fused_dq and head_dim <= 64 and causal and DQ_WITH_DKDV_CAUSAL
+            if dq_joins:  # the dQ stage freed while the three run (_mosaic.early_stage_wait)
+                free = early_stage_wait()
+                dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
+                                                    (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused, issued=free)
+            elif head_dim <= 64:
+                dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
+            else:
+                dv_part = matmul(out_shape, jnp.int32, *products[0])
+            dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(dv_scale, out_shape)
+            if head_dim > 64:
+                dk_part = matmul(out_shape, jnp.int32, *products[1])
+            dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
+            if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
+                reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
+                                   factor=dq_factor, waited=free is not None, permuted=permuted)
+            elif fused_dq:
+                # the stage freed early from EARLY_FREE_MIN_HEAD_DIM: at D64 this product follows dV's and dK's wait, where
+                # Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
+                reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
+                                  interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
+                                  early=head_dim >= EARLY_FREE_MIN_HEAD_DIM, permuted=permuted)
+            return dk_acc, dv_acc
+
+        def a_operand(codes, scratch, registers):  # an INT8 A operand of dV or dK (committed after both)
+            if operand:  # Q̂ᵀ, dÔᵀ in operand order: the registers as they are
+                return operand_order.register_operand(codes, scratch, interpret, commit=False)
+            return register_operand(codes, scratch, interpret, commit=False, registers=registers)
+
+        pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
+                                    in_specs=in_specs(head_and_tile), state=state)
+        pipeline(*gmem(b, hkv), allocations=allocations)
+
+    # persistent (not causal): every item's pipeline runs over all query tiles of the group's heads
+    items.run(item, group_allocations(in_specs, gmem(0, 0), group=group, n_tiles=n_qtiles, stages=stages,
+                                      compute_wgs=WGS))
 
 
 def _store_transposed(ref, codes: jax.Array) -> None:
@@ -511,7 +524,10 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     if operand_order_in and not takes_operand_order(d, interpret):
         raise ValueError("operand_order_in: the kernel takes Q̂ᵀ, dÔᵀ in operand order only where "
                          "takes_operand_order()")
-    kernel = functools.partial(_dkdv_kernel, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
+    kv_blocks = sk_pad // (WGS * TILE)
+    items = WorkItems.plan((hkv, kv_blocks, b), ("heads", "kv", "batch"), steps=(hq // hkv) * (sq_pad // TILE),
+                           stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
+    kernel = functools.partial(_dkdv_kernel, items=items, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
                                head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
                                ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, operand=operand_order_in,
                                scale=scale, permuted=permuted, interpret=interpret)
@@ -520,7 +536,6 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
                *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), *operand_tiles, plgpu.SMEM((WGS, TILE), f32),
                plgpu.Barrier(num_barriers=(4 if fused_dq else 3, WGS))]
     args = [q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale, k8, k_scale, vd]
-    kv_blocks = sk_pad // (WGS * TILE)
     if fused_dq:
         # K̂ᵀ, dŜ (queries × keys) and the float32 stage per warpgroup; the float32 dQ (one per key block
         # and warpgroup interpreted)
@@ -531,8 +546,7 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     elif dq_zeros is not None:
         raise ValueError("dq_zeros: only the fused dQ (k8_t given) accumulates dQ")
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
-                    (hkv, kv_blocks, b), ("heads", "kv", "batch"),
-                    name="sage_bwd_dkdv_dq" if fused_dq else "sage_bwd_dkdv", compute_wgs=WGS,
+                    items, None, name="sage_bwd_dkdv_dq" if fused_dq else "sage_bwd_dkdv", compute_wgs=WGS,
                     interpret=interpret)(*args)
     dk, dv = trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     if not fused_dq:

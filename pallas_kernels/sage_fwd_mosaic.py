@@ -45,8 +45,9 @@ from jax import lax
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
-    PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
-    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
+    PingPong, WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
+    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pipeline_allocations, pl, plgpu,
+    query_block_keys, query_ctas, query_warpgroups,
     register_operand, row_vector, rows_of, scalar, schedule_barrier, transposed_step_spec, trim_rows,
     warp_any_above, wg_tiles, wgmma_zeros,
 )
@@ -156,98 +157,105 @@ def _skipped_step(carry):
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
-                *scratch, group, block_k, head_dim, sq_len, sk_len, causal, offset, scalar_scales, operand, wgs,
+                *scratch, items, group, block_k, head_dim, sq_len, sk_len, causal, offset, scalar_scales, operand, wgs,
                 interpret):
     """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
     the barriers, the ping-pong barrier. ``operand``: V̂ᵀ's keys are in :mod:`pallas_kernels.operand_order`."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
         scratch if int8_operand_in_smem(interpret) else (None, *scratch))
-    b, h, wg = grid_position()
-    hkv = lax.div(h, group)
+    wg = lax.axis_index("wg")
     shape = (TILE, block_k)
-    cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
-                                                    causal=causal, offset=offset,
-                                                    heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE))
-                                                    if HEAVY_FIRST else None)
-    q_start = cta_queries + wg * TILE
-    rows = pl.ds(q_start, TILE)
     pp = PingPong(sched, wg, PINGPONG and wgs == 2)
-
-    def compute(pipeline):
-        copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
-                  (vs_ref.at[b, hkv], vs_smem2.at[wg]))
-        copy_in(copies, barriers, wg)
-        acc = wgmma_zeros((TILE, head_dim))
-        m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        pp.start()
-        acc, m, l = pipeline((acc, m, l))
-        pp.finish()
-        o = acc * rows_of(int8.reciprocal_or_zero(l), acc.shape) * cols_of(col_vector(vs_smem2.at[wg]), acc.shape)
-        o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
-        o_smem[...] = o.astype(o_smem.dtype)
-        lse_smem[...] = sage_tiles.base2_lse(m, l)
-        copy_out(((o_smem, o_ref.at[b, rows, h]), (lse_smem, lse_ref.at[b, h, rows])))
-
     skips = SKIP_EMPTY_STEPS and not pp.enabled
     lazy = rescales_lazily(head_dim, causal)
+    in_specs = [*key_step_specs(block_k, head_dim), transposed_step_spec(block_k, head_dim)]
 
-    def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
-        *consumed, carry = consumed_and_carry
-        # an empty step leaves the carry as it is (see SKIP_EMPTY_STEPS)
-        needed = (needed_step(idx[0], q_start, block_k=block_k, sq_len=sq_len, causal=causal, offset=offset)
-                  if skips else None)
-        return guarded_step(lambda c: attend(idx, k_smem, ks_smem, vt_smem, c), carry, consumed, needed=needed,
-                            skipped=_skipped_step)
+    def item(pos, state, allocations):  # one (head, query block, batch) work item (_mosaic.WorkItems)
+        b, h, _ = grid_position(pos)
+        hkv = lax.div(h, group)
+        cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
+                                                        causal=causal, offset=offset,
+                                                        heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE))
+                                                        if HEAVY_FIRST else None, block=pos["q"])
+        q_start = cta_queries + wg * TILE
+        rows = pl.ds(q_start, TILE)
 
-    def attend(idx, k_smem, ks_smem, vt_smem, carry):
-        acc, m_prev, l_prev = carry
-        s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T, issued=pp.sync).astype(jnp.float32)
-        c = None  # the scores' scale where it is folded into the exponent
-        if scalar_scales and SCALE_IN_EXP:  # s stays in units of c > 0: max(s)·c is the row max of s·c
-            c = jnp.maximum(scalar(qs_smem2.at[wg]) * scalar(ks_smem), MIN_SCALE)
-        elif scalar_scales:  # one Q scale per 64-row tile, one K scale per key step: one multiply per score
-            s = s * (scalar(qs_smem2.at[wg]) * scalar(ks_smem))
-        else:
-            s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
-        if masked:
-            s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
-        m_cur = jnp.max(s, axis=1)
-        if c is not None:
-            m_cur = m_cur * c
-        m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
-        e = jnp.exp2((s if c is None else s * c) - rows_of(m_ref, shape))  # s·c − m: one FFMA
-        out_shape = (TILE, head_dim)
+        def compute(pipeline):
+            copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
+                      (vs_ref.at[b, hkv], vs_smem2.at[wg]))
+            copy_in(copies, barriers, wg)
+            acc = wgmma_zeros((TILE, head_dim))
+            m = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((TILE,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            pp.start()
+            acc, m, l = pipeline((acc, m, l))
+            pp.finish()
+            o = acc * rows_of(int8.reciprocal_or_zero(l), acc.shape) * cols_of(col_vector(vs_smem2.at[wg]), acc.shape)
+            o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+            o_smem[...] = o.astype(o_smem.dtype)
+            lse_smem[...] = sage_tiles.base2_lse(m, l)
+            copy_out(((o_smem, o_ref.at[b, rows, h]), (lse_smem, lse_ref.at[b, h, rows])))
 
-        def rescaled(state):  # O and l moved to the reference max max(m_prev, m_cur)
-            acc, m_prev, l_prev = state
-            m_new = jnp.maximum(m_prev, m_cur)
-            alpha = jnp.exp2(m_prev - (jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new))
-            return acc * rows_of(alpha, out_shape), m_new, l_prev * alpha
+        def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
+            *consumed, carry = consumed_and_carry
+            # an empty step leaves the carry as it is (see SKIP_EMPTY_STEPS)
+            needed = (needed_step(idx[0], q_start, block_k=block_k, sq_len=sq_len, causal=causal, offset=offset)
+                      if skips else None)
+            return guarded_step(lambda c: attend(idx, k_smem, ks_smem, vt_smem, c), carry, consumed, needed=needed,
+                                skipped=_skipped_step)
 
-        if lazy:  # m_prev is the reference max of acc and l, not the running max
-            acc, m_new, l_prev = lax.cond(warp_any_above(m_cur - m_prev, LAZY_RESCALE_BITS, interpret), rescaled,
-                                          lambda state: state, (acc, m_prev, l_prev))
-        else:
-            acc, m_new, l_prev = rescaled((acc, m_prev, l_prev))
-        m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃ (≤ 2^LAZY_RESCALE_BITS)
-        l_new = l_prev + beta * jnp.sum(e, axis=1)
-        p_smem = None if p_smem2 is None else p_smem2.at[wg]
-        p8 = int8.encode_unit_interval(e, truncating_convert=True)
-        p8 = (operand_order.register_operand if operand else register_operand)(p8, p_smem, interpret)
-        if p_smem is not None:  # stored to SMEM: nothing in registers to hold back
-            acc, l_new = pp.values(acc, l_new)
-        else:
-            p8, acc, l_new = pp.values(p8, acc, l_new)
-        pp.sync()  # the other warpgroup's products ran while this one did the element-wise work
-        pv = matmul(out_shape, jnp.int32, p8, vt_smem.T).astype(jnp.float32)
-        acc = acc + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)
-        return acc, m_new, l_new
+        def attend(idx, k_smem, ks_smem, vt_smem, carry):
+            acc, m_prev, l_prev = carry
+            s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T, issued=pp.sync).astype(jnp.float32)
+            c = None  # the scores' scale where it is folded into the exponent
+            if scalar_scales and SCALE_IN_EXP:  # s stays in units of c > 0: max(s)·c is the row max of s·c
+                c = jnp.maximum(scalar(qs_smem2.at[wg]) * scalar(ks_smem), MIN_SCALE)
+            elif scalar_scales:  # one Q scale per 64-row tile, one K scale per key step: one multiply per score
+                s = s * (scalar(qs_smem2.at[wg]) * scalar(ks_smem))
+            else:
+                s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
+            if masked:
+                s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len)
+            m_cur = jnp.max(s, axis=1)
+            if c is not None:
+                m_cur = m_cur * c
+            m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
+            e = jnp.exp2((s if c is None else s * c) - rows_of(m_ref, shape))  # s·c − m: one FFMA
+            out_shape = (TILE, head_dim)
 
-    pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES,
-                                in_specs=[*key_step_specs(block_k, head_dim), transposed_step_spec(block_k, head_dim)])
-    pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv])
+            def rescaled(state):  # O and l moved to the reference max max(m_prev, m_cur)
+                acc, m_prev, l_prev = state
+                m_new = jnp.maximum(m_prev, m_cur)
+                alpha = jnp.exp2(m_prev - (jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new))
+                return acc * rows_of(alpha, out_shape), m_new, l_prev * alpha
+
+            if lazy:  # m_prev is the reference max of acc and l, not the running max
+                acc, m_new, l_prev = lax.cond(warp_any_above(m_cur - m_prev, LAZY_RESCALE_BITS, interpret), rescaled,
+                                              lambda state: state, (acc, m_prev, l_prev))
+            else:
+                acc, m_new, l_prev = rescaled((acc, m_prev, l_prev))
+            m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃ (≤ 2^LAZY_RESCALE_BITS)
+            l_new = l_prev + beta * jnp.sum(e, axis=1)
+            p_smem = None if p_smem2 is None else p_smem2.at[wg]
+            p8 = int8.encode_unit_interval(e, truncating_convert=True)
+            p8 = (operand_order.register_operand if operand else register_operand)(p8, p_smem, interpret)
+            if p_smem is not None:  # stored to SMEM: nothing in registers to hold back
+                acc, l_new = pp.values(acc, l_new)
+            else:
+                p8, acc, l_new = pp.values(p8, acc, l_new)
+            pp.sync()  # the other warpgroup's products ran while this one did the element-wise work
+            pv = matmul(out_shape, jnp.int32, p8, vt_smem.T).astype(jnp.float32)
+            acc = acc + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)
+            return acc, m_new, l_new
+
+        pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES, in_specs=in_specs,
+                                    state=state)
+        pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv], allocations=allocations)
+
+    items.run(item, pipeline_allocations(in_specs, k_ref.shape[2] // block_k,
+                                         (k_ref.at[0, 0], ks_ref.at[0, 0], vt_ref.at[0, 0]),
+                                         compute_wgs=wgs, stages=STAGES))
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "per_block",
@@ -282,7 +290,10 @@ def sage_attention_fwd_mosaic(
     if v_operand_order and not takes_operand_order(interpret):
         raise ValueError("v_operand_order: this kernel takes V̂ᵀ in operand order only where takes_operand_order()")
     wgs = compute_wgs(d)
-    kernel = functools.partial(_fwd_kernel, group=hq // hkv, block_k=config.block_k, head_dim=d, sq_len=sq_len,
+    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
+    items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=k8.shape[2] // config.block_k,
+                           stages=STAGES, causal=causal, interpret=interpret)
+    kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d, sq_len=sq_len,
                                sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
                                scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,
@@ -291,11 +302,10 @@ def sage_attention_fwd_mosaic(
     scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
                *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
                plgpu.SMEM((wgs, TILE), f32), plgpu.Barrier(num_barriers=(3, wgs)), schedule_barrier()]
-    rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     q8, q_scale = pad_rows(q8, rows.q, axis=2), pad_rows(q_scale, rows.q, axis=2)
     out_type = [jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype),
                 jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)]
-    o, lse = launch(kernel, out_type, scratch, (hq, rows.ctas, b), ("heads", "q", "batch"),
+    o, lse = launch(kernel, out_type, scratch, items, None,
                     name="sage_attention_fwd", compute_wgs=wgs,
                     interpret=interpret)(q8, q_scale, k8, k_scale, vt8, v_scale)
     return trim_rows(o, sq_len), trim_rows(lse, sq_len, axis=2)
