@@ -318,14 +318,6 @@ def group_tile(i, n_tiles, first=0) -> tuple:
     return lax.div(i, n_tiles), first + lax.rem(i, n_tiles)
 
 
-def group_allocations(in_specs: Callable, gmem_refs, *, group: int, n_tiles: int, stages: int,
-                      compute_wgs: int = 2) -> Callable[[], dict]:
-    """:func:`pipeline_allocations` of a dK/dV pipeline over all ``n_tiles`` query tiles of each of a GQA group's
-    ``group`` heads, whose BlockSpecs are ``in_specs(head_and_tile)`` (:func:`group_tile`)."""
-    return pipeline_allocations(in_specs(functools.partial(group_tile, n_tiles=n_tiles)), group * n_tiles, gmem_refs,
-                                compute_wgs=compute_wgs, stages=stages)
-
-
 def tma_rows(n: int) -> int:
     """``n`` rounded up to a multiple of 8: the sequence length of an output that a tiled TMA store
     writes (the store needs the GMEM row count a multiple of the SMEM tiling's 8 rows; rows past
@@ -403,11 +395,11 @@ EXTRA_SMEM_BYTES = 0
 #: values (bit for bit interpreted; compiled rel-L1 vs the xla twin unchanged), but on the H200 (benchmarks/NOTES.md,
 #: forty-ninth session) ptxas spilled far more in the persistent backwards (Attn-QAT dK/dV/dQ 464 bytes against 64,
 #: SageBwd 868 against 68; not understood: a guess is the item loop around each pipeline's split of the warpgroups by
-#: role and its register-count changes), and the kernels got slower: Attn-QAT backward 5.97 → 8.85 ms at B4 H32 S4096 D128, 24.1 → 36.2 at B1
-#: H32 S16384 D128; its forward 2.92 → 2.98 and 11.7 → 12.4 (at B8 H32 S2048 D64 1.117 → 1.107); SageBwd 5.64 → 10.75
-#: at B4 H32 S4096 D128. Looping each role under its own branch (both loops traced, the inner split folding away)
-#: spilled 1256 bytes. What it would take: a hand-written warp-specialised pipeline whose role split sits outside the
-#: item loop.
+#: role and its register-count changes), and the kernels got slower: Attn-QAT backward 5.99 → 8.87 ms at B4 H32
+#: S4096 D128, 24.1 → 36.3 at B1 H32 S16384 D128; its forward 2.92 → 2.98 and 11.70 → 12.37 (at B8 H32 S2048 D64
+#: 1.117 → 1.107); SageBwd 5.64 → 10.75 at B4 H32 S4096 D128. Looping each role under its own branch (both loops
+#: traced, the inner split folding away) spilled 1252 bytes. What it would take: a hand-written warp-specialised
+#: pipeline whose role split sits outside the item loop.
 PERSISTENT = False
 #: CTAs of a persistent launch in the interpreter (the CPU has no SMs): few, so that each runs several items
 INTERPRET_CTAS = 3
@@ -435,6 +427,8 @@ class WorkItems(NamedTuple):
 
     grid: tuple[int, ...]
     names: tuple[str, ...]
+    steps: int  # an item's pipeline length, all of its tiles (causal items may stop earlier)
+    stages: int  # the pipeline's SMEM stages
     ctas: int | None = None
 
     @classmethod
@@ -446,21 +440,23 @@ class WorkItems(NamedTuple):
         item."""
         n_items = int(np.prod(grid))
         sms = INTERPRET_CTAS if interpret else sm_count()
-        if (not PERSISTENT or causal or not isinstance(steps, int) or steps % stages or n_items < 2 * sms):
-            return cls(tuple(grid), tuple(names))
-        return cls(tuple(grid), tuple(names), sms)
+        persistent = (PERSISTENT and not causal and isinstance(steps, int) and steps % stages == 0
+                      and n_items >= 2 * sms)
+        return cls(tuple(grid), tuple(names), steps, stages, sms if persistent else None)
 
     @property
     def launch_grid(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The grid and its axis names that :func:`launch` starts."""
         return (self.grid, self.names) if self.ctas is None else ((self.ctas,), ("cta",))
 
-    def run(self, body: Callable, allocations: Callable[[], dict] | None = None) -> None:
+    def run(self, body: Callable, in_specs=(), gmem_refs=(), *, compute_wgs: int = 2) -> None:
         """In the kernel: ``body(pos, state, allocations)`` for each of this CTA's items, where ``pos`` maps each
         grid axis name to the item's index. One CTA per item: ``state`` and ``allocations`` are None (the
-        pipeline allocates its own). Persistent: ``allocations()`` (called once, :func:`pipeline_allocations`)
-        gives the pipeline's SMEM buffers and barriers, shared by every item; ``state`` is the item's
-        ``plgpu.PipelinePipeline`` (static: the first and last items are traced apart from the loop between)."""
+        pipeline allocates its own). Persistent: ``allocations`` are the SMEM buffers and barriers of a
+        :func:`compute_pipeline` of :attr:`steps` over ``in_specs`` (their block shapes, dtypes and transforms)
+        reading ``gmem_refs`` (one item's slices, for their shapes), made once and shared by every item; ``state``
+        is the item's ``plgpu.PipelinePipeline`` (static: the first and last items are traced apart from the loop
+        between)."""
         if self.ctas is None:
             body({name: lax.axis_index(name) for name in self.names}, None, None)
             return
@@ -482,7 +478,9 @@ class WorkItems(NamedTuple):
 
             item(count - 1, plgpu.PipelinePipeline.STOP, allocs)
 
-        pl.run_scoped(lambda **allocs: items(allocs), **allocations(), collective_axes="wg")
+        allocations = compute_pipeline(None, None, in_specs, self.steps, compute_wgs=compute_wgs,
+                                       stages=self.stages).get_allocations(*gmem_refs)
+        pl.run_scoped(lambda **allocs: items(allocs), **allocations, collective_axes="wg")
 
 
 def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool):
@@ -812,14 +810,6 @@ def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 
         compute_context=compute, in_specs=in_specs, pipeline_state=state)
 
 
-def pipeline_allocations(in_specs, steps: int, gmem_refs, *, compute_wgs: int = 2, stages: int = 2) -> Callable[[], dict]:
-    """For :meth:`WorkItems.run`: the SMEM buffers and barriers of a :func:`compute_pipeline` over ``in_specs``
-    (their block shapes, dtypes and transforms; not their index maps) reading ``gmem_refs`` (refs of one item's
-    slices, for their shapes), shared by the items of a persistent CTA."""
-    return lambda: compute_pipeline(None, None, in_specs, steps, compute_wgs=compute_wgs,
-                                    stages=stages).get_allocations(*gmem_refs)
-
-
 def guarded_step(run, carry, consumed, *, needed=None, skipped=None):
     """One :func:`compute_pipeline` step of a compute warpgroup: ``run(carry)``, or, given ``needed`` (a traced
     bool), ``lax.cond(needed, run, skipped, carry)``, where ``skipped`` returns what ``run`` would for a step that
@@ -1019,5 +1009,4 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
            "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT", "STAGE_SWIZZLE", "stage_transforms",
-           "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "pipeline_allocations", "group_tile",
-           "group_allocations"]
+           "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "group_tile"]

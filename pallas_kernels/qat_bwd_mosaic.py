@@ -52,7 +52,7 @@ from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels import lane_groups, stmatrix
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
-    grid_position, group_allocations, group_tile,
+    grid_position, group_tile,
     launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul,
     reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand,
     row_vector, rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows,
@@ -160,7 +160,6 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
     out_shape, half = (TILE, head_dim), head_dim // 2
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
     dt = q_ref.dtype
-    stages = STAGES_D64 if head_dim <= 64 else STAGES
 
     def in_specs(head_and_tile):  # the pipeline's tiles for step i → (query head of the group, query tile)
         tile = plgpu.BlockSpec((None, TILE, head_dim), lambda i: (*head_and_tile(i), 0),
@@ -260,13 +259,12 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
                 plgpu.barrier_arrive(barrier)
             return dk, dv
 
-        pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
+        pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=items.stages,
                                     in_specs=in_specs(head_and_tile), state=state)
         pipeline(*gmem(b, hkv), allocations=allocations)
 
     # persistent (not causal): every item's pipeline runs over all query tiles of the group's heads
-    items.run(item, group_allocations(in_specs, gmem(0, 0), group=group, n_tiles=n_qtiles, stages=stages,
-                                      compute_wgs=WGS))
+    items.run(item, in_specs(functools.partial(group_tile, n_tiles=n_qtiles)), gmem(0, 0), compute_wgs=WGS)
 
 
 def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
@@ -369,7 +367,8 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     dk, dv = launch(
         functools.partial(_dkdv_kernel, items=items, group=group, n_qtiles=n_qtiles, naive=naive, fused_dq=fused_dq,
                           split=split, **common),
-        [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch, items, None, name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
+        [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch, items, None,
+        name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
         compute_wgs=WGS, interpret=interpret,
     )(*dkdv_args)
     if fused_dq:

@@ -42,7 +42,7 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul,
-    pad_rows, pipeline_allocations, pl, plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
+    pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
     tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
@@ -160,12 +160,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sk_
                 plgpu.barrier_arrive(barrier)
             return acc, acc2, m_new, l_new
 
-        pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES,
+        pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=items.stages,
                                     in_specs=in_specs, state=state)
         pipeline(k_ref.at[b, hkv], v_ref.at[b, hkv], allocations=allocations)
 
-    items.run(item, pipeline_allocations(in_specs, k_ref.shape[2] // block_k, (k_ref.at[0, 0], v_ref.at[0, 0]),
-                                         compute_wgs=wgs, stages=STAGES))
+    items.run(item, in_specs, (k_ref.at[0, 0], v_ref.at[0, 0]), compute_wgs=wgs)
 
 
 @functools.partial(
@@ -198,7 +197,8 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=kf.shape[2] // config.block_k,
                            stages=STAGES, causal=causal, interpret=interpret)
-    kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d, sk_len=sk_len,
+    kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d,
+                               sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
                                pingpong=config.pingpong, wgs=wgs,
                                interpret=interpret)

@@ -76,7 +76,7 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
     WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
-    grid_position, group_allocations, group_tile,
+    grid_position, group_tile,
     guarded_step, key_step_specs,
     int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys,
     register_operand,
@@ -245,7 +245,6 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     shape = (TILE, TILE)  # (keys, queries)
     p_in_registers, ds_in_registers = head_dim >= REGISTER_P_MIN_HEAD_DIM, head_dim >= REGISTER_DS_MIN_HEAD_DIM
     i8, f16 = jnp.int8, do_ref.dtype
-    stages = STAGES_D64 if head_dim <= 64 else STAGES
 
     def in_specs(head_and_tile):  # the pipeline's tiles for step i → (query head of the group, query tile)
         def q_tile(*block):  # (group, Sq_pad, *) arrays
@@ -313,7 +312,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             # a query tile that sees none of this warpgroup's keys adds nothing (see SKIP_EMPTY_STEPS)
             needed = (needed_query_tile(head_and_tile(idx[0])[1], cta_keys + wg * TILE, offset=offset)
                       if causal and SKIP_EMPTY_STEPS else None)
-            return guarded_step(lambda c: backprop(idx, *tiles, c), carry, consumed, needed=needed, skipped=_skipped_step)
+            return guarded_step(lambda c: backprop(idx, *tiles, c), carry, consumed, needed=needed,
+                                skipped=_skipped_step)
 
         def backprop(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, carry):
             dk_acc, dv_acc = carry
@@ -369,7 +369,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             if dq_joins:  # the dQ stage freed while the three run (_mosaic.early_stage_wait)
                 free = early_stage_wait()
                 dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
-                                                    (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused, issued=free)
+                                                    (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused,
+                                                    issued=free)
             elif head_dim <= 64:
                 dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
             else:
@@ -382,8 +383,8 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                 reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
                                    factor=dq_factor, waited=free is not None, permuted=permuted)
             elif fused_dq:
-                # the stage freed early from EARLY_FREE_MIN_HEAD_DIM: at D64 this product follows dV's and dK's wait, where
-                # Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
+                # the stage freed early from EARLY_FREE_MIN_HEAD_DIM: at D64 this product follows dV's and dK's wait,
+                # where Attn-QAT's kernel measured 2.5% slower with it (benchmarks/NOTES.md, forty-second session)
                 reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                                   interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
                                   early=head_dim >= EARLY_FREE_MIN_HEAD_DIM, permuted=permuted)
@@ -394,13 +395,12 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                 return operand_order.register_operand(codes, scratch, interpret, commit=False)
             return register_operand(codes, scratch, interpret, commit=False, registers=registers)
 
-        pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
+        pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=items.stages,
                                     in_specs=in_specs(head_and_tile), state=state)
         pipeline(*gmem(b, hkv), allocations=allocations)
 
     # persistent (not causal): every item's pipeline runs over all query tiles of the group's heads
-    items.run(item, group_allocations(in_specs, gmem(0, 0), group=group, n_tiles=n_qtiles, stages=stages,
-                                      compute_wgs=WGS))
+    items.run(item, in_specs(functools.partial(group_tile, n_tiles=n_qtiles)), gmem(0, 0), compute_wgs=WGS)
 
 
 def _store_transposed(ref, codes: jax.Array) -> None:

@@ -46,7 +46,7 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
-    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pipeline_allocations, pl, plgpu,
+    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu,
     query_block_keys, query_ctas, query_warpgroups,
     register_operand, row_vector, rows_of, scalar, schedule_barrier, transposed_step_spec, trim_rows,
     warp_any_above, wg_tiles, wgmma_zeros,
@@ -249,13 +249,11 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_
             acc = acc + pv * rows_of(beta * (1.0 / int8.QMAX), out_shape)
             return acc, m_new, l_new
 
-        pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=STAGES, in_specs=in_specs,
-                                    state=state)
+        pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=items.stages,
+                                    in_specs=in_specs, state=state)
         pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv], allocations=allocations)
 
-    items.run(item, pipeline_allocations(in_specs, k_ref.shape[2] // block_k,
-                                         (k_ref.at[0, 0], ks_ref.at[0, 0], vt_ref.at[0, 0]),
-                                         compute_wgs=wgs, stages=STAGES))
+    items.run(item, in_specs, (k_ref.at[0, 0], ks_ref.at[0, 0], vt_ref.at[0, 0]), compute_wgs=wgs)
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "per_block",
@@ -293,7 +291,8 @@ def sage_attention_fwd_mosaic(
     rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=k8.shape[2] // config.block_k,
                            stages=STAGES, causal=causal, interpret=interpret)
-    kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d, sq_len=sq_len,
+    kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d,
+                               sq_len=sq_len,
                                sk_len=sk_len,
                                causal=causal, offset=sk_len - sq_len, interpret=interpret,
                                scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,

@@ -2,10 +2,11 @@
 
 ``_mosaic.PERSISTENT`` is a probe switch, off (slower on the H200: benchmarks/NOTES.md, forty-ninth session);
 these tests switch it on and off. With it, a non-causal kernel whose pipeline length is a multiple of its stages
-runs with one CTA per SM, each looping over work items as one pipeline of pipelines. Interpreted, three CTAs (``_mosaic.INTERPRET_CTAS``) share the items
-unevenly (e.g. 16 items: 6, 5, 5), so a CTA's first (START), middle (STEADY) and last (STOP) items all run. The
-values must equal the one-CTA-per-item launch's bit for bit: the items do the same arithmetic, and the interpreted
-fused dQ sums a float32 slot per key block and warpgroup in a fixed order.
+runs with one CTA per SM, each looping over work items as one pipeline of pipelines. Interpreted, three CTAs
+(``_mosaic.INTERPRET_CTAS``) share the items unevenly (e.g. 16 items: 6, 5, 5), so a CTA's first (START), middle
+(STEADY) and last (STOP) items all run. The values must equal the one-CTA-per-item launch's bit for bit: the items
+do the same arithmetic, and the interpreted fused dQ sums a float32 slot per key block and warpgroup in a fixed
+order.
 """
 
 import jax
