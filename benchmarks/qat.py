@@ -45,24 +45,26 @@ def qat_fn(causal, config=None, naive=False, **kw):
     return functools.partial(lb.qat_attention, causal=causal, config=config, naive_backward=naive, **kw)
 
 
-def mosaic_config(config=None, pingpong: bool = False) -> lb.QatConfig:
-    """``config`` (default: the library's) with the forward and backward on Pallas Mosaic GPU; the forward's
-    ping-pong schedule as given (the library default is on; off here keeps the column comparable)."""
-    return dataclasses.replace(config or lb.QatConfig(), fwd_backend="mosaic", bwd_backend="mosaic",
+def mosaic_config(d: int, causal: bool, config=None, pingpong: bool = False) -> lb.QatConfig:
+    """``config`` (default: the library's for this device, ``lb.qat_config``: 128-key forward tiles on the H200)
+    with the forward and backward on Pallas Mosaic GPU; the forward's ping-pong schedule as given (the library
+    default is on; off here keeps the column comparable)."""
+    return dataclasses.replace(config or lb.qat_config(d, causal), fwd_backend="mosaic", bwd_backend="mosaic",
                                pingpong=pingpong)
 
 
 def triton_config(config=None) -> lb.QatConfig:
-    """``config`` (default: the library's) with the forward and backward on Pallas Triton."""
+    """``config`` (default: :class:`lb.QatConfig`'s, the Triton kernels' tiles: 128-key forward tiles made the
+    Triton forward slower on the H200) with the forward and backward on Pallas Triton."""
     return dataclasses.replace(config or lb.QatConfig(), fwd_backend="triton", bwd_backend="triton")
 
 
 def method_fns(d, causal, config):
     return {
         "qat": qat_fn(causal, triton_config(config)),
-        "qat_mosaic": qat_fn(causal, mosaic_config(config)),
-        "qat_mosaic_pingpong": qat_fn(causal, mosaic_config(config, pingpong=True)),  # the library default
-        "qat_naive_bwd": qat_fn(causal, mosaic_config(config, pingpong=True), naive=True),
+        "qat_mosaic": qat_fn(causal, mosaic_config(d, causal, config)),
+        "qat_mosaic_pingpong": qat_fn(causal, mosaic_config(d, causal, config, pingpong=True)),  # the library's
+        "qat_naive_bwd": qat_fn(causal, mosaic_config(d, causal, config, pingpong=True), naive=True),
         "sage": functools.partial(lb.sage_attention, causal=causal),
         "cudnn_bf16": functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"),
     }
@@ -84,8 +86,8 @@ def check_kernels(log, smoke):
         k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.bfloat16)
         v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.bfloat16)
         do = jax.random.normal(ks[3], q.shape, q.dtype)
-        config = {"mosaic": mosaic_config(), "triton": triton_config(),
-                  "mosaic_pingpong": mosaic_config(pingpong=True)}[backend]
+        config = {"mosaic": mosaic_config(d, causal), "triton": triton_config(),
+                  "mosaic_pingpong": mosaic_config(d, causal, pingpong=True)}[backend]
         row = dict(case=(b, sq, sk, hq, hkv, d, causal), backend=backend)
         try:
             g_p = fwd_bwd(qat_fn(causal, config, **impl))(q, k, v, do)
@@ -94,7 +96,8 @@ def check_kernels(log, smoke):
             rows.append(row)
             log(f"  {backend} kernels FAILED {row['case']}: {row['error']}")
             continue
-        g_x = fwd_bwd(qat_fn(causal, implementation="xla"))(q, k, v, do)
+        g_x = fwd_bwd(qat_fn(causal, dataclasses.replace(config, fwd_backend="auto", bwd_backend="auto"),
+                             implementation="xla"))(q, k, v, do)  # the twin on the kernels' tiles
         for i, name in enumerate(("o", "dq", "dk", "dv")):
             row[name] = lb.error_metrics(g_p[i], g_x[i])
         rows.append(row)

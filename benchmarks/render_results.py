@@ -253,7 +253,10 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "(`nvfp4.fake_quant_probabilities`: P rounded to bf16, quantized in packed bf16 arithmetic; fwd+bwd 7–10% "
            "less device time, benchmarks/NOTES.md, fortieth session), and the Mosaic forward folds the softmax scale "
            "into the exponent (the backward too at head dim 64: off in the 22:39 run, level at B8 H32 S2048 D64, "
-           "3.290 vs 3.287 ms busy).", "",
+           "3.290 vs 3.287 ms busy). From 2026-12-04 03:17 the Mosaic columns and the accuracy rows run the "
+           "library's config for the H200 (`lb.qat_config`: 128-key forward tiles, `configs.TUNED_QAT`; the forward "
+           "kernel 11–13% faster, benchmarks/NOTES.md, fiftieth session), the Triton column `QatConfig`'s 64-key "
+           "tiles (128 made the Triton forward slower).", "",
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]
@@ -301,12 +304,13 @@ def render_training(data: dict) -> list[str]:
     out = ["", "## Training step throughput (dense vs sage attention, same run)", "",
            f"{_provenance(data)}. Command: `{data['command'].strip()}`. Jitted train step (fwd + bwd + AdamW, bf16 compute), "
            "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention."
-           + (" sage: the model hands q and k to `sage_attention` before QK-norm and RoPE (`lb.QKPrologue`: the "
-              "norm and rotation inside its quantize kernels, their backward one Triton pass; "
-              "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 18:19); qat_fp4 likewise to "
-              "`qat_attention`, the norm and rotation inside its fake-quantization kernel (the default from "
-              "2026-12-03 21:30); `METHOD~unfused`: the same model with QK-norm and RoPE computed by XLA (the rows "
-              "of earlier runs)."
+           + " sage: the model hands q and k to `sage_attention` before QK-norm and RoPE (`lb.QKPrologue`: the "
+             "norm and rotation inside its quantize kernels, their backward one Triton pass; "
+             "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 18:19); qat_fp4 likewise to "
+             "`qat_attention`, the norm and rotation inside its fake-quantization kernel (the default from "
+             "2026-12-03 21:30), with 128-key forward tiles on the H200 from 2026-12-04 03:17 "
+             "(`pallas_kernels.configs.TUNED_QAT`)."
+           + (" `METHOD~unfused`: the same model with QK-norm and RoPE computed by XLA (the rows of earlier runs)."
               if any("~unfused" in r["method"] for r in data["rows"]) else "")
            + (f" Median of {data['rounds']} interleaved windows of {data['steps_per_round']} steps; the ratio to "
               "dense is the median of the per-round ratios." if data.get("rounds") else
