@@ -315,10 +315,11 @@ class QatConfig:
 # Attn-QAT on the H200: 128-key forward steps (benchmarks/variants.py, fiftieth session, NOTES.md). The Mosaic forward
 # kernel 2.91 → 2.53 ms at B4 H32 S4096 D128, 1.56 → 1.38 causal, 11.6 → 10.2 at B1 H32 S16384, 1.12 → 1.00 at B8 H32
 # S2048 D64 (fwd+bwd −3.2 to −3.8%; the backward does not depend on block_k). The Triton forward is slower with 128
-# keys (B4 H32 S4096 D128 4.0 → 5.1 ms), so the default stays 64 where the Mosaic kernels do not run. block_k is
-# part of the numerics (P̃ relative to the running max of each key tile): on this device both implementations
-# ("pallas", "xla") resolve the same tuned config; accuracy vs exact attention is the same for 64 and 128
-# (thirteenth and twenty-second sessions).
+# keys (B4 H32 S4096 D128 4.0 → 5.1 ms), so QatConfig's default stays 64 (other devices, other head dims); on the
+# H200 the few D64/D128 calls the Mosaic kernels do not cover (causal Sq > Sk, float32 outputs) run the Triton forward
+# with these 128-key tiles. block_k is part of the numerics (P̃ relative to the running max of each key tile): on this
+# device both implementations ("pallas", "xla") resolve the same tuned config; accuracy vs exact attention is the
+# same for 64 and 128 (twelfth and twenty-second sessions).
 TUNED_QAT: dict[tuple[str, int, bool], QatConfig] = {
     ("NVIDIA H200", d, c): QatConfig(block_k=128) for d in (64, 128) for c in (False, True)
 }
