@@ -52,11 +52,10 @@ from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels import lane_groups, stmatrix
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
-    grid_position, group_tile,
-    launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, reduce_add_accumulator, reduce_add_matmul,
-    reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot, reduce_add_stage, reduce_add_total, register_operand,
-    row_vector, rows_of, schedule_barrier, tile_transforms, wg_tiles, tma_rows, trim_rows,
-    wgmma_zeros,
+    grid_position, group_tile, launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys,
+    reduce_add_accumulator, reduce_add_matmul, reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot,
+    reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, schedule_barrier, tile_transforms,
+    wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -213,13 +212,12 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
             s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
                             fused=not interpret)
             if masked:
-                q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
+                q_start = head_and_tile(idx[0])[1] * TILE
                 s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
                                 key_of_column=lane_groups.key_order())
             e = _exponentials(s, row_vector(m_smem), score_scale, head_dim)  # row max 1: FQ relative to it
             il_row = row_vector(il_smem)
             inv_l = rows_of(il_row, s.shape)
-            dt = p_smem.dtype
             # P̃·(1/l) = e2m1 · (sf·(1/l)): the scale product once per FP4 group
             pv = (e * inv_l).astype(dt) if naive else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt)
             p_smem[...] = pv

@@ -198,10 +198,8 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=kf.shape[2] // config.block_k,
                            stages=STAGES, causal=causal, interpret=interpret)
     kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d,
-                               sk_len=sk_len,
-                               causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E, with_aux=with_aux,
-                               pingpong=config.pingpong, wgs=wgs,
-                               interpret=interpret)
+                               sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
+                               with_aux=with_aux, pingpong=config.pingpong, wgs=wgs, interpret=interpret)
     if jnp.dtype(out_dtype) != qf.dtype:
         raise ValueError(f"out_dtype must be qf's dtype {qf.dtype} (O reuses Q's SMEM), got {jnp.dtype(out_dtype)}")
     o_tiles = wg_tiles(wgs, TILE, out_dtype, d)  # Q's, then O's; O' has its own (block_k 128 then fits in SMEM)

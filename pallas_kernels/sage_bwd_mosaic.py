@@ -76,13 +76,10 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
     WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
-    grid_position, group_tile,
-    guarded_step, key_step_specs,
-    int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu, query_block_keys,
-    register_operand,
-    row_vector, rows_of, scalar, tile_absmax, pad_rows, reduce_add_accumulator, reduce_add_matmul, reduce_add_slot,
-    reduce_add_stage, reduce_add_total, tile_transforms, tma_rows, reduce_add_product, transposed_step_spec,
-    trim_rows, wg_tiles, wgmma_zeros, REDUCE_COLS,
+    grid_position, group_tile, guarded_step, key_step_specs, int8_operand_in_smem, launch, mask_scores, matmul,
+    matmuls, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, scalar, tile_absmax, pad_rows,
+    reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total, tile_transforms,
+    tma_rows, reduce_add_product, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros, REDUCE_COLS,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -331,7 +328,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             else:
                 st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
             if causal:
-                q_start = (i_first + lax.rem(idx[0], n_vis)) * TILE
+                q_start = head_and_tile(idx[0])[1] * TILE
                 st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True,
                                  key_of_column=key_pairs.key_of_row if pairs else None)
             pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
@@ -527,10 +524,10 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     kv_blocks = sk_pad // (WGS * TILE)
     items = WorkItems.plan((hkv, kv_blocks, b), ("heads", "kv", "batch"), steps=(hq // hkv) * (sq_pad // TILE),
                            stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
-    kernel = functools.partial(_dkdv_kernel, items=items, group=hq // hkv, n_qtiles=sq_pad // TILE, per_block=per_block,
-                               head_dim=d, fused=not interpret, causal=causal, offset=sk_len - sq_len,
-                               ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs, operand=operand_order_in,
-                               scale=scale, permuted=permuted, interpret=interpret)
+    kernel = functools.partial(_dkdv_kernel, items=items, group=hq // hkv, n_qtiles=sq_pad // TILE,
+                               per_block=per_block, head_dim=d, fused=not interpret, causal=causal,
+                               offset=sk_len - sq_len, ds_per_row=ds_per_row, fused_dq=fused_dq, pairs=pairs,
+                               operand=operand_order_in, scale=scale, permuted=permuted, interpret=interpret)
     operand_tiles = [wg_tiles(WGS, TILE, i8, TILE)] * sum(_smem_operands(d, interpret))  # P̂ᵀ, dŜᵀ if in SMEM
     scratch = [wg_tiles(WGS, TILE, i8, d), wg_tiles(WGS, TILE, f16, d), plgpu.SMEM((WGS, TILE), f32),
                *([] if fused_dq else [wg_tiles(WGS, TILE, f16, d)]), *operand_tiles, plgpu.SMEM((WGS, TILE), f32),

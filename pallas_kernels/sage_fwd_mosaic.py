@@ -46,10 +46,9 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
-    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu,
-    query_block_keys, query_ctas, query_warpgroups,
-    register_operand, row_vector, rows_of, scalar, schedule_barrier, transposed_step_spec, trim_rows,
-    warp_any_above, wg_tiles, wgmma_zeros,
+    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys,
+    query_ctas, query_warpgroups, register_operand, row_vector, rows_of, scalar, schedule_barrier,
+    transposed_step_spec, trim_rows, warp_any_above, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -292,11 +291,9 @@ def sage_attention_fwd_mosaic(
     items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=k8.shape[2] // config.block_k,
                            stages=STAGES, causal=causal, interpret=interpret)
     kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d,
-                               sq_len=sq_len,
-                               sk_len=sk_len,
-                               causal=causal, offset=sk_len - sq_len, interpret=interpret,
-                               scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,
-                               wgs=wgs)
+                               sq_len=sq_len, sk_len=sk_len, causal=causal, offset=sk_len - sq_len,
+                               interpret=interpret, scalar_scales=per_block and config.block_q % TILE == 0,
+                               operand=v_operand_order, wgs=wgs)
     p_tile = [wg_tiles(wgs, TILE, jnp.int8, config.block_k)] if int8_operand_in_smem(interpret) else []
     scratch = [wg_tiles(wgs, TILE, jnp.int8, d), plgpu.SMEM((wgs, TILE), f32), plgpu.SMEM((wgs, d), f32),
                *p_tile, plgpu.SMEM((wgs, TILE, d), out_dtype),
