@@ -109,9 +109,6 @@ def attention_part(shapes, interpret, log) -> list[dict]:
             # alternative beside it is the Triton forward
             cfg = dataclasses.replace(lb.sage_fwd_config(d, causal), fwd_backend="triton")
             fns["sage_fwd_triton"] = functools.partial(lb.sage_attention, causal=causal, config=cfg)
-            if d == 64:  # 128-key QAT forward tiles (O and O' fit beside a 64x128 tile at D64; NOTES, tenth session)
-                fns["qat_block_k128"] = functools.partial(lb.qat_attention, causal=causal,
-                                                          config=lb.QatConfig(block_k=128))
             fns["cudnn_bf16"] = attention_fn("cudnn_bf16", d, causal)
         for name, fn in fns.items():
             step = fwd_bwd(fn)

@@ -53,8 +53,8 @@ def method_fn(method: str, causal: bool, dq_kernel: str, **kw):
         cfg = dataclasses.replace(lb.sage_fwd_config(kw.pop("d"), causal), dq_kernel=dq_kernel,
                                   **(dict(dkdv_backend="mosaic") if mosaic else {}))
         return functools.partial(lb.sage_attention, causal=causal, config=cfg, **kw)
-    kw.pop("d")
-    return functools.partial(lb.qat_attention, causal=causal, config=lb.QatConfig(dq_kernel=dq_kernel), **kw)
+    cfg = dataclasses.replace(lb.qat_config(kw.pop("d"), causal), dq_kernel=dq_kernel)  # the device's tuned tiles
+    return functools.partial(lb.qat_attention, causal=causal, config=cfg, **kw)
 
 
 def rel_l1(a, r) -> float:  # lowbit_jax.reference.rel_l1 as a Python float (JSON)

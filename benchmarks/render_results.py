@@ -256,7 +256,11 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "3.290 vs 3.287 ms busy). From 2026-12-04 03:17 the Mosaic columns and the accuracy rows run the "
            "library's config for the H200 (`lb.qat_config`: 128-key forward tiles, `configs.TUNED_QAT`; the forward "
            "kernel 11–13% faster, benchmarks/NOTES.md, fiftieth session), the Triton column `QatConfig`'s 64-key "
-           "tiles (128 made the Triton forward slower).", "",
+           "tiles (128 made the Triton forward slower). From 2026-12-04 05:54 the O-only forward (the fwd columns: a "
+           "call not differentiated) at head dim 64, non-causal, runs three compute warpgroups without ping-pong "
+           "(`qat_fwd_mosaic.THREE_WGS`; its kernel 5–6% faster, benchmarks/NOTES.md, fifty-first session), so "
+           "`mosaic` and `mosaic+pp` are the same kernel in that row's fwd columns; the training forward (fwd+bwd) "
+           "keeps two.", "",
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]
@@ -428,7 +432,9 @@ def render_breakdown(data: dict) -> list[str]:
     out = ["", "## Where the time goes, by device kernel (profiler trace)", "", *_command_block(data),
            "Device time per kernel from a `jax.profiler` trace (`benchmarks/profiling.py`). busy = the union of "
            "kernel intervals, wall = host time; groups sum kernels by name (attention: the library's Pallas kernels "
-           "and cuDNN's; matmul: cuBLAS/nvjet; other: XLA fusions)."]
+           "and cuDNN's; matmul: cuBLAS/nvjet; other: XLA fusions). sage and qat run the library's defaults for the "
+           "device (`lb.sage_fwd_config`, `lb.qat_config`; the qat rows from 2026-12-04 06:00 on, 64-key "
+           "`QatConfig()` tiles before)."]
     tr = data.get("training")
     if tr:
         out += ["", f"Training step, preset {tr['preset']}, B{tr['batch']} S{tr['seq']}, {tr['steps']} steps per "

@@ -810,6 +810,17 @@ def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 
         compute_context=compute, in_specs=in_specs, pipeline_state=state)
 
 
+def needed_step(step: jax.Array, q_start: jax.Array, *, block_k: int, sq_len: int, causal: bool, offset: int,
+                tile: int = 64):
+    """Whether the warpgroup of query rows ``q_start``… (``tile`` of them) has any key to see in key tile ``step``
+    (``block_k`` keys): its rows are not all padding and, causal (bottom-right aligned), the tile starts at or before
+    its last row's diagonal (a forward without ping-pong skips the other steps: ``guarded_step``)."""
+    real = q_start < sq_len
+    if not causal:
+        return real
+    return real & (step * block_k <= q_start + (tile - 1) + offset)
+
+
 def guarded_step(run, carry, consumed, *, needed=None, skipped=None):
     """One :func:`compute_pipeline` step of a compute warpgroup: ``run(carry)``, or, given ``needed`` (a traced
     bool), ``lax.cond(needed, run, skipped, carry)``, where ``skipped`` returns what ``run`` would for a step that

@@ -229,7 +229,10 @@ class QatConfig:
         (FlashAttention-3's ping-pong, ``_mosaic.PingPong``): one's softmax/FQ(P) overlaps the
         other's products. Scheduling only; the values are the same. On (default): up to 3% faster
         on the H200 (fwd 327 vs 319 TFLOP/s at B4 H32 S4096 D128; one shape level).
-        The backward kernels do not take it (it made them slower: fwd+bwd 293 vs 329 TFLOP/s).
+        The backward kernels do not take it (it made them slower: fwd+bwd 293 vs 329 TFLOP/s; again in
+        the fused backwards, benchmarks/NOTES.md fifty-first session). The forward that returns O only
+        (not differentiated) runs three warpgroups without it at head dim 64, non-causal
+        (``qat_fwd_mosaic.THREE_WGS``).
         Interpreted calls run it too (with enough host devices: tests/conftest.py).
       dq_kernel: how the Mosaic backward computes dQ: "separate" (a second kernel recomputing S, P
         and dP per query tile; deterministic), "fused" (the dK/dV kernel also reduce-adds each

@@ -10,8 +10,8 @@ key) and the row max m.
 
 FlashAttention-3's shape, as :mod:`pallas_kernels.sage_fwd_mosaic`: grid (query
 head, 128-query block, batch); a memory warpgroup streams K̃ and Ṽ tiles through a
-two-stage TMA pipeline; two compute warpgroups each own 64 query rows (three at D64 with the
-:data:`THREE_WGS` probe switch, off). P̃ and P are
+two-stage TMA pipeline; two compute warpgroups each own 64 query rows (three in the O-only forward at D64,
+non-causal: :data:`THREE_WGS`; a warpgroup then skips the key tiles that are nothing to it). P̃ and P are
 the register A operands of the two PV products (16-bit, so the accumulator layout
 converts directly), issued together into the rescaled O and O' accumulators; with
 ``QatConfig.pingpong`` (the default) the two warpgroups take turns on the tensor cores
@@ -41,32 +41,45 @@ from jax import lax
 from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
-    PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, grid_position, launch, mask_scores, matmul,
-    pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
+    PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, grid_position, guarded_step, launch,
+    mask_scores, matmul, needed_step, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
     tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
 TILE = 64  # query rows per compute warpgroup
 WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
-#: probe: three compute warpgroups per CTA at head dim ≤ THREE_WGS_MAX_HEAD_DIM, no ping-pong, as
-#: ``sage_fwd_mosaic.THREE_WGS`` (which made that forward 4–11% faster at D64). Off: here it is slower — forward
-#: kernel 0.473 → 0.510 ms at B16 H10/5 S2048 D64 causal, 1.299 → 1.356 at B8 H32 S2048 D64, no spills
-#: (benchmarks/NOTES.md, thirty-fifth session)
-THREE_WGS = False
+#: three compute warpgroups per CTA (192 query rows, no ping-pong) at head dim ≤ THREE_WGS_MAX_HEAD_DIM, for the calls
+#: :func:`compute_wgs` names: the O-only forward (no O′: inference, or a call not differentiated), non-causal. On the
+#: H200 with the 128-key steps and the empty-step skip (:data:`SKIP_EMPTY_STEPS`), the O-only forward kernel (two
+#: repeats; benchmarks/NOTES.md, fifty-first session): non-causal B8 H32 S2048 D64 0.864 / 0.855 → 0.816 / 0.807 ms,
+#: B16 H10/5 S2048 D64 0.550 / 0.544 → 0.523 / 0.515; causal B16 H10/5 S2048 D64 level, B8 H32 S2048 D64 +1.5%,
+#: B2 H16 S8192 D64 +9.5%. The training forward (O and O′ accumulators) is 38–42% slower with three (B8 H32 S2048
+#: D64 1.00 → 1.38 ms), so it keeps two. (With 64-key steps and no skip three were slower everywhere: thirty-fifth
+#: session.)
+THREE_WGS = True
 THREE_WGS_MAX_HEAD_DIM = 64
+#: whether causal O-only calls take three warpgroups too (see :data:`THREE_WGS`)
+THREE_WGS_CAUSAL = False
 STAGES = 2
 #: keep the scores unscaled through the row maximum and fold the softmax scale into the exponent
 #: (``exp2(s·c − m)``, one FFMA per score instead of an FMUL and an FADD), as ``sage_fwd_mosaic.SCALE_IN_EXP``: on
 #: the H200 this kernel 0.468 → 0.456 ms at B16 H10/5 S2048 D64 causal, 1.278 → 1.266 at B8 H32 S2048 D64, 3.354 →
 #: 3.311 at B4 H32 S4096 D128 (float32 FQ(P); benchmarks/NOTES.md, fortieth session)
 SCALE_IN_EXP = True
+#: without ping-pong (three compute warpgroups), a warpgroup skips the key tiles that are nothing to it
+#: (``_mosaic.needed_step``: past its last row's diagonal, causal, or every tile if its rows are all padding)
+#: and leaves its carry as it is, as ``sage_fwd_mosaic.SKIP_EMPTY_STEPS``
+SKIP_EMPTY_STEPS = True
 LOG2E = math.log2(math.e)
 
 
-def compute_wgs(head_dim: int) -> int:
-    """Compute warpgroups per CTA (64 query rows each) at this head dim (``_mosaic.query_warpgroups``)."""
-    return query_warpgroups(head_dim, three=THREE_WGS, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
+def compute_wgs(head_dim: int, causal: bool, with_aux: bool) -> int:
+    """Compute warpgroups per CTA (64 query rows each) of a call at this head dim (``_mosaic.query_warpgroups``):
+    three where :data:`THREE_WGS` applies (the O-only forward, ``with_aux=False``; non-causal unless
+    :data:`THREE_WGS_CAUSAL`), else two."""
+    three = THREE_WGS and not with_aux and (THREE_WGS_CAUSAL or not causal)
+    return query_warpgroups(head_dim, three=three, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
 
 
 def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bool, out_dtype,
@@ -77,8 +90,13 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
             and (not causal or sq_len <= sk_len))
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sk_len, causal, offset, score_scale,
-                with_aux, pingpong, wgs, interpret):
+def _skipped_step(carry):
+    """A step ``_mosaic.needed_step`` rules out: the carry (O's and O′'s accumulators, m, l) as it is."""
+    return carry
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sq_len, sk_len, causal, offset,
+                score_scale, with_aux, pingpong, wgs, interpret):
     n_out = 4 if with_aux else 3
     outs, scratch = refs[:n_out], list(refs[n_out:])
     q_smem2 = o_smem2 = scratch.pop(0)  # Q is not read after the pipeline: O goes out through its SMEM
@@ -91,6 +109,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sk_
     out_shape = (TILE, head_dim)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     pp = PingPong(sched, wg, pingpong and wgs == 2)
+    skips = SKIP_EMPTY_STEPS and not pp.enabled
 
     def kv_spec(dtype):
         return plgpu.BlockSpec((block_k, head_dim), lambda j: (j, 0), transforms=tile_transforms(dtype, head_dim))
@@ -127,7 +146,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sk_
                       (m_smem, m_ref.at[b, h, rows])))
 
         def step(idx, k_smem, v_smem, *consumed_and_carry):
-            *consumed, (acc, acc2, m_prev, l_prev) = consumed_and_carry
+            *consumed, carry = consumed_and_carry
+            # a key tile none of this warpgroup's rows sees leaves its carry as it is (see SKIP_EMPTY_STEPS)
+            needed = (needed_step(idx[0], q_start, block_k=block_k, sq_len=sq_len, causal=causal, offset=offset)
+                      if skips else None)
+            return guarded_step(lambda c: attend(idx, k_smem, v_smem, c), carry, consumed, needed=needed,
+                                skipped=_skipped_step)
+
+        def attend(idx, k_smem, v_smem, carry):
+            acc, acc2, m_prev, l_prev = carry
             s = matmul(shape, jnp.float32, q_smem2.at[wg], k_smem.T, issued=pp.sync)
             if not SCALE_IN_EXP:
                 s = s * score_scale
@@ -156,8 +183,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sk_
                 acc, acc2 = accumulate((acc, acc2), ((pq, v_smem), (p16, v_smem)), fused=not interpret)
             else:
                 (acc,) = accumulate((acc,), ((pq, v_smem),), fused=not interpret)
-            for barrier in consumed:
-                plgpu.barrier_arrive(barrier)
             return acc, acc2, m_new, l_new
 
         pipeline = compute_pipeline(step, compute, steps=n_steps, compute_wgs=wgs, stages=items.stages,
@@ -193,12 +218,12 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
     f32 = jnp.float32
-    wgs = compute_wgs(d)
+    wgs = compute_wgs(d, causal, with_aux)
     rows = query_ctas(sq_pad, sq_len, wgs * TILE, interpret)  # the last CTA may pass Sq_pad: see there
     items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=kf.shape[2] // config.block_k,
                            stages=STAGES, causal=causal, interpret=interpret)
     kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d,
-                               sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
+                               sq_len=sq_len, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
                                with_aux=with_aux, pingpong=config.pingpong, wgs=wgs, interpret=interpret)
     if jnp.dtype(out_dtype) != qf.dtype:
         raise ValueError(f"out_dtype must be qf's dtype {qf.dtype} (O reuses Q's SMEM), got {jnp.dtype(out_dtype)}")

@@ -46,7 +46,8 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
-    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, pad_rows, pl, plgpu, query_block_keys,
+    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, needed_step, pad_rows, pl, plgpu,
+    query_block_keys,
     query_ctas, query_warpgroups, register_operand, row_vector, rows_of, scalar, schedule_barrier,
     transposed_step_spec, trim_rows, warp_any_above, wg_tiles, wgmma_zeros,
 )
@@ -88,7 +89,7 @@ MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
 #: tiles past the last key its last row sees (causal: a CTA streams up to its *last* warpgroup's diagonal, 128 rows
 #: past the first's) and every step if all its rows are padding (the last 192-row CTA passes Sq). The skipped step
 #: would leave the row state and O exactly as they are (m unchanged, α = 1, P̂ = 0). Of the steps the three
-#: warpgroups run, 10% are such at Sq = Sk = 2048 causal, 8% at 4096, 3% non-causal (:func:`needed_step`). On the
+#: warpgroups run, 10% are such at Sq = Sk = 2048 causal, 8% at 4096, 3% non-causal (``_mosaic.needed_step``). On the
 #: H200 this kernel is 5.9% faster at B16 H10/5 S2048 D64 causal (0.2843 / 0.2860 → 0.2678 / 0.2686 ms), 5.1% at
 #: B8 H32 S2048 D64 causal (0.4436 / 0.4442 → 0.4198 / 0.4227); same values (benchmarks/NOTES.md, thirty-seventh
 #: session). The skipping warpgroup still arrives on the pipeline's barriers, and the others no longer share the
@@ -141,17 +142,8 @@ def supports(*, sq_len: int, sk_len: int, sq_pad: int, head_dim: int, causal: bo
             and (not causal or sq_len <= sk_len))
 
 
-def needed_step(step: jax.Array, q_start: jax.Array, *, block_k: int, sq_len: int, causal: bool, offset: int):
-    """Whether the warpgroup of query rows ``q_start``… (64) has any key to see in key tile ``step``: its rows are not
-    all padding and, causal (bottom-right aligned), the tile starts at or before its last row's diagonal."""
-    real = q_start < sq_len
-    if not causal:
-        return real
-    return real & (step * block_k <= q_start + (TILE - 1) + offset)
-
-
 def _skipped_step(carry):
-    """A step :func:`needed_step` rules out: the carry (O's accumulator, m, l) as it is."""
+    """A step ``_mosaic.needed_step`` rules out: the carry (O's accumulator, m, l) as it is."""
     return carry
 
 

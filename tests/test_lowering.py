@@ -313,7 +313,8 @@ def test_mosaic_forward_row_outputs_span_whole_ctas(monkeypatch, method):
     """The LSE (and QAT's m) of a Mosaic forward whose last CTA passes Sq_pad get rows for whole CTAs: Mosaic GPU
     folds ``lse_ref.at[b, h, rows]``'s indexed dims into the TMA's row offset, so a store past Sq_pad is not
     clipped but overwrites the next head's first rows (``_mosaic.query_ctas``). Sq 640 over three warpgroups' 192-row
-    CTAs: 4 CTAs, 768 rows; O keeps 640 (its stores are clipped). Only the GPU run showed the bug (the interpreter
+    CTAs (sage causal; Attn-QAT's O-only forward, non-causal): 4 CTAs, 768 rows; O keeps 640 (its stores are
+    clipped). Only the GPU run showed the bug (the interpreter
     pads every output), so this pins the launch's result types."""
     from lowbit_jax import qat as qat_mod
     from pallas_kernels import qat_fwd_mosaic, sage_fwd_mosaic
@@ -327,10 +328,10 @@ def test_mosaic_forward_row_outputs_span_whole_ctas(monkeypatch, method):
         opts = compiled_options(sage_mod.resolve_options, q, kv, causal=True, config=cfg)
         fn = lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False)[:2]  # noqa: E731
         rows = 1
-    else:
-        opts = compiled_options(qat_mod.resolve_qat_options, q, kv, causal=True,
+    else:  # three warpgroups in the O-only, non-causal forward (qat_fwd_mosaic.compute_wgs)
+        opts = compiled_options(qat_mod.resolve_qat_options, q, kv, causal=False,
                                 config=lb.QatConfig(fwd_backend="mosaic"))
-        fn = lambda q, k, v: qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)  # noqa: E731
+        fn = lambda q, k, v: qat_mod.qat_forward(q, k, v, opts=opts, with_aux=False)[:4]  # noqa: E731
         rows = 2
     text = lower_for_h200(fn, q, kv, kv)
     jax.clear_caches()

@@ -477,27 +477,58 @@ def test_mixed_backends_match_xla(backends):
         assert metrics(a, x)[1] < 2e-3, name
 
 
-@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, False)])
-def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal):
-    """qat_fwd_mosaic.THREE_WGS (a probe switch, off by default): three compute warpgroups per CTA at head dim 64
-    do each row's arithmetic as two do, so O, O', the LSE and m must be equal exactly (interpreter; Sq 250 leaves
-    the second CTA partly past the padded rows; causal with Sq < Sk; GQA). A spy checks the warpgroup count."""
+def test_mosaic_forward_warpgroups_per_call():
+    """qat_fwd_mosaic.compute_wgs: three compute warpgroups only for the O-only forward (no O′) at head dim 64,
+    non-causal (the training forward and causal calls measured slower with three on the H200); two elsewhere."""
+    from pallas_kernels import qat_fwd_mosaic
+
+    assert qat_fwd_mosaic.compute_wgs(64, causal=False, with_aux=False) == 3
+    assert qat_fwd_mosaic.compute_wgs(64, causal=True, with_aux=False) == 2
+    assert qat_fwd_mosaic.compute_wgs(64, causal=False, with_aux=True) == 2
+    assert qat_fwd_mosaic.compute_wgs(128, causal=False, with_aux=False) == 2
+
+
+@pytest.mark.parametrize("sq, sk, causal, with_aux", [(250, 300, True, False), (384, 384, False, False),
+                                                       (250, 250, False, True)])
+def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal, with_aux):
+    """Three compute warpgroups per CTA at head dim 64 (``THREE_WGS``; causal and with O′ through
+    ``THREE_WGS_CAUSAL`` and a patched ``compute_wgs``, so every branch of the step runs) do each row's
+    arithmetic as two do, so O (O′), the LSE and m must be equal exactly (interpreter; Sq 250 leaves the second CTA
+    partly past the padded rows; causal with Sq < Sk; GQA). Each warpgroup skips the key tiles none of its rows
+    sees (``SKIP_EMPTY_STEPS``): causal, a skipped step that changed the accumulator must change O, so the skip
+    really runs. A spy checks the warpgroup count."""
     from lowbit_jax import qat as qat_mod
     from pallas_kernels import qat_fwd_mosaic
 
     q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=sq + 5)
-    launch, counts, outs = qat_fwd_mosaic.launch, [], {}
+    launch, counts = qat_fwd_mosaic.launch, []
     monkeypatch.setattr(qat_fwd_mosaic, "launch", lambda *a, **kw: counts.append(kw["compute_wgs"]) or launch(*a, **kw))
+    monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS_CAUSAL", True)
+    if with_aux:  # the library keeps two for the training forward: force three to check its values too
+        wgs = qat_fwd_mosaic.compute_wgs
+        monkeypatch.setattr(qat_fwd_mosaic, "compute_wgs", lambda d, causal, with_aux: wgs(d, causal, False))
     cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=False)
-    for three in (True, False):
-        monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS", three)
+
+    def forward():
         jax.clear_caches()
         opts = qat_mod.resolve_qat_options(q, k, v, causal=causal, naive_backward=False, implementation="pallas",
                                            interpret=True, config=cfg)
-        outs[three] = qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)[:4]
+        outs = qat_mod.qat_forward(q, k, v, opts=opts, with_aux=with_aux)[:4]
+        return [None if x is None else np.asarray(x, np.float32) for x in outs]
+
+    outs = {}
+    for three in (True, False):
+        monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS", three)
+        outs[three] = forward()
     assert counts == [3, 2]
     for name, a, r in zip(("o", "o_aux", "lse", "m"), outs[True], outs[False]):
-        assert a.shape == r.shape, name
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+        assert (a is None) == (r is None) == (name == "o_aux" and not with_aux), name
+        if a is not None:
+            assert a.shape == r.shape, name
+            np.testing.assert_array_equal(a, r, err_msg=name)
     x = lb.qat_attention(q, k, v, causal=causal, implementation="xla", config=lb.QatConfig())
     assert metrics(outs[True][0], x)[1] < 2e-3
+    if causal:
+        monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS", True)
+        monkeypatch.setattr(qat_fwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, *carry[1:]))
+        assert not np.array_equal(forward()[0], outs[True][0])
