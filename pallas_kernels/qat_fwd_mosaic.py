@@ -42,8 +42,8 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, grid_position, guarded_step, launch,
-    mask_scores, matmul, needed_step, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups, register_operand, rows_of, schedule_barrier,
-    tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
+    mask_scores, matmul, needed_step, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
+    register_operand, rows_of, schedule_barrier, tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 
@@ -223,8 +223,9 @@ def qat_attention_fwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, *, sq_
     items = WorkItems.plan((hq, rows.ctas, b), ("heads", "q", "batch"), steps=kf.shape[2] // config.block_k,
                            stages=STAGES, causal=causal, interpret=interpret)
     kernel = functools.partial(_fwd_kernel, items=items, group=hq // hkv, block_k=config.block_k, head_dim=d,
-                               sq_len=sq_len, sk_len=sk_len, causal=causal, offset=sk_len - sq_len, score_scale=scale * LOG2E,
-                               with_aux=with_aux, pingpong=config.pingpong, wgs=wgs, interpret=interpret)
+                               sq_len=sq_len, sk_len=sk_len, causal=causal, offset=sk_len - sq_len,
+                               score_scale=scale * LOG2E, with_aux=with_aux, pingpong=config.pingpong, wgs=wgs,
+                               interpret=interpret)
     if jnp.dtype(out_dtype) != qf.dtype:
         raise ValueError(f"out_dtype must be qf's dtype {qf.dtype} (O reuses Q's SMEM), got {jnp.dtype(out_dtype)}")
     o_tiles = wg_tiles(wgs, TILE, out_dtype, d)  # Q's, then O's; O' has its own (block_k 128 then fits in SMEM)

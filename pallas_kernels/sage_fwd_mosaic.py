@@ -47,8 +47,7 @@ from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
     int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, needed_step, pad_rows, pl, plgpu,
-    query_block_keys,
-    query_ctas, query_warpgroups, register_operand, row_vector, rows_of, scalar, schedule_barrier,
+    query_block_keys, query_ctas, query_warpgroups, register_operand, row_vector, rows_of, scalar, schedule_barrier,
     transposed_step_spec, trim_rows, warp_any_above, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
