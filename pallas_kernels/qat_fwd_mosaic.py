@@ -61,6 +61,10 @@ THREE_WGS = True
 THREE_WGS_MAX_HEAD_DIM = 64
 #: whether causal O-only calls take three warpgroups too (see :data:`THREE_WGS`)
 THREE_WGS_CAUSAL = False
+#: probe, off: the training forward (with O′) takes three warpgroups too where :data:`THREE_WGS` applies (38–42%
+#: slower on the H200, see there: with the O and O′ accumulators ptxas spills 400 bytes at 152 registers per compute
+#: thread, none with two warpgroups; benchmarks/NOTES.md, fifty-first session)
+THREE_WGS_WITH_AUX = False
 STAGES = 2
 #: keep the scores unscaled through the row maximum and fold the softmax scale into the exponent
 #: (``exp2(s·c − m)``, one FFMA per score instead of an FMUL and an FADD), as ``sage_fwd_mosaic.SCALE_IN_EXP``: on
@@ -78,7 +82,7 @@ def compute_wgs(head_dim: int, causal: bool, with_aux: bool) -> int:
     """Compute warpgroups per CTA (64 query rows each) of a call at this head dim (``_mosaic.query_warpgroups``):
     three where :data:`THREE_WGS` applies (the O-only forward, ``with_aux=False``; non-causal unless
     :data:`THREE_WGS_CAUSAL`), else two."""
-    three = THREE_WGS and not with_aux and (THREE_WGS_CAUSAL or not causal)
+    three = THREE_WGS and (THREE_WGS_WITH_AUX or not with_aux) and (THREE_WGS_CAUSAL or not causal)
     return query_warpgroups(head_dim, three=three, max_head_dim=THREE_WGS_MAX_HEAD_DIM, two=WGS)
 
 

@@ -492,7 +492,7 @@ def test_mosaic_forward_warpgroups_per_call():
                                                        (250, 250, False, True)])
 def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal, with_aux):
     """Three compute warpgroups per CTA at head dim 64 (``THREE_WGS``; causal and with O′ through
-    ``THREE_WGS_CAUSAL`` and a patched ``compute_wgs``, so every branch of the step runs) do each row's
+    ``THREE_WGS_CAUSAL`` and ``THREE_WGS_WITH_AUX``, so every branch of the step runs) do each row's
     arithmetic as two do, so O (O′), the LSE and m must be equal exactly (interpreter; Sq 250 leaves the second CTA
     partly past the padded rows; causal with Sq < Sk; GQA). Each warpgroup skips the key tiles none of its rows
     sees (``SKIP_EMPTY_STEPS``): causal, a skipped step that changed the accumulator must change O, so the skip
@@ -504,9 +504,8 @@ def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal
     launch, counts = qat_fwd_mosaic.launch, []
     monkeypatch.setattr(qat_fwd_mosaic, "launch", lambda *a, **kw: counts.append(kw["compute_wgs"]) or launch(*a, **kw))
     monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS_CAUSAL", True)
-    if with_aux:  # the library keeps two for the training forward: force three to check its values too
-        wgs = qat_fwd_mosaic.compute_wgs
-        monkeypatch.setattr(qat_fwd_mosaic, "compute_wgs", lambda d, causal, with_aux: wgs(d, causal, False))
+    # the library keeps two for the training forward: its probe switch forces three to check its values too
+    monkeypatch.setattr(qat_fwd_mosaic, "THREE_WGS_WITH_AUX", with_aux)
     cfg = lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic", pingpong=False)
 
     def forward():
