@@ -211,9 +211,9 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
             k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
             s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
                             fused=not interpret)
+            g, t = head_and_tile(idx[0])  # the step's query head of the group and query tile
             if masked:
-                q_start = head_and_tile(idx[0])[1] * TILE
-                s = mask_scores(s, key_start, q_start, causal=causal, offset=offset, sk_len=sk_len,
+                s = mask_scores(s, key_start, t * TILE, causal=causal, offset=offset, sk_len=sk_len,
                                 key_of_column=lane_groups.key_order())
             e = _exponentials(s, row_vector(m_smem), score_scale, head_dim)  # row max 1: FQ relative to it
             il_row = row_vector(il_smem)
@@ -227,7 +227,6 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
                 cta_sync()
             products = ((p_smem.T, do_smem), (ds_smem.T, q_smem))
             if fused_dq:
-                g, t = head_and_tile(idx[0])
                 acc = reduce_add_slot(dq_ref, (kv_block, wg), interpret=interpret)
                 dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
             # one dQ product a step: split, columns wg·D/2… over the CTA's 128 keys, Σ_w dS_w·K̃_w[:, cols] (whole

@@ -327,9 +327,9 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                 st = st * (k0 * q0)  # base-2 scores Sᵀ
             else:
                 st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
+            g, t = head_and_tile(idx[0])  # the step's query head of the group and query tile
             if causal:
-                q_start = head_and_tile(idx[0])[1] * TILE
-                st = mask_scores(st, cta_keys + wg * TILE, q_start, causal=True, offset=offset, transposed=True,
+                st = mask_scores(st, cta_keys + wg * TILE, t * TILE, causal=True, offset=offset, transposed=True,
                                  key_of_column=key_pairs.key_of_row if pairs else None)
             pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
             # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
@@ -358,7 +358,6 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             out_shape = (TILE, head_dim)
             dq_factor = ds_scale * k0 * scale if fused_dq else None  # dS scale · K scale · softmax scale
             if fused_dq:
-                g, t = head_and_tile(idx[0])
                 acc = reduce_add_slot(dq_ref, (kv_block, wg), interpret=interpret)
                 dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
                 kt_smem = kt_smem2.at[wg]
