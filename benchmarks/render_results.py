@@ -260,7 +260,10 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "call not differentiated) at head dim 64, non-causal, runs three compute warpgroups without ping-pong "
            "(`qat_fwd_mosaic.THREE_WGS`; its kernel 5–6% faster, benchmarks/NOTES.md, fifty-first session), so "
            "`mosaic` and `mosaic+pp` are the same kernel in that row's fwd columns; the training forward (fwd+bwd) "
-           "keeps two.", "",
+           "keeps two. From 2026-12-04 08:51 the Mosaic backward computes FQ(P) after it has issued dK's (and the "
+           "fused dQ's) product and issues dV's after it, at head dim 128 and at 64 non-causal "
+           "(`qat_bwd_mosaic.p_last`; the kernel 5% faster at B4 H32 S4096 D128, 2.5% at B8 H32 S2048 D64, "
+           "benchmarks/NOTES.md, fifty-second session).", "",
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]

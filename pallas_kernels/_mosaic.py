@@ -697,6 +697,11 @@ def matmuls(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool,
                       issued=issued)
 
 
+def _operand_pair(operand) -> tuple:
+    """A product's ``(a, b)``: as given, or from calling ``operand`` (a *late* operand, :func:`accumulate`)."""
+    return operand() if callable(operand) else operand
+
+
 def accumulate(accs: tuple, operands: tuple, *, fused: bool, issued: Callable[[], None] | None = None) -> tuple:
     """``acc_i + a_i @ b_i`` for each accumulator (float32 or int32 WGMMA-layout arrays).
 
@@ -704,14 +709,19 @@ def accumulate(accs: tuple, operands: tuple, *, fused: bool, issued: Callable[[]
     otherwise (the Mosaic GPU interpreter) each product is computed into a fresh
     accumulator and added (same values up to accumulation order). ``issued`` (optional) is called after
     the products are issued, before the wait (interpreted: before them).
+
+    An entry of ``operands`` may be a *late* operand: a callable returning ``(a, b)``, called in turn, after the
+    products before it are issued, so the element-wise work that makes its operand (stored to SMEM and committed
+    by the callable) runs while they occupy the tensor cores. It may only store to refs and return refs or
+    values it made: nothing it computes can leave the accumulation otherwise.
     """
     if not fused:
         _call(issued)
-        return tuple(acc + matmul(acc.shape, acc.dtype, a, b) for acc, (a, b) in zip(accs, operands))
+        return tuple(acc + matmul(acc.shape, acc.dtype, *_operand_pair(op)) for acc, op in zip(accs, operands))
 
     def body(refs):
-        for ref, (a, b) in zip(refs, operands):
-            plgpu.wgmma(ref, a, b)
+        for ref, op in zip(refs, operands):
+            plgpu.wgmma(ref, *_operand_pair(op))
         _call(issued)
 
     return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
@@ -724,7 +734,8 @@ def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fuse
     ``use_first`` (a ``wgmma.wait_group`` that leaves the later groups in flight), the rest after it.
 
     ``first``: ((rows, cols), float32, ((a, b), ...)), a fresh accumulator. ``use_first`` gets its value and may
-    issue SMEM stores and TMA copies (a dQ tile reduce-added into GMEM). Without ``fused`` (the Mosaic GPU
+    issue SMEM stores and TMA copies (a dQ tile reduce-added into GMEM). ``operands`` may hold late operands
+    (:func:`accumulate`). Without ``fused`` (the Mosaic GPU
     interpreter) everything runs one product at a time, the first one first (same values). ``issued`` (optional)
     is called once every product is issued, before the first wait. Returns the accumulators. A kernel whose
     step waited for its dK/dV products before issuing its dQ product takes one tensor-core round trip fewer per
@@ -745,8 +756,8 @@ def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fuse
         first_ref, *acc_refs = refs
         for a, b in terms:
             plgpu.wgmma(first_ref, a, b)
-        for ref, (a, b) in zip(acc_refs, operands):
-            plgpu.wgmma(ref, a, b)
+        for ref, op in zip(acc_refs, operands):
+            plgpu.wgmma(ref, *_operand_pair(op))
         _call(issued)
         use_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=len(operands)))
 

@@ -18,7 +18,9 @@ updated in place, the two independent products of a step issued together.
   computed as (queries × keys), with K̃ and Ṽ in lane order (:mod:`pallas_kernels.lane_groups`: each
   thread holds whole FP4 groups of 16 keys; dK and dV go back to key order on their way to SMEM,
   ``stmatrix.store_rows``, instead of by an XLA transpose after the kernel); FQ(P)·(1/l) and dS go
-  through SMEM and enter dV and dK as transposed A operands.
+  through SMEM and enter dV and dK as transposed A operands. Where :func:`p_last` says so, dS is stored and
+  dK's product (with the fused dQ's) issued before FQ(P) is computed, and dV's product after it, so the
+  fake quantization runs while the tensor cores work.
 * dQ: grid (query head, 128-query block, batch); each warpgroup owns 64 queries and
   loops over key tiles; dS is the register A operand of dS·K̃.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
@@ -81,6 +83,14 @@ SCALE_IN_EXP_MAX_HEAD_DIM = 64
 DQ_FIRST = True
 #: the smallest head dim at which the fused dQ is split by columns between the warpgroups (:func:`splits_dq_columns`)
 DQ_SPLIT_MIN_HEAD_DIM = 128
+#: the dK/dV kernel issues dK's product (and a first dQ's, :func:`dq_first`) before it computes FQ(P), and dV's after
+#: it, so FP4 fake quantization runs while dS's products occupy the tensor cores (``_mosaic.accumulate``'s late
+#: operand); off: FQ(P) and dS both before any product, dV's product first. Where: :func:`p_last`
+P_LAST = True
+#: P_LAST at head dim 64, causal too (off: on the H200 the kernel 0.616 → 0.689 ms at B16 H10/5 S2048 D64 causal)
+P_LAST_D64_CAUSAL = False
+#: probe switch: the fused dQ's product first at every head dim and causality (:func:`dq_first`)
+DQ_FIRST_ALWAYS = False
 
 
 def splits_dq_columns(head_dim: int) -> bool:
@@ -113,7 +123,16 @@ def dq_first(head_dim: int, causal: bool) -> bool:
     1.99 ms at B8 H32 S2048 D64 causal, 18.55 → 18.36 at B1 H32 S16384 D128 causal. But non-causal at head dim 64
     slower: the kernel 1.94 → 2.06 ms at B8 H32 S2048, fwd+bwd 2.14 → 2.16 at B16 H10/5 S2048 (as the
     SageAttention kernel's one wait for its three products, ``sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL``)."""
-    return DQ_FIRST and (causal or splits_dq_columns(head_dim))
+    return DQ_FIRST and (causal or splits_dq_columns(head_dim) or p_last(head_dim, causal) or DQ_FIRST_ALWAYS)
+
+
+def p_last(head_dim: int, causal: bool) -> bool:
+    """Whether the dK/dV kernel computes FQ(P) after dS's products are issued (:data:`P_LAST`): at head dim 128, and
+    at 64 non-causal (there with the fused dQ's product first, :func:`dq_first`). On the H200 (benchmarks/NOTES.md,
+    fifty-second session) the fused kernel: 6.03 / 6.05 → 5.76 / 5.72 ms at B4 H32 S4096 D128, 3.18 / 3.19 → 3.02 /
+    3.03 causal, 1.91 / 1.92 → 1.88 / 1.87 at B8 H32 S2048 D64 (1.95 / 1.93 without dQ first); but 0.616 → 0.689 at
+    B16 H10/5 S2048 D64 causal (:data:`P_LAST_D64_CAUSAL`)."""
+    return P_LAST and (head_dim > 64 or not causal or P_LAST_D64_CAUSAL)
 
 
 def scale_in_exp(head_dim: int) -> bool:
@@ -218,14 +237,28 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
             e = _exponentials(s, row_vector(m_smem), score_scale, head_dim)  # row max 1: FQ relative to it
             il_row = row_vector(il_smem)
             inv_l = rows_of(il_row, s.shape)
-            # P̃·(1/l) = e2m1 · (sf·(1/l)): the scale product once per FP4 group
-            pv = (e * inv_l).astype(dt) if naive else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt)
-            p_smem[...] = pv
+
+            def p_operand():  # P̃·(1/l) = e2m1 · (sf·(1/l)) (the scale product once per FP4 group) → dV's A operand
+                p_smem[...] = ((e * inv_l).astype(dt) if naive
+                               else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt))
+                return p_smem.T, do_smem
+
+            def late_p_operand():  # after dS's products are issued (P_LAST)
+                operand = p_operand()
+                plgpu.commit_smem()
+                return operand
+
+            late = p_last(head_dim, causal)
+            dv_operand = late_p_operand if late else p_operand()
             ds_smem[...] = _ds(e, dp, il_row, row_vector(delta_smem), dt)
             plgpu.commit_smem()
             if split:  # both warpgroups' dS tiles are published
                 cta_sync()
-            products = ((p_smem.T, do_smem), (ds_smem.T, q_smem))
+            # p_last: dK's product (and a first dQ's) before FQ(P), dV's after it; else dV's, then dK's
+            if late:
+                accs, products = (dk, dv), ((ds_smem.T, q_smem), dv_operand)
+            else:
+                accs, products = (dv, dk), (dv_operand, (ds_smem.T, q_smem))
             if fused_dq:
                 acc = reduce_add_slot(dq_ref, (kv_block, wg), interpret=interpret)
                 dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), hkv * group + g, cols]  # noqa: E731
@@ -244,14 +277,15 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
                 add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret,  # noqa: E731
                                                    waited=free is not None)
             if first:  # reduce-added while dV's and dK's products run
-                dv, dk = product_first(dq_product, (dv, dk), products, add_dq, fused=not interpret, issued=free)
+                accs = product_first(dq_product, accs, products, add_dq, fused=not interpret, issued=free)
             else:
-                dv, dk = accumulate((dv, dk), products, fused=not interpret)
+                accs = accumulate(accs, products, fused=not interpret)
                 if one_dq:
                     add_dq(matmul_sum(*dq_product, fused=not interpret))
                 elif fused_dq:  # unsplit beyond REDUCE_COLS columns: one product and reduce-add per chunk
                     reduce_add_matmul(stage2.at[wg], ds_smem, lambda cols: k_smem.at[:, cols], head_dim, dq_dst,
                                       interpret=interpret)
+            dk, dv = accs if late else accs[::-1]
             for barrier in consumed:
                 plgpu.barrier_arrive(barrier)
             return dk, dv

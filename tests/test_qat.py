@@ -197,9 +197,48 @@ def test_mosaic_dq_first_same_gradients(monkeypatch, case):
     for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
     monkeypatch.setattr(qat_bwd_mosaic, "DQ_FIRST", True)
+    assert [qat_bwd_mosaic.dq_first(hd, c) for hd in (64, 128) for c in (False, True)] == [True, True, True, True]
+    monkeypatch.setattr(qat_bwd_mosaic, "P_LAST", False)  # D64 non-causal takes dQ first only with FQ(P) last
     assert [qat_bwd_mosaic.dq_first(hd, c) for hd in (64, 128) for c in (False, True)] == [False, True, True, True]
     with pytest.raises(NotImplementedError, match="float32 first products only"):  # int32: wrong on the H200
         real(((64, 64), jnp.int32, ()), (), (), lambda _: None, fused=True)
+
+
+@pytest.mark.parametrize("case", [(1, 130, 200, 4, 2, 64, True, False), (1, 128, 256, 2, 1, 128, False, False),
+                                  (1, 200, 200, 2, 2, 64, False, True)])
+def test_mosaic_p_last_same_gradients(monkeypatch, case):
+    """qat_bwd_mosaic.P_LAST (FQ(P) computed after dK's product — and a first dQ's — is issued, dV's product after
+    it: ``_mosaic.accumulate``'s late operand) orders the work only: the gradients equal those with it off
+    (interpreter; D64 causal ragged GQA with dQ first, D128 MQA with dQ split by columns, D64 non-causal ragged with
+    the naive backward). A spy counts the late operands the kernel passed: one per traced step with the switch on,
+    none with it off."""
+    from pallas_kernels import _mosaic, qat_bwd_mosaic
+
+    late = []
+    for name in ("accumulate", "product_first"):
+        real = getattr(qat_bwd_mosaic, name)
+        monkeypatch.setattr(qat_bwd_mosaic, name, lambda *a, _real=real, **kw: late.append(
+            sum(map(callable, a[2 if _real is _mosaic.product_first else 1]))) or _real(*a, **kw))
+    b, sq, sk, hq, hkv, d, causal, naive = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 7)
+    do = cotangent(q)
+    got = {}
+    monkeypatch.setattr(qat_bwd_mosaic, "P_LAST_D64_CAUSAL", True)  # the late route wherever P_LAST is on
+    for on in (True, False):
+        monkeypatch.setattr(qat_bwd_mosaic, "P_LAST", on)
+        jax.clear_caches()
+        late.clear()
+        got[on] = grads(q, k, v, do, causal=causal, naive_backward=naive, implementation="pallas", interpret=True,
+                        config=dataclasses.replace(MOSAIC, dq_kernel="fused"))
+        assert late and set(late) == {int(on)}, (on, late)
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+    g_x = grads(q, k, v, do, causal=causal, naive_backward=naive, implementation="xla", config=lb.QatConfig())
+    for name, a, x in zip(("dq", "dk", "dv"), got[True][1:], g_x[1:]):
+        assert metrics(a, x)[1] < 2e-3, name
+    monkeypatch.setattr(qat_bwd_mosaic, "P_LAST_D64_CAUSAL", False)
+    monkeypatch.setattr(qat_bwd_mosaic, "P_LAST", True)
+    assert [qat_bwd_mosaic.p_last(hd, c) for hd in (64, 128) for c in (False, True)] == [True, False, True, True]
 
 
 @pytest.mark.parametrize("d, causal, early", [(128, False, True), (64, True, True), (64, False, True),
