@@ -89,8 +89,6 @@ DQ_SPLIT_MIN_HEAD_DIM = 128
 P_LAST = True
 #: P_LAST at head dim 64, causal too (off: on the H200 the kernel 0.616 → 0.689 ms at B16 H10/5 S2048 D64 causal)
 P_LAST_D64_CAUSAL = False
-#: probe switch: the fused dQ's product first at every head dim and causality (:func:`dq_first`)
-DQ_FIRST_ALWAYS = False
 
 
 def splits_dq_columns(head_dim: int) -> bool:
@@ -122,8 +120,10 @@ def dq_first(head_dim: int, causal: bool) -> bool:
     0.633 ms at B16 H10/5 S2048 D64 causal, 6.07 → 5.94 at B4 H32 S4096 D128, 3.31 → 3.22 causal; fwd+bwd 2.06 →
     1.99 ms at B8 H32 S2048 D64 causal, 18.55 → 18.36 at B1 H32 S16384 D128 causal. But non-causal at head dim 64
     slower: the kernel 1.94 → 2.06 ms at B8 H32 S2048, fwd+bwd 2.14 → 2.16 at B16 H10/5 S2048 (as the
-    SageAttention kernel's one wait for its three products, ``sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL``)."""
-    return DQ_FIRST and (causal or splits_dq_columns(head_dim) or p_last(head_dim, causal) or DQ_FIRST_ALWAYS)
+    SageAttention kernel's one wait for its three products, ``sage_bwd_mosaic.DQ_WITH_DKDV_CAUSAL``) — unless FQ(P)
+    comes last (:func:`p_last`): then dQ's product first runs under FQ(P) with dK's, and at B8 H32 S2048 D64 the
+    kernel took 1.88 / 1.87 ms against 1.95 / 1.93 with dQ after (fifty-second session)."""
+    return DQ_FIRST and (causal or splits_dq_columns(head_dim) or p_last(head_dim, causal))
 
 
 def p_last(head_dim: int, causal: bool) -> bool:
