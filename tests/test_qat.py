@@ -212,13 +212,13 @@ def test_mosaic_p_last_same_gradients(monkeypatch, case):
     (interpreter; D64 causal ragged GQA with dQ first, D128 MQA with dQ split by columns, D64 non-causal ragged with
     the naive backward). A spy counts the late operands the kernel passed: one per traced step with the switch on,
     none with it off."""
-    from pallas_kernels import _mosaic, qat_bwd_mosaic
+    from pallas_kernels import qat_bwd_mosaic
 
     late = []
-    for name in ("accumulate", "product_first"):
+    for name, operands_at in (("accumulate", 1), ("product_first", 2)):  # the position of their ``operands``
         real = getattr(qat_bwd_mosaic, name)
-        monkeypatch.setattr(qat_bwd_mosaic, name, lambda *a, _real=real, **kw: late.append(
-            sum(map(callable, a[2 if _real is _mosaic.product_first else 1]))) or _real(*a, **kw))
+        monkeypatch.setattr(qat_bwd_mosaic, name, lambda *a, _real=real, _at=operands_at, **kw: late.append(
+            sum(map(callable, a[_at]))) or _real(*a, **kw))
     b, sq, sk, hq, hkv, d, causal, naive = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 7)
     do = cotangent(q)
