@@ -42,11 +42,15 @@ REDUCTION_SCRATCH_BYTES: int | None = None
 EARLY_STAGE_WAIT = True
 
 
-def compiler_params() -> plgpu.CompilerParams:
-    """Mosaic GPU compiler parameters (fast approximate exp2/reciprocal)."""
-    if REDUCTION_SCRATCH_BYTES is None:
-        return plgpu.CompilerParams(approx_math=True)
-    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES)
+def compiler_params(*, manual_barriers: bool = False) -> plgpu.CompilerParams:
+    """Mosaic GPU compiler parameters (fast approximate exp2/reciprocal).
+
+    ``manual_barriers``: Pallas inserts no warpgroup barriers of its own (``unsafe_no_auto_barriers``): without it
+    every store of a register tile to SMEM is ``bar.sync``, store, ``bar.sync``, and every GMEM → SMEM copy starts
+    with one. A kernel that asks for this places the barriers its SMEM reuse needs itself (:func:`warpgroup_barrier`
+    before overwriting a tile that other warps' ``wgmma`` read; :func:`plgpu.commit_smem` after writing one)."""
+    extra = {} if REDUCTION_SCRATCH_BYTES is None else dict(reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES)
+    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=manual_barriers, **extra)
 
 
 def interpret_params(interpret: bool):
@@ -89,11 +93,13 @@ def col_vector(ref) -> jax.Array:
 
 def warpgroup_barrier(interpret: bool) -> None:
     """Wait until every thread of this warpgroup arrives (``bar.sync`` on the warpgroup's named barrier):
-    SMEM written by the warpgroup is then visible to its own loads. Unlike ``plgpu.commit_smem`` there is no
-    async-proxy fence (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``), which only TMA and ``wgmma``
-    readers need (on the H200 fwd+bwd 1.7% faster at B8 H32 S2048 D64 with it in :func:`tile_absmax`, 0.7% at B4
-    H32 S4096 D128 causal, level elsewhere; benchmarks/NOTES.md, nineteenth session). The interpreter, which has
-    no inline Mosaic GPU, commits instead."""
+    SMEM written by the warpgroup is then visible to its own loads, and every warp is past what it did before.
+    Unlike ``plgpu.commit_smem`` there is no async-proxy fence (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``),
+    which only TMA and ``wgmma`` readers need. Until the fifty-third session this built its inline block without
+    calling it and so emitted nothing: the nineteenth session's gain from it in :func:`tile_absmax` (fwd+bwd 1.7%
+    at B8 H32 S2048 D64) was that of dropping the commit's fence and barrier, the order kept by the barrier Pallas
+    puts after every store to SMEM (benchmarks/NOTES.md). The interpreter, which has no inline Mosaic GPU,
+    commits instead."""
     if interpret:
         plgpu.commit_smem()
         return
@@ -101,8 +107,11 @@ def warpgroup_barrier(interpret: bool) -> None:
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     @plgpu.inline_mgpu()
-    def _(ctx):
+    def _barrier(ctx):
+        del ctx
         mgpu_utils.warpgroup_barrier()
+
+    _barrier()
 
 
 def scalar(ref) -> jax.Array:
@@ -483,17 +492,19 @@ class WorkItems(NamedTuple):
         pl.run_scoped(lambda **allocs: items(allocs), **allocations, collective_axes="wg")
 
 
-def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool):
+def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool,
+           manual_barriers: bool = False):
     """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
     is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous"). ``grid`` may be a
-    :class:`WorkItems` (``grid_names`` then None)."""
+    :class:`WorkItems` (``grid_names`` then None). ``manual_barriers``: as in :func:`compiler_params`."""
     if isinstance(grid, WorkItems):
         grid, grid_names = grid.launch_grid
     if EXTRA_SMEM_BYTES:
         scratch_types = [*scratch_types, plgpu.SMEM((EXTRA_SMEM_BYTES,), jnp.int8)]
         kernel = (lambda body: lambda *refs: body(*refs[:-1]))(kernel)  # the padding is never touched
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
-                        compiler_params=compiler_params(), num_threads=compute_wgs + 1, thread_name="wg",
+                        compiler_params=compiler_params(manual_barriers=manual_barriers),
+                        num_threads=compute_wgs + 1, thread_name="wg",
                         interpret=interpret_params(interpret), kernel_name=name)
 
 
@@ -1030,5 +1041,6 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
            "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
            "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
-           "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT", "STAGE_SWIZZLE", "stage_transforms",
+           "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT",
+           "STAGE_SWIZZLE", "stage_transforms",
            "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "group_tile"]

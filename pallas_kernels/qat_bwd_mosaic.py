@@ -57,7 +57,7 @@ from pallas_kernels._mosaic import (
     grid_position, group_tile, launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys,
     reduce_add_accumulator, reduce_add_matmul, reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot,
     reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, schedule_barrier, tile_transforms,
-    wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    warpgroup_barrier, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 
 LOG2E = math.log2(math.e)
@@ -89,6 +89,20 @@ DQ_SPLIT_MIN_HEAD_DIM = 128
 P_LAST = True
 #: P_LAST at head dim 64, causal too (off: on the H200 the kernel 0.616 → 0.689 ms at B16 H10/5 S2048 D64 causal)
 P_LAST_D64_CAUSAL = False
+#: the dK/dV kernel places its own warpgroup barriers (``_mosaic.compiler_params(manual_barriers=True)``): one per
+#: step once S and dP are waited for (every warp is then past its wait for the last step's products, whose ``wgmma``
+#: read the whole P̃ and dS tiles), none around the stores of P̃ and dS (the ``commit_smem`` that publishes each ends
+#: in one), instead of Pallas's bar.sync on both sides of every store to SMEM
+MANUAL_BARRIERS = True
+#: MANUAL_BARRIERS at head dim 64 causal too, where FQ(P) is not last (off: on the H200 the kernel 0.616 / 0.619 →
+#: 0.632 / 0.630 ms at B16 H10/5 S2048 D64 causal; benchmarks/NOTES.md, fifty-third session)
+MANUAL_BARRIERS_D64_CAUSAL = False
+
+
+def manual_barriers(head_dim: int, causal: bool) -> bool:
+    """Whether the dK/dV kernel places its own warpgroup barriers (:data:`MANUAL_BARRIERS`): where :func:`p_last`
+    holds (head dim 128, and 64 non-causal)."""
+    return MANUAL_BARRIERS and (p_last(head_dim, causal) or MANUAL_BARRIERS_D64_CAUSAL)
 
 
 def splits_dq_columns(head_dim: int) -> bool:
@@ -163,7 +177,8 @@ def _ds(e, dp, inv_l_row, delta_row, dtype):
 
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, items, group, n_qtiles, head_dim,
-                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native):
+                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native,
+                 own_barriers):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
@@ -176,6 +191,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
     # split: both warpgroups meet at the CTA-wide barrier (PingPong's two-arrival barrier as a plain rendezvous)
     cta_sync = PingPong(cta_barrier, wg, enabled=True).sync if split else None
     out_shape, half = (TILE, head_dim), head_dim // 2
+    manual = own_barriers and not interpret  # manual_barriers() (the interpreter has no auto barriers to drop)
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
     dt = q_ref.dtype
 
@@ -213,7 +229,11 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
             dk, dv = pipeline((zeros, zeros))
             if split:  # the other warpgroup's last dQ products have read this K̃ tile
                 cta_sync()
-            # K̃ and Ṽ are no longer needed: reuse their SMEM; lane-ordered rows go back to key order on the way
+            # K̃ and Ṽ are no longer needed: reuse their SMEM; lane-ordered rows go back to key order on the way. Every
+            # warp is first past its wait for the last products that read them (the stmatrix stores are inline Mosaic
+            # GPU, which Pallas puts no barrier before; a plain store has one unless ``manual``)
+            if not interpret:
+                warpgroup_barrier(interpret)
             for acc, smem in (((dk * scale), k_smem), (dv, v_smem)):
                 if lane_groups.ENABLED:
                     stmatrix.store_rows(smem, acc.astype(smem.dtype), interpret, key_of_row=lane_groups.key_of_column,
@@ -230,6 +250,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
             k_smem, v_smem, p_smem, ds_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg], ds_tile(wg)
             s, dp = _scores(q_smem, k_smem, do_smem, v_smem, score_scale=score_scale, head_dim=head_dim,
                             fused=not interpret)
+            if manual:  # the last step's products (which read P̃ and dS) are done in every warp: both may be rewritten
+                warpgroup_barrier(interpret)
             g, t = head_and_tile(idx[0])  # the step's query head of the group and query tile
             if masked:
                 s = mask_scores(s, key_start, t * TILE, causal=causal, offset=offset, sk_len=sk_len,
@@ -382,6 +404,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     # split: dS double-buffered (the other warpgroup reads it), a (64 × D/2) stage, the CTA-wide barrier
     ds_tiles = plgpu.SMEM((2, WGS, TILE, TILE), dt, transforms=tile_transforms(dt, TILE)) if split else p_tiles
     dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, ds_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
+    manual = manual_barriers(d, causal)
     dkdv_args = [qf, do_in, m_rows, inv_l, delta, kf, vf]
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
@@ -397,10 +420,10 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
                            stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
     dk, dv = launch(
         functools.partial(_dkdv_kernel, items=items, group=group, n_qtiles=n_qtiles, naive=naive, fused_dq=fused_dq,
-                          split=split, **common),
+                          split=split, own_barriers=manual, **common),
         [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch, items, None,
         name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
-        compute_wgs=WGS, interpret=interpret,
+        compute_wgs=WGS, interpret=interpret, manual_barriers=manual,
     )(*dkdv_args)
     if fused_dq:
         dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret)

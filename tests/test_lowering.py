@@ -434,6 +434,79 @@ def test_int8_register_operand_relayout(monkeypatch, k, n):
         np.testing.assert_array_equal(np.asarray(kernel(a, e, b)), want)
 
 
+def test_warpgroup_barrier_emits_a_bar_sync(monkeypatch):
+    """``_mosaic.warpgroup_barrier`` lowers to the warpgroup's ``bar.sync`` (until the fifty-third session it built
+    its inline block without calling it, and emitted nothing), also in a kernel compiled without Pallas's own
+    barriers (``compiler_params(manual_barriers=True)``): one more call of Mosaic GPU's barrier than the same kernel
+    without it."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    from pallas_kernels import _mosaic as mos
+
+    calls = []
+    real = mgpu_utils.warpgroup_barrier
+    monkeypatch.setattr(mgpu_utils, "warpgroup_barrier", lambda: calls.append(1) or real())
+    f32 = jnp.float32
+
+    def kernel(with_barrier: bool):
+        def body(x_ref, o_ref, smem, bar):
+            mos.plgpu.copy_gmem_to_smem(x_ref, smem, bar.at[0])
+            mos.plgpu.barrier_wait(bar.at[0])
+            if with_barrier:
+                mos.warpgroup_barrier(False)
+            mos.copy_out(((smem, o_ref),))
+
+        return mos.plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), f32),
+                                scratch_types=[mos.plgpu.SMEM((64, 64), f32), mos.plgpu.Barrier(num_barriers=1)],
+                                compiler_params=mos.compiler_params(manual_barriers=True))
+
+    counts = []
+    for with_barrier in (False, True):
+        calls.clear()
+        lower_for_h200(kernel(with_barrier), jax.ShapeDtypeStruct((64, 64), f32))
+        counts.append(len(calls))
+    assert counts[1] == counts[0] + 1, counts
+
+
+@pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, True)])
+def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
+    """``qat_bwd_mosaic.manual_barriers``: where FQ(P) comes last (head dim 128; 64 non-causal) the fused dK/dV/dQ
+    kernel is compiled without Pallas's automatic barriers and places one warpgroup barrier per step, after S and dP
+    are waited for; at head dim 64 causal Pallas's barriers stay and the step adds none. Either way one barrier
+    precedes the epilogue's stores of dK and dV into the K̃ and Ṽ tiles. Checked on the lowering for an H200
+    (compiler params of each Mosaic GPU kernel, the kernel's barrier calls)."""
+    from lowbit_jax import qat as qat_mod
+    from pallas_kernels import _mosaic as mos, qat_bwd_mosaic
+
+    params, barriers = [], []
+    real_params = mos.compiler_params
+    monkeypatch.setattr(mos, "compiler_params", lambda **kw: params.append(kw.get("manual_barriers", False))
+                        or real_params(**kw))
+    monkeypatch.setattr(qat_bwd_mosaic, "warpgroup_barrier", lambda interpret: barriers.append(interpret))
+    q = jax.ShapeDtypeStruct((1, 256, 4, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
+    opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
+                                       jnp.zeros(kv.shape, kv.dtype), causal=causal, implementation="pallas",
+                                       interpret=True, config=lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic",
+                                                                           dq_kernel="fused"))
+    opts = dataclasses.replace(opts, interpret=False)
+
+    def grads(q, k, v, w):
+        def loss(q, k, v):
+            return jnp.sum(qat_mod._qat_attention(q, k, v, None, opts).astype(jnp.float32) * w)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    jax.clear_caches()
+    lower_for_h200(grads, q, kv, kv, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    jax.clear_caches()
+    manual = qat_bwd_mosaic.manual_barriers(d, causal)
+    assert manual == (d == 128 or not causal)
+    assert params == [False, manual], params  # the forward, then the dK/dV/dQ kernel
+    # one before the epilogue's stores into the K̃/Ṽ tiles either way; manual: one more in the (once traced) step
+    assert barriers == [False] * (2 if manual else 1), barriers
+
+
 def test_8bit_layouts_are_the_ones_the_relayout_assumes():
     """``_mosaic._wgmma_to_8bit`` hard-codes where each lane's bytes sit in the two layouts (jax 0.11.2): lane
     4·r + c holds columns 2c, 2c+1 of each 8-column group (WGMMA) and 4c…4c+3 of each 16-column group
