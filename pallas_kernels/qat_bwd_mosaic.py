@@ -20,7 +20,8 @@ updated in place, the two independent products of a step issued together.
   ``stmatrix.store_rows``, instead of by an XLA transpose after the kernel); FQ(P)·(1/l) and dS go
   through SMEM and enter dV and dK as transposed A operands. Where :func:`p_last` says so, dS is stored and
   dK's product (with the fused dQ's) issued before FQ(P) is computed, and dV's product after it, so the
-  fake quantization runs while the tensor cores work.
+  fake quantization runs while the tensor cores work. There (:func:`manual_barriers`) the kernel is compiled without
+  Pallas's automatic warpgroup barriers and places one per step itself, after S and dP are waited for.
 * dQ: grid (query head, 128-query block, batch); each warpgroup owns 64 queries and
   loops over key tiles; dS is the register A operand of dS·K̃.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
