@@ -1,8 +1,8 @@
 """benchmarks/profiling.py (interval union, grouping, a trace: on the CPU no GPU plane, no kernels) and
 benchmarks/variants.py (switch parsing, the spill report), benchmarks/data_parallel.py (a smoke run),
 benchmarks/smem_report.py (lowered on the CPU), benchmarks/sass_census.py (a synthetic listing),
-benchmarks/probes/ncu_sass.py (a synthetic Nsight Compute page), benchmarks/probes/transfer_plans.py (lowered on the
-CPU)."""
+benchmarks/probes/ncu_sass.py (a synthetic Nsight Compute page), benchmarks/probes/transfer_plans.py and
+benchmarks/probes/barrier_census.py (lowered on the CPU)."""
 
 import json
 
@@ -506,3 +506,22 @@ def test_transfer_plans_find_the_staggered_dq_stage(monkeypatch, permuted, swizz
         return
     assert float32_tiles, plans  # the stage's stores were seen
     assert staggered == (float32_tiles if swizzle == 128 else set()), plans
+
+
+def test_barrier_census_sees_the_backwards_own_barriers(monkeypatch):
+    """benchmarks/probes/barrier_census.py lowers the Attn-QAT fwd+bwd (D64 non-causal) on the CPU and counts each
+    Mosaic GPU kernel's barriers from the module its custom call carries: the dK/dV/dQ kernel with its own barriers
+    (``qat_bwd_mosaic.manual_barriers``) has fewer ``bar.sync`` than with Pallas's automatic ones, and still its
+    fences and tensor-core waits; the forward, which the switch does not touch, the same counts both times."""
+    from benchmarks.probes.barrier_census import barrier_census
+    from pallas_kernels import qat_bwd_mosaic
+
+    counts = {}
+    for manual in (True, False):
+        monkeypatch.setattr(qat_bwd_mosaic, "MANUAL_BARRIERS", manual)
+        counts[manual] = barrier_census("qat", 64, False, seq=256)
+    assert set(counts[True]) == set(counts[False]) == {"qat_attention_fwd", "qat_bwd_dkdv_dq"}, counts
+    own, auto = counts[True]["qat_bwd_dkdv_dq"], counts[False]["qat_bwd_dkdv_dq"]
+    assert 0 < own.bar_sync < auto.bar_sync, counts
+    assert own.fence_proxy == auto.fence_proxy > 0 and own.wgmma_wait == auto.wgmma_wait > 0, counts
+    assert counts[True]["qat_attention_fwd"] == counts[False]["qat_attention_fwd"], counts
