@@ -110,6 +110,21 @@ def apply(assignments: list, *, only_check: bool = False, method: str = "sage") 
     return overrides
 
 
+def lowering_probe_args(description: str, argv=None, *, head_dim: int = 64) -> argparse.Namespace:
+    """The command line of a probe that lowers one fwd+bwd of a method's Mosaic kernels on the CPU
+    (``benchmarks/probes/transfer_plans.py``, ``barrier_census.py``): ``--method``, ``--head-dim``, ``--causal`` and
+    ``--assign`` (module switches, set here; config fields are refused, as the probes lower the library's config)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--method", choices=("sage", "qat"), default="sage")
+    parser.add_argument("--head-dim", type=int, choices=(64, 128), default=head_dim)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--assign", default="", help="module.ATTR=value switches, as benchmarks/variants.py's")
+    args = parser.parse_args(argv)
+    if apply(parse_assignments(args.assign), method=args.method):
+        parser.error("--assign takes module switches only (config fields are not applied here)")
+    return args
+
+
 def child(args) -> dict:
     """One variant in this process: set its switches, then time (and check) every shape."""
     import dataclasses

@@ -20,14 +20,13 @@ kernels where the same could pay without a GPU (SASS per step: ``benchmarks/sass
 
 from __future__ import annotations
 
-import argparse
 import re
 from typing import NamedTuple
 
 import jax
 
 from benchmarks.common import lower_mosaic_fwd_bwd
-from benchmarks.variants import apply, parse_assignments
+from benchmarks.variants import lowering_probe_args
 
 KERNEL_NAME = re.compile(r"\b(\w+)_mosaic_gpu\b")
 
@@ -76,14 +75,7 @@ def barrier_census(method: str, head_dim: int, causal: bool, seq: int = 512) -> 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=("sage", "qat"), default="sage")
-    parser.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--assign", default="", help="module.ATTR=value switches, as benchmarks/variants.py's")
-    args = parser.parse_args(argv)
-    if apply(parse_assignments(args.assign), method=args.method):
-        parser.error("--assign takes module switches only (config fields are not applied here)")
+    args = lowering_probe_args(__doc__.splitlines()[0], argv, head_dim=128)
     for name, census in barrier_census(args.method, args.head_dim, args.causal).items():
         print(f"{name}: bar.sync {census.bar_sync}, fence.proxy {census.fence_proxy}, "
               f"wgmma.wait_group {census.wgmma_wait}")

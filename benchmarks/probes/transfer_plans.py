@@ -14,14 +14,13 @@ staggered transfers in the fused backwards are their float32 dQ stages (``_mosai
 
 from __future__ import annotations
 
-import argparse
 import collections
 
 import jax
 import jax.experimental.mosaic.gpu.fragmented_array as fragmented_array
 
 from benchmarks.common import lower_mosaic_fwd_bwd
-from benchmarks.variants import apply, parse_assignments
+from benchmarks.variants import lowering_probe_args
 
 
 def transfer_plans(method: str, head_dim: int, causal: bool, seq: int = 512) -> collections.Counter:
@@ -45,14 +44,7 @@ def transfer_plans(method: str, head_dim: int, causal: bool, seq: int = 512) -> 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=("sage", "qat"), default="sage")
-    parser.add_argument("--head-dim", type=int, choices=(64, 128), default=64)
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--assign", default="", help="module.ATTR=value switches, as benchmarks/variants.py's")
-    args = parser.parse_args(argv)
-    if apply(parse_assignments(args.assign), method=args.method):
-        parser.error("--assign takes module switches only (config fields are not applied here)")
+    args = lowering_probe_args(__doc__.splitlines()[0], argv)
     for (shape, bits, swizzle, name, stagger), n in sorted(transfer_plans(args.method, args.head_dim,
                                                                           args.causal).items()):
         print(f"{n:3d} × ref {shape} {bits}-bit swizzle {swizzle}: {name}"
