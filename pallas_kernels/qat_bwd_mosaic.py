@@ -178,8 +178,7 @@ def _ds(e, dp, inv_l_row, delta_row, dtype):
 
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, items, group, n_qtiles, head_dim,
-                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native,
-                 own_barriers):
+                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
@@ -192,7 +191,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
     # split: both warpgroups meet at the CTA-wide barrier (PingPong's two-arrival barrier as a plain rendezvous)
     cta_sync = PingPong(cta_barrier, wg, enabled=True).sync if split else None
     out_shape, half = (TILE, head_dim), head_dim // 2
-    manual = own_barriers and not interpret  # manual_barriers() (the interpreter has no auto barriers to drop)
+    # manual_barriers(): launched without Pallas's barriers (the interpreter has none to drop)
+    manual = manual_barriers(head_dim, causal) and not interpret
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
     dt = q_ref.dtype
 
@@ -405,7 +405,6 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     # split: dS double-buffered (the other warpgroup reads it), a (64 × D/2) stage, the CTA-wide barrier
     ds_tiles = plgpu.SMEM((2, WGS, TILE, TILE), dt, transforms=tile_transforms(dt, TILE)) if split else p_tiles
     dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, ds_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
-    manual = manual_barriers(d, causal)
     dkdv_args = [qf, do_in, m_rows, inv_l, delta, kf, vf]
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
@@ -421,10 +420,10 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
                            stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
     dk, dv = launch(
         functools.partial(_dkdv_kernel, items=items, group=group, n_qtiles=n_qtiles, naive=naive, fused_dq=fused_dq,
-                          split=split, own_barriers=manual, **common),
+                          split=split, **common),
         [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch, items, None,
         name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
-        compute_wgs=WGS, interpret=interpret, manual_barriers=manual,
+        compute_wgs=WGS, interpret=interpret, manual_barriers=manual_barriers(d, causal),
     )(*dkdv_args)
     if fused_dq:
         dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret)
