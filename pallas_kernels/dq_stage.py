@@ -19,8 +19,9 @@ Only compiled (the Mosaic GPU interpreter has no inline Mosaic GPU): :func:`in_u
 kernel (``_mosaic.reduce_add_out(permuted=)``, ``reduce_add_total(permuted=)``). On the H200 (forty-fourth session,
 benchmarks/NOTES.md; kernel ms, two repeats): the fused SageBwd kernel 0.664 → 0.649 at B16 H10/5 S2048 D64 causal
 and 2.126 → 1.965 at B8 H32 S2048 D64, so it takes it at head dim 64 (``sage_bwd_mosaic.permutes_dq_stage``); at
-head dim 128 it was slower there (B4 H32 S4096 causal 2.95 → 4.09 ms). Attn-QAT's backward measured mixed (−1% at
-the D64 causal and D128 shapes, +2.3% at B8 H32 S2048 D64) and keeps Mosaic GPU's store.
+head dim 128 it was slower there (B4 H32 S4096 causal 2.95 → 4.09 ms). Attn-QAT's backward measured mixed then (−1%
+at the D64 causal and D128 shapes, +2.3% at B8 H32 S2048 D64); with its own warpgroup barriers (fifty-fourth session)
+its kernel is 1% faster with it at B8 H32 S2048 D64 and takes it at head dim 64 (``qat_bwd_mosaic.permutes_dq_stage``).
 """
 
 from __future__ import annotations

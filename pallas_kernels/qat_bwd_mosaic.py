@@ -98,6 +98,26 @@ MANUAL_BARRIERS = True
 #: MANUAL_BARRIERS at head dim 64 causal too, where FQ(P) is not last (off: on the H200 the kernel 0.616 / 0.619 →
 #: 0.632 / 0.630 ms at B16 H10/5 S2048 D64 causal; benchmarks/NOTES.md, fifty-third session)
 MANUAL_BARRIERS_D64_CAUSAL = False
+#: the largest head dim at which the fused dQ's float32 stage holds its columns in ``dq_stage`` order (conflict-free
+#: 16-byte stores instead of Mosaic GPU's staggered ones; SageBwd's kernel takes it at 64 too). With this kernel's
+#: own barriers, on the H200 (two repeats, benchmarks/NOTES.md, fifty-fourth session) the kernel 1.742 / 1.750 →
+#: 1.725 / 1.729 ms at B8 H32 S2048 D64, 0.615 / 0.616 → 0.611 / 0.611 at B16 H10/5 S2048 D64 causal, level at B8
+#: H32 S2048 D64 causal (the forty-fourth session, before them, had measured it mixed: +2.3% at the first)
+PERMUTED_STAGE_MAX_HEAD_DIM = 64
+#: the fused dQ's float32 accumulator starts as |dO|·0 instead of a separate zero fill: XLA writes it in the pass
+#: that reads dO for D = rowsum(dO ∘ O′) (one multi-output fusion, one launch fewer). On the H200 (two repeats,
+#: benchmarks/NOTES.md, fifty-fourth session) fwd+bwd 3.030 / 3.025 → 3.011 / 2.991 ms at B8 H32 S2048 D64, D and
+#: fill 0.079 → 0.068 ms; level at B4 H32 S4096 D128 and B16 H10/5 S2048 D64 causal. A row of dO with an inf or NaN
+#: starts its dQ row as NaN, which that row's dQ would be anyway
+ZEROS_FROM_DO = True
+
+
+def permutes_dq_stage(head_dim: int, interpret: bool) -> bool:
+    """Whether the fused dQ's stage holds its columns in ``dq_stage`` order: one REDUCE_COLS-wide stage per
+    warpgroup (head dim 64, unsplit) up to :data:`PERMUTED_STAGE_MAX_HEAD_DIM`, where ``dq_stage.in_use``."""
+    from pallas_kernels import dq_stage
+
+    return head_dim <= min(PERMUTED_STAGE_MAX_HEAD_DIM, REDUCE_COLS) and dq_stage.in_use(interpret)
 
 
 def manual_barriers(head_dim: int, causal: bool) -> bool:
@@ -194,6 +214,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
     # manual_barriers(): launched without Pallas's barriers (the interpreter has none to drop)
     manual = manual_barriers(head_dim, causal) and not interpret
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
+    permuted = fused_dq and not split and permutes_dq_stage(head_dim, interpret)  # the dQ stage's column order
     dt = q_ref.dtype
 
     def in_specs(head_and_tile):  # the pipeline's tiles for step i → (query head of the group, query tile)
@@ -298,7 +319,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
                 # dV and dK, freeing it early measured slower: benchmarks/NOTES.md, forty-second session)
                 free = early_stage_wait() if first else None
                 add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret,  # noqa: E731
-                                                   waited=free is not None)
+                                                   waited=free is not None, permuted=permuted)
             if first:  # reduce-added while dV's and dK's products run
                 accs = product_first(dq_product, accs, products, add_dq, fused=not interpret, issued=free)
             else:
@@ -409,12 +430,14 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
         # (split, a warpgroup's D/2 columns are one REDUCE_COLS-wide stage: split only at head dim 128) and, split,
-        # the CTA-wide barrier. The stage keeps Mosaic GPU's own (staggered) store: ``dq_stage``'s permuted columns
-        # measured mixed here on the H200 (kernel −1% at B16 H10/5 S2048 D64 causal and at D128, +2.3% at B8 H32
-        # S2048 D64; benchmarks/NOTES.md, forty-fourth session)
+        # the CTA-wide barrier. Unsplit (head dim 64) the stage may hold its columns permuted
+        # (:func:`permutes_dq_stage`)
         dkdv_scratch += [reduce_add_stage(WGS, TILE), *([schedule_barrier()] if split else [])]
+        # ZEROS_FROM_DO: |dO|·0 (dO as the kernel reads it, (B, Sq_pad, Hq, D)), which XLA may compute in the fusion
+        # that reads dO for D
+        zeros = jnp.abs(do_in.astype(f32)) * 0.0 if ZEROS_FROM_DO and DO_NATIVE else None
         dkdv_args.append(reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
-                                                after=do_in))
+                                                after=do_in, zeros=zeros))
     n_qtiles = sq_pad // TILE
     items = WorkItems.plan((hkv, kv_blocks, b), ("heads", "kv", "batch"), steps=group * n_qtiles,
                            stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
@@ -426,7 +449,8 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
         compute_wgs=WGS, interpret=interpret, manual_barriers=manual_barriers(d, causal),
     )(*dkdv_args)
     if fused_dq:
-        dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret)
+        permuted = not split and permutes_dq_stage(d, interpret)
+        dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret, permuted=permuted)
         return (dq[:, :sq_len] * scale).astype(do.dtype), *kv_grads(dk, dv)
     row_vecs = plgpu.SMEM((WGS, TILE), f32)
     dq_scratch = [kv_tiles, kv_tiles, row_vecs, row_vecs, row_vecs, p_tiles, plgpu.Barrier(num_barriers=(5, WGS))]

@@ -128,6 +128,16 @@ PERMUTED_STAGE_MAX_HEAD_DIM = 64
 #: the fused kernel's K̂ and Ṽ put in pair order by one Triton pass (``sage_bwd.sage_bwd_kv_operands``, which
 #: also dequantizes Ṽ) instead of XLA's transposes (:func:`takes_pair_ordered_inputs`)
 KV_OPERANDS_KERNEL = True
+#: the fused dK/dV/dQ kernel is compiled without Pallas's automatic barriers (``_mosaic.compiler_params(
+#: manual_barriers=True)``): its step already orders every rewrite of an SMEM tile by barriers of its own (the dQ
+#: stage's free, each ``commit_smem``, the one inside ``_mosaic._warp_absmax``), so Pallas's bar.sync on both sides
+#: of the float32 dQ stage's store (head dim 128, where that store is a plain one) and before each of the memory
+#: warpgroup's TMA loads only wait (:func:`manual_barriers`). On the H200 (two repeats, benchmarks/NOTES.md,
+#: fifty-fourth session) the kernel 1.761 / 1.761 → 1.742 / 1.742 ms at B8 H32 S2048 D64, 0.621 / 0.618 → 0.613 /
+#: 0.611 at B16 H10/5 S2048 D64 causal; at head dim 128 5.631 / 5.638 → 5.614 / 5.622 at B4 H32 S4096 (level) and
+#: 2.984 / 2.987 → 3.011 / 3.040 causal, so up to :data:`MANUAL_BARRIERS_MAX_HEAD_DIM`
+MANUAL_BARRIERS = True
+MANUAL_BARRIERS_MAX_HEAD_DIM = 64
 
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
@@ -194,6 +204,23 @@ def dequantized_v(vt8: jax.Array, v_scale: jax.Array, dtype, *, keys_in_operand_
     """
     vd = jnp.swapaxes(dequantize_v_t(vt8, v_scale, dtype), 2, 3)
     return operand_order.from_operand_order(vd, 2) if keys_in_operand_order else vd
+
+
+def manual_barriers(head_dim: int, *, fused_dq: bool, interpret: bool) -> bool:
+    """Whether :func:`sage_bwd_dkdv_mosaic` is compiled without Pallas's automatic barriers
+    (:data:`MANUAL_BARRIERS`): up to :data:`MANUAL_BARRIERS_MAX_HEAD_DIM`, with the fused dQ, compiled, and both
+    INT8 A operands (P̂ᵀ, dŜᵀ) from registers (:func:`_smem_operands`), where every SMEM tile the step rewrites is
+    already ordered by a barrier it places:
+
+    * the transposed dŜ (``stmatrix``, never behind one of Pallas's barriers) is last read by the previous step's
+      dQ product, which every warp waits for before that step's last ``commit_smem``;
+    * the tile maximum's four words (``_mosaic.tile_absmax``) are read before the step's ``commit_smem``;
+    * the float32 dQ stage is rewritten after its free (``cp.async.bulk.wait_group.read`` and a barrier) and
+      published by ``commit_smem``;
+    * the epilogue writes dK and dV into the Ṽ tile after ``wait_smem_to_gmem`` (a barrier) and commits them.
+    """
+    return (MANUAL_BARRIERS and head_dim <= MANUAL_BARRIERS_MAX_HEAD_DIM and fused_dq and not interpret
+            and not any(_smem_operands(head_dim, interpret)))
 
 
 def needed_query_tile(tile: jax.Array, wg_keys: jax.Array, *, offset: int) -> jax.Array:
@@ -543,7 +570,8 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         raise ValueError("dq_zeros: only the fused dQ (k8_t given) accumulates dQ")
     dk, dv = launch(kernel, [jax.ShapeDtypeStruct((b, tma_rows(sk_len), hkv, d), f16)] * 2, scratch,
                     items, None, name="sage_bwd_dkdv_dq" if fused_dq else "sage_bwd_dkdv", compute_wgs=WGS,
-                    interpret=interpret)(*args)
+                    interpret=interpret,
+                    manual_barriers=manual_barriers(d, fused_dq=fused_dq, interpret=interpret))(*args)
     dk, dv = trim_rows(dk, sk_len), trim_rows(dv, sk_len)
     if not fused_dq:
         return dk, dv

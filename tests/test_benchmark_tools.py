@@ -254,7 +254,8 @@ def test_nvfp4_scale_check_runs_and_counts_the_old_division():
 
 def test_qat_table_keeps_only_the_methods_a_run_timed():
     """render_results: Attn-QAT's throughput table (``qat.py --methods`` times a subset) has a column for
-    each method some row timed, and a ratio column only where cuDNN's time is there too."""
+    each method some row timed, and a ratio column only where cuDNN's time is there too; the fwd+bwd ratios (the
+    issue's target) with three decimals."""
     from benchmarks.render_results import _qat_throughput_table
 
     def row(fwd, fwd_bwd):
@@ -266,7 +267,7 @@ def test_qat_table_keeps_only_the_methods_a_run_timed():
     some = _qat_throughput_table([row({pp: 300.0, "cudnn_bf16": 600.0}, {pp: 330.0, "cudnn_bf16": 500.0})])
     assert some[0] == ("| B | H | S | D | causal | fwd: mosaic+pp | cuDNN bf16 | mosaic+pp / cuDNN | "
                        "fwd+bwd: mosaic+pp | cuDNN bf16 | **mosaic+pp / cuDNN** |")
-    assert some[1].count("|---") == 11 and some[2].endswith("| 300 | 600 | 0.50× | 330 | 500 | **0.66×** |")
+    assert some[1].count("|---") == 11 and some[2].endswith("| 300 | 600 | 0.50× | 330 | 500 | **0.660×** |")
     full = {m: 100.0 for m in ("qat", "qat_mosaic", pp, "sage", "cudnn_bf16")}
     table = _qat_throughput_table([row(full, {**full, "qat_naive_bwd": 100.0})])
     assert table[0].count("|") - 1 == 5 + 5 + 2 + 6 + 3
@@ -508,20 +509,24 @@ def test_transfer_plans_find_the_staggered_dq_stage(monkeypatch, permuted, swizz
     assert staggered == (float32_tiles if swizzle == 128 else set()), plans
 
 
-def test_barrier_census_sees_the_backwards_own_barriers(monkeypatch):
-    """benchmarks/probes/barrier_census.py lowers the Attn-QAT fwd+bwd (D64 non-causal) on the CPU and counts each
-    Mosaic GPU kernel's barriers from the module its custom call carries: the dK/dV/dQ kernel with its own barriers
-    (``qat_bwd_mosaic.manual_barriers``) has fewer ``bar.sync`` than with Pallas's automatic ones, and still its
-    fences and tensor-core waits; the forward, which the switch does not touch, the same counts both times."""
+@pytest.mark.parametrize("method", ["qat", "sage"])
+def test_barrier_census_sees_the_backwards_own_barriers(monkeypatch, method):
+    """benchmarks/probes/barrier_census.py lowers a fwd+bwd (D64 non-causal) on the CPU and counts each Mosaic GPU
+    kernel's barriers from the module its custom call carries: the dK/dV/dQ kernel with its own barriers
+    (``qat_bwd_mosaic.manual_barriers``, ``sage_bwd_mosaic.manual_barriers``) has fewer ``bar.sync`` than with
+    Pallas's automatic ones, and still its fences and tensor-core waits; the forward, which the switch does not
+    touch, the same counts both times."""
     from benchmarks.probes.barrier_census import barrier_census
-    from pallas_kernels import qat_bwd_mosaic
+    from pallas_kernels import qat_bwd_mosaic, sage_bwd_mosaic
 
+    module = {"qat": qat_bwd_mosaic, "sage": sage_bwd_mosaic}[method]
+    fwd, bwd = f"{method}_attention_fwd", f"{method}_bwd_dkdv_dq"
     counts = {}
     for manual in (True, False):
-        monkeypatch.setattr(qat_bwd_mosaic, "MANUAL_BARRIERS", manual)
-        counts[manual] = barrier_census("qat", 64, False, seq=256)
-    assert set(counts[True]) == set(counts[False]) == {"qat_attention_fwd", "qat_bwd_dkdv_dq"}, counts
-    own, auto = counts[True]["qat_bwd_dkdv_dq"], counts[False]["qat_bwd_dkdv_dq"]
+        monkeypatch.setattr(module, "MANUAL_BARRIERS", manual)
+        counts[manual] = barrier_census(method, 64, False, seq=256)
+    assert set(counts[True]) == set(counts[False]) == {fwd, bwd}, counts
+    own, auto = counts[True][bwd], counts[False][bwd]
     assert 0 < own.bar_sync < auto.bar_sync, counts
     assert own.fence_proxy == auto.fence_proxy > 0 and own.wgmma_wait == auto.wgmma_wait > 0, counts
-    assert counts[True]["qat_attention_fwd"] == counts[False]["qat_attention_fwd"], counts
+    assert counts[True][fwd] == counts[False][fwd], counts

@@ -75,11 +75,12 @@ def test_accumulator_total_is_unpermuted_only_for_a_permuted_stage(monkeypatch):
     assert not dq_stage.in_use(False)
 
 
-@pytest.mark.parametrize("method, head_dim, stores", [("sage", 64, 1), ("sage", 128, 0), ("qat", 64, 0)])
+@pytest.mark.parametrize("method, head_dim, stores", [("sage", 64, 1), ("sage", 128, 0), ("qat", 64, 1),
+                                                       ("qat", 128, 0)])
 def test_fused_backwards_take_the_permuted_stage_where_measured_faster(monkeypatch, method, head_dim, stores):
     """Lowered for an H200: the fused SageBwd kernel stores its dQ stage through ``dq_stage.store`` at head dim 64
     only (``sage_bwd_mosaic.PERMUTED_STAGE_MAX_HEAD_DIM``), and its accumulator is put back by ``unpermute``;
-    Attn-QAT's backward keeps Mosaic GPU's own store (measured mixed, forty-fourth session)."""
+    so does Attn-QAT's (``qat_bwd_mosaic.PERMUTED_STAGE_MAX_HEAD_DIM``, fifty-fourth session)."""
     from benchmarks.common import lower_mosaic_fwd_bwd
 
     calls = []

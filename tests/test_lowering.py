@@ -507,6 +507,26 @@ def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
     assert barriers == [False] * (2 if manual else 1), barriers
 
 
+@pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False)])
+def test_sage_backward_drops_pallas_barriers_at_head_dim_64(monkeypatch, d, causal):
+    """``sage_bwd_mosaic.manual_barriers``: the fused dK/dV/dQ kernel is compiled without Pallas's automatic
+    barriers at head dim 64 (causal or not) and with them at 128; the forward always with them. Checked on the
+    lowering for an H200 (the compiler params each Mosaic GPU kernel asks for, in launch order)."""
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import _mosaic as mos, sage_bwd_mosaic
+
+    params = []
+    real_params = mos.compiler_params
+    monkeypatch.setattr(mos, "compiler_params", lambda **kw: params.append(kw.get("manual_barriers", False))
+                        or real_params(**kw))
+    jax.clear_caches()
+    lower_mosaic_fwd_bwd("sage", d, causal, seq=256)
+    jax.clear_caches()
+    assert sage_bwd_mosaic.manual_barriers(d, fused_dq=True, interpret=False) == (d == 64)
+    assert not sage_bwd_mosaic.manual_barriers(d, fused_dq=True, interpret=True)
+    assert params == [False, d == 64], params  # the forward, then the dK/dV/dQ kernel
+
+
 def test_8bit_layouts_are_the_ones_the_relayout_assumes():
     """``_mosaic._wgmma_to_8bit`` hard-codes where each lane's bytes sit in the two layouts (jax 0.11.2): lane
     4·r + c holds columns 2c, 2c+1 of each 8-column group (WGMMA) and 4c…4c+3 of each 16-column group

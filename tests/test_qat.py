@@ -173,6 +173,26 @@ def test_mosaic_fused_dq_same_gradients(case):
     assert qat_bwd_mosaic.splits_dq_columns(128) and not qat_bwd_mosaic.splits_dq_columns(64)
 
 
+def _same_gradients_either_way(monkeypatch, module, switch, case, seed, seen: list, check, **kw):
+    """The fused Mosaic backward's gradients (interpreted) with ``module.switch`` on and off, asserted equal exactly;
+    ``seen`` (a spy's record) is cleared before each and ``check(on)`` called after it. Returns (q, k, v, do) and
+    the gradients with the switch on."""
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=seed)
+    do = cotangent(q)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(module, switch, on)
+        jax.clear_caches()
+        seen.clear()
+        got[on] = grads(q, k, v, do, causal=causal, implementation="pallas", interpret=True,
+                        config=dataclasses.replace(MOSAIC, dq_kernel="fused"), **kw)
+        check(on)
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+    return (q, k, v, do), got[True]
+
+
 @pytest.mark.parametrize("case", [(1, 130, 200, 4, 2, 64, True), (1, 128, 256, 2, 1, 128, False)])
 def test_mosaic_dq_first_same_gradients(monkeypatch, case):
     """qat_bwd_mosaic.DQ_FIRST (the fused dQ's product issued before dV's and dK's and reduce-added while they run,
@@ -183,19 +203,12 @@ def test_mosaic_dq_first_same_gradients(monkeypatch, case):
 
     real, routes = qat_bwd_mosaic.product_first, []
     monkeypatch.setattr(qat_bwd_mosaic, "product_first", lambda *a, **kw: routes.append(True) or real(*a, **kw))
-    b, sq, sk, hq, hkv, d, causal = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d)
-    do = cotangent(q)
-    got = {}
-    for first in (True, False):
-        monkeypatch.setattr(qat_bwd_mosaic, "DQ_FIRST", first)
-        jax.clear_caches()
-        routes.clear()
-        got[first] = grads(q, k, v, do, causal=causal, implementation="pallas", interpret=True,
-                           config=dataclasses.replace(MOSAIC, dq_kernel="fused"))
+
+    def took_it(first):
         assert bool(routes) == first, (first, routes)
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+    _same_gradients_either_way(monkeypatch, qat_bwd_mosaic, "DQ_FIRST", case, sum(case[1:3]) + case[5], routes,
+                               took_it)
     monkeypatch.setattr(qat_bwd_mosaic, "DQ_FIRST", True)
     assert [qat_bwd_mosaic.dq_first(hd, c) for hd in (64, 128) for c in (False, True)] == [True, True, True, True]
     monkeypatch.setattr(qat_bwd_mosaic, "P_LAST", False)  # D64 non-causal takes dQ first only with FQ(P) last
@@ -219,26 +232,46 @@ def test_mosaic_p_last_same_gradients(monkeypatch, case):
         real = getattr(qat_bwd_mosaic, name)
         monkeypatch.setattr(qat_bwd_mosaic, name, lambda *a, _real=real, _at=operands_at, **kw: late.append(
             sum(map(callable, a[_at]))) or _real(*a, **kw))
-    b, sq, sk, hq, hkv, d, causal, naive = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 7)
-    do = cotangent(q)
-    got = {}
+    *case, naive = case
     monkeypatch.setattr(qat_bwd_mosaic, "P_LAST_D64_CAUSAL", True)  # the late route wherever P_LAST is on
-    for on in (True, False):
-        monkeypatch.setattr(qat_bwd_mosaic, "P_LAST", on)
-        jax.clear_caches()
-        late.clear()
-        got[on] = grads(q, k, v, do, causal=causal, naive_backward=naive, implementation="pallas", interpret=True,
-                        config=dataclasses.replace(MOSAIC, dq_kernel="fused"))
+
+    def counted(on):
         assert late and set(late) == {int(on)}, (on, late)
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+    (q, k, v, do), got = _same_gradients_either_way(monkeypatch, qat_bwd_mosaic, "P_LAST", tuple(case),
+                                                    sum(case[1:3]) + case[5] + 7, late, counted, naive_backward=naive)
+    causal = case[6]
     g_x = grads(q, k, v, do, causal=causal, naive_backward=naive, implementation="xla", config=lb.QatConfig())
-    for name, a, x in zip(("dq", "dk", "dv"), got[True][1:], g_x[1:]):
+    for name, a, x in zip(("dq", "dk", "dv"), got[1:], g_x[1:]):
         assert metrics(a, x)[1] < 2e-3, name
     monkeypatch.setattr(qat_bwd_mosaic, "P_LAST_D64_CAUSAL", False)
     monkeypatch.setattr(qat_bwd_mosaic, "P_LAST", True)
     assert [qat_bwd_mosaic.p_last(hd, c) for hd in (64, 128) for c in (False, True)] == [True, False, True, True]
+
+
+@pytest.mark.parametrize("case", [(1, 130, 200, 4, 2, 64, True), (2, 128, 128, 2, 1, 128, False)])
+def test_mosaic_dq_accumulator_from_do_same_gradients(monkeypatch, case):
+    """qat_bwd_mosaic.ZEROS_FROM_DO (the fused dQ's float32 accumulator starts as |dO|·0, which XLA computes in the
+    pass that reads dO for D, instead of a separate fill): the gradients equal those with it off (interpreter; D64
+    causal with ragged Sq < Sk, whose padded query rows start from the padded dO, and GQA; D128 MQA). A spy sees
+    the accumulator built from that array with the switch on and from nothing with it off; it is +0 everywhere."""
+    from pallas_kernels import qat_bwd_mosaic
+
+    real, given = qat_bwd_mosaic.reduce_add_accumulator, []
+
+    def spy(*a, zeros=None, **kw):
+        given.append(zeros)
+        return real(*a, zeros=zeros, **kw)
+
+    monkeypatch.setattr(qat_bwd_mosaic, "reduce_add_accumulator", spy)
+
+    def built_from_do(on):
+        assert len(given) == 1 and (given[0] is not None) == on, (on, given)
+
+    (_, _, _, do), _ = _same_gradients_either_way(monkeypatch, qat_bwd_mosaic, "ZEROS_FROM_DO", case,
+                                                  sum(case[1:3]) + case[5] + 11, given, built_from_do)
+    zeros = jnp.abs(jnp.asarray(do, jnp.float32)) * 0.0
+    assert not np.signbit(np.asarray(zeros)).any() and not np.asarray(zeros).any()
 
 
 @pytest.mark.parametrize("d, causal, early", [(128, False, True), (64, True, True), (64, False, True),
