@@ -354,6 +354,7 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
     QatConfig.dq_kernel (default "auto": fused everywhere — split by columns between the warpgroups at
     D128 — so the dQ kernel is then absent)."""
     from lowbit_jax import qat as qat_mod
+    from pallas_kernels import qat_bwd_mosaic
 
     fwd, bwd, *extra = backends
     dq_kernel = extra[0] if extra and extra[0] in ("fused", "separate") else "auto"
@@ -385,7 +386,12 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
         fused = opts.config.fuses_dq(d, causal)
         assert mosaic_named(text, "qat_bwd_dkdv_dq" if fused else "qat_bwd_dkdv")
         assert mosaic_named(text, "qat_bwd_dq") != fused
-        assert ("stablehlo.optimization_barrier" in text) == fused  # the dQ zero fill waits for dO
+        # the fused dQ's accumulator starts after dO exists: as |dO|·0 (qat_bwd_mosaic.ZEROS_FROM_DO, computed from
+        # the padded dO the kernel reads) or as a zero fill behind an optimization barrier with dO
+        from_do = fused and qat_bwd_mosaic.ZEROS_FROM_DO
+        assert ("stablehlo.optimization_barrier" in text) == (fused and not from_do)
+        sq_pad = 384
+        assert bool(re.search(rf"stablehlo.abs %\S+ : tensor<2x{sq_pad}x8x{d}xf32>", text)) == from_do
 
 
 def _int8_register_operand_kernel(k: int, n: int):
