@@ -198,9 +198,10 @@ def _ds(e, dp, inv_l_row, delta_row, dtype):
 
 
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, items, group, n_qtiles, head_dim,
-                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, do_native):
+                 sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, permuted, do_native):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
-    (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`).
+    (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`);
+    ``permuted``: the dQ stage's columns in ``dq_stage`` order (:func:`permutes_dq_stage`).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
     if fused_dq:
         dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, p_smem2, ds_smem2, barriers, stage2, *cta_barrier = refs
@@ -214,7 +215,6 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
     # manual_barriers(): launched without Pallas's barriers (the interpreter has none to drop)
     manual = manual_barriers(head_dim, causal) and not interpret
     masked = causal or sk_len != k_ref.shape[2]  # causal or padded keys
-    permuted = fused_dq and not split and permutes_dq_stage(head_dim, interpret)  # the dQ stage's column order
     dt = q_ref.dtype
 
     def in_specs(head_and_tile):  # the pipeline's tiles for step i → (query head of the group, query tile)
@@ -423,6 +423,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
                   scale=scale, interpret=interpret, do_native=DO_NATIVE)
     kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
     split = fused_dq and splits_dq_columns(d)
+    permuted = fused_dq and not split and permutes_dq_stage(d, interpret)  # the dQ stage's column order
     # split: dS double-buffered (the other warpgroup reads it), a (64 × D/2) stage, the CTA-wide barrier
     ds_tiles = plgpu.SMEM((2, WGS, TILE, TILE), dt, transforms=tile_transforms(dt, TILE)) if split else p_tiles
     dkdv_scratch = [kv_tiles, kv_tiles, p_tiles, ds_tiles, plgpu.Barrier(num_barriers=(2, WGS))]
@@ -443,13 +444,12 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
                            stages=STAGES_D64 if d <= 64 else STAGES, causal=causal, interpret=interpret)
     dk, dv = launch(
         functools.partial(_dkdv_kernel, items=items, group=group, n_qtiles=n_qtiles, naive=naive, fused_dq=fused_dq,
-                          split=split, **common),
+                          split=split, permuted=permuted, **common),
         [jax.ShapeDtypeStruct((b, kv_rows, hkv, d), do.dtype)] * 2, dkdv_scratch, items, None,
         name="qat_bwd_dkdv_dq" if fused_dq else "qat_bwd_dkdv",
         compute_wgs=WGS, interpret=interpret, manual_barriers=manual_barriers(d, causal),
     )(*dkdv_args)
     if fused_dq:
-        permuted = not split and permutes_dq_stage(d, interpret)
         dq = reduce_add_total(dkdv_args[-1], 2, interpret=interpret, permuted=permuted)
         return (dq[:, :sq_len] * scale).astype(do.dtype), *kv_grads(dk, dv)
     row_vecs = plgpu.SMEM((WGS, TILE), f32)
