@@ -474,6 +474,17 @@ def test_warpgroup_barrier_emits_a_bar_sync(monkeypatch):
     assert counts[1] == counts[0] + 1, counts
 
 
+def _compiler_params_asked(monkeypatch) -> list[bool]:
+    """A spy on ``_mosaic.compiler_params``: the list it returns gets each call's ``manual_barriers``, in launch
+    order."""
+    from pallas_kernels import _mosaic as mos
+
+    asked, real = [], mos.compiler_params
+    monkeypatch.setattr(mos, "compiler_params", lambda **kw: asked.append(kw.get("manual_barriers", False))
+                        or real(**kw))
+    return asked
+
+
 @pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, True)])
 def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
     """``qat_bwd_mosaic.manual_barriers``: where FQ(P) comes last (head dim 128; 64 non-causal) the fused dK/dV/dQ
@@ -481,30 +492,13 @@ def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
     are waited for; at head dim 64 causal Pallas's barriers stay and the step adds none. Either way one barrier
     precedes the epilogue's stores of dK and dV into the K̃ and Ṽ tiles. Checked on the lowering for an H200
     (compiler params of each Mosaic GPU kernel, the kernel's barrier calls)."""
-    from lowbit_jax import qat as qat_mod
-    from pallas_kernels import _mosaic as mos, qat_bwd_mosaic
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import qat_bwd_mosaic
 
-    params, barriers = [], []
-    real_params = mos.compiler_params
-    monkeypatch.setattr(mos, "compiler_params", lambda **kw: params.append(kw.get("manual_barriers", False))
-                        or real_params(**kw))
+    params, barriers = _compiler_params_asked(monkeypatch), []
     monkeypatch.setattr(qat_bwd_mosaic, "warpgroup_barrier", lambda interpret: barriers.append(interpret))
-    q = jax.ShapeDtypeStruct((1, 256, 4, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
-    opts = qat_mod.resolve_qat_options(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype),
-                                       jnp.zeros(kv.shape, kv.dtype), causal=causal, implementation="pallas",
-                                       interpret=True, config=lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic",
-                                                                           dq_kernel="fused"))
-    opts = dataclasses.replace(opts, interpret=False)
-
-    def grads(q, k, v, w):
-        def loss(q, k, v):
-            return jnp.sum(qat_mod._qat_attention(q, k, v, None, opts).astype(jnp.float32) * w)
-
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
     jax.clear_caches()
-    lower_for_h200(grads, q, kv, kv, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
     jax.clear_caches()
     manual = qat_bwd_mosaic.manual_barriers(d, causal)
     assert manual == (d == 128 or not causal)
@@ -519,12 +513,9 @@ def test_sage_backward_drops_pallas_barriers_at_head_dim_64(monkeypatch, d, caus
     barriers at head dim 64 (causal or not) and with them at 128; the forward always with them. Checked on the
     lowering for an H200 (the compiler params each Mosaic GPU kernel asks for, in launch order)."""
     from benchmarks.common import lower_mosaic_fwd_bwd
-    from pallas_kernels import _mosaic as mos, sage_bwd_mosaic
+    from pallas_kernels import sage_bwd_mosaic
 
-    params = []
-    real_params = mos.compiler_params
-    monkeypatch.setattr(mos, "compiler_params", lambda **kw: params.append(kw.get("manual_barriers", False))
-                        or real_params(**kw))
+    params = _compiler_params_asked(monkeypatch)
     jax.clear_caches()
     lower_mosaic_fwd_bwd("sage", d, causal, seq=256)
     jax.clear_caches()
