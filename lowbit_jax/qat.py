@@ -149,14 +149,19 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, opts: QatOptions
     if opts.implementation != "pallas":
         return fake_quant_operands(*qk_prologue.apply_qk(q, k, prologue), v, config=cfg)
 
-    def fq(x, pro=None, which="q", lanes=False):
-        return fake_quant_kernels.fp4_fake_quant_heads(
-            x, pro, which, seq_pad=padded(x.shape[1], cfg.pad),
-            block=max(cfg.quant_block, lane_groups.BLOCK) if lanes else cfg.quant_block, out_dtype=mma_dtype(x.dtype),
-            lane_order=lanes, num_warps=fake_quant_kernels.warps_for(cfg.quant_warps, x.shape[-1], pro),
-            interpret=opts.interpret)
+    fqk = fake_quant_kernels
 
-    return fq(q, prologue, "q"), fq(k, prologue, "k", lane_order), fq(v, lanes=lane_order)
+    def kw(x, lanes, pro=None):
+        return dict(seq_pad=padded(x.shape[1], cfg.pad),
+                    block=max(cfg.quant_block, lane_groups.BLOCK) if lanes else cfg.quant_block,
+                    out_dtype=mma_dtype(x.dtype), lane_order=lanes,
+                    num_warps=fqk.warps_for(cfg.quant_warps, x.shape[-1], pro), interpret=opts.interpret)
+
+    qf = fqk.fp4_fake_quant_heads(q, prologue, "q", **kw(q, False, prologue))
+    if fqk.PAIR_KV:  # one launch for both (k and v share shape and dtype: checked)
+        return qf, *fqk.fp4_fake_quant_kv(k, v, prologue, **kw(k, lane_order, prologue))
+    return (qf, fqk.fp4_fake_quant_heads(k, prologue, "k", **kw(k, lane_order, prologue)),
+            fqk.fp4_fake_quant_heads(v, **kw(v, lane_order)))
 
 
 def _runs_mosaic_forward(opts: QatOptions, head_dim: int, dtype) -> bool:

@@ -32,6 +32,12 @@ from pallas_kernels._triton import compiler_params, pl, row_mask
 #: (0.035 vs 0.037 with 8); without a prologue 4 and 8 are level (benchmarks/probes/prologue_sweep.py --part qat,
 #: benchmarks/NOTES.md, forty-eighth session)
 PROLOGUE_WARPS_WIDE = 8
+#: lane order by address: each quantized row stored at its lane-order position (``lane_groups.column_of_key``, a row
+#: scatter within the block) instead of the tile's rows permuted in registers before a plain store. On the H200 K̃ and
+#: Ṽ's passes (``variants.py --profile``, two repeats): 0.0764 / 0.0757 → 0.0735 / 0.0733 ms at B8 H32 S2048 D64,
+#: 0.1406 / 0.1405 → 0.1357 / 0.1361 at B4 H32 S4096 D128, level at B16 H10/5 S2048 D64 (benchmarks/NOTES.md,
+#: fifty-fifth session)
+LANE_ORDER_BY_ADDRESS = True
 
 
 def warps_for(num_warps: int, head_dim: int, prologue: QKPrologue | None) -> int:
@@ -39,28 +45,75 @@ def warps_for(num_warps: int, head_dim: int, prologue: QKPrologue | None) -> int
     return max(num_warps, PROLOGUE_WARPS_WIDE) if prologue is not None and head_dim >= 128 else num_warps
 
 
-def _fake_quant_kernel(x_ref, *refs, block, seq_len, ragged, along, lane_order, pro):
-    refs = list(refs)
+#: Attn-QAT's K and V fake-quantized by one launch (:func:`fp4_fake_quant_kv`) instead of one each: one launch fewer
+#: per call, the kernel time level with the two launches' sum on the H200 (fifty-fifth session)
+PAIR_KV = True
+
+
+def _fake_quant_kernel(*refs, n, block, seq_len, ragged, along, lane_order, by_address, pro):
+    """``refs``: n inputs, the first one's prologue refs, n outputs; the prologue applies to the first only."""
+    x_refs, refs = refs[:n], list(refs[n:])
     valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
-    x = qk_prologue_kernels.load_tile(x_ref, refs, valid, pro)  # with a prologue: its two channel halves
-    o_ref = refs.pop(0)
+    # with a prologue: its two channel halves
+    xs = [qk_prologue_kernels.load_tile(x_ref, refs, valid, pro if i == 0 else qk_prologue_kernels.Flags())
+          for i, x_ref in enumerate(x_refs)]
+    # key k of the block goes to row column_of_key(k) (by address) or is moved there in registers
+    rows = lane_groups.column_of_key(jnp.arange(block, dtype=jnp.int32)) if lane_order and by_address else None
+    for x, o_ref in zip(xs, refs, strict=True):
+        def quantize(t, dtype=o_ref.dtype):
+            t = t.astype(jnp.float32)
+            if along == "channels":
+                fq = nvfp4.fake_quant_last(t)
+            else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
+                fq = nvfp4.fake_quant_last(t.T).T
+            if lane_order and not by_address:
+                fq = lane_groups.to_lane_order(fq, 0)
+            return fq.astype(dtype)
 
-    def quantize(t):
-        t = t.astype(jnp.float32)
-        if along == "channels":
-            fq = nvfp4.fake_quant_last(t)
-        else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
-            fq = nvfp4.fake_quant_last(t.T).T
-        if lane_order:
-            fq = lane_groups.to_lane_order(fq, 0)
-        return fq.astype(o_ref.dtype)
-
-    # groups of 16 channels never straddle the halves (D/2 is a multiple of 16)
-    qk_prologue_kernels.store_parts(o_ref, tuple(map(quantize, x)) if isinstance(x, tuple) else quantize(x))
+        # groups of 16 channels never straddle the halves (D/2 is a multiple of 16)
+        qk_prologue_kernels.store_parts(o_ref, tuple(map(quantize, x)) if isinstance(x, tuple) else quantize(x),
+                                        rows=rows)
 
 
-@functools.partial(jax.jit, static_argnames=("which", "seq_pad", "block", "out_dtype", "along", "lane_order",
-                                             "num_warps", "interpret"))
+def _check(block: int, along: str, lane_order: bool, which: str, prologue: QKPrologue | None) -> None:
+    if along not in ("channels", "tokens"):
+        raise ValueError(f"along must be 'channels' or 'tokens', got {along!r}")
+    if lane_order and block % lane_groups.BLOCK:
+        raise ValueError(f"lane_order needs block a multiple of {lane_groups.BLOCK}, got {block}")
+    if which not in ("q", "k"):
+        raise ValueError(f"which must be 'q' or 'k' (the prologue's side), got {which!r}")
+    if prologue is not None and along != "channels":
+        raise ValueError("a prologue needs along='channels' (it normalizes and rotates each token's channels)")
+
+
+def _call(xs: tuple[jax.Array, ...], prologue: QKPrologue | None, which: str, *, seq_pad: int, block: int, out_dtype,
+          along: str, lane_order: bool, num_warps: int, interpret: bool) -> list[jax.Array]:
+    """One launch over the (row block, batch, head) tiles of equally shaped ``xs``: FQ of each."""
+    _check(block, along, lane_order, which, prologue)
+    b, s, h, d = xs[0].shape
+    kernel = functools.partial(_fake_quant_kernel, n=len(xs), block=block, seq_len=s, ragged=seq_pad != s,
+                               along=along, lane_order=lane_order, by_address=LANE_ORDER_BY_ADDRESS,
+                               pro=qk_prologue_kernels.prologue_flags(prologue, interpret))
+    pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue, which, block, d, s,
+                                                             row_block=lambda i, bi, hi: i)
+    in_spec = pl.BlockSpec((None, block, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    out_spec = pl.BlockSpec((None, None, block, d), lambda i, bi, hi: (bi, hi, i, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(seq_pad // block, b, h),
+        in_specs=[in_spec] * len(xs) + pro_specs,
+        out_specs=[out_spec] * len(xs),
+        out_shape=[jax.ShapeDtypeStruct((b, h, seq_pad, d), out_dtype)] * len(xs),
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="fp4_fake_quant",
+    )(*xs, *pro_args)
+
+
+_STATIC = ("which", "seq_pad", "block", "out_dtype", "along", "lane_order", "num_warps", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def fp4_fake_quant_heads(x: jax.Array, prologue: QKPrologue | None = None, which: str = "q", *, seq_pad: int,
                          block: int, out_dtype, along: str = "channels", lane_order: bool = False, num_warps: int = 4,
                          interpret: bool = False) -> jax.Array:
@@ -82,26 +135,18 @@ def fp4_fake_quant_heads(x: jax.Array, prologue: QKPrologue | None = None, which
     Returns:
       (B, H, seq_pad, D) out_dtype; rows ≥ S are zeros.
     """
-    if along not in ("channels", "tokens"):
-        raise ValueError(f"along must be 'channels' or 'tokens', got {along!r}")
-    if lane_order and block % lane_groups.BLOCK:
-        raise ValueError(f"lane_order needs block a multiple of {lane_groups.BLOCK}, got {block}")
-    if which not in ("q", "k"):
-        raise ValueError(f"which must be 'q' or 'k' (the prologue's side), got {which!r}")
-    if prologue is not None and along != "channels":
-        raise ValueError("a prologue needs along='channels' (it normalizes and rotates each token's channels)")
-    b, s, h, d = x.shape
-    kernel = functools.partial(_fake_quant_kernel, block=block, seq_len=s, ragged=seq_pad != s, along=along,
-                               lane_order=lane_order, pro=qk_prologue_kernels.prologue_flags(prologue, interpret))
-    pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue, which, block, d, s,
-                                                             row_block=lambda i, bi, hi: i)
-    return pl.pallas_call(
-        kernel,
-        grid=(seq_pad // block, b, h),
-        in_specs=[pl.BlockSpec((None, block, None, d), lambda i, bi, hi: (bi, i, hi, 0)), *pro_specs],
-        out_specs=pl.BlockSpec((None, None, block, d), lambda i, bi, hi: (bi, hi, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, h, seq_pad, d), out_dtype),
-        compiler_params=compiler_params(num_warps, 1),
-        interpret=interpret,
-        name="fp4_fake_quant",
-    )(x, *pro_args)
+    return _call((x,), prologue, which, seq_pad=seq_pad, block=block, out_dtype=out_dtype, along=along,
+                 lane_order=lane_order, num_warps=num_warps, interpret=interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC[1:])
+def fp4_fake_quant_kv(k: jax.Array, v: jax.Array, prologue: QKPrologue | None = None, *, seq_pad: int, block: int,
+                      out_dtype, along: str = "channels", lane_order: bool = False, num_warps: int = 4,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(FQ(k), FQ(v)) by one launch: each as :func:`fp4_fake_quant_heads` would give it, ``prologue``'s "k" side
+    applied to k only. k, v: (B, S, H, D) of one shape and dtype."""
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k and v must match in shape and dtype, got {k.shape} {k.dtype} and {v.shape} {v.dtype}")
+    kf, vf = _call((k, v), prologue, "k", seq_pad=seq_pad, block=block, out_dtype=out_dtype, along=along,
+                   lane_order=lane_order, num_warps=num_warps, interpret=interpret)
+    return kf, vf

@@ -56,6 +56,11 @@ def key_of_column(col: jax.Array) -> jax.Array:
     return ((col & ~(BLOCK - 1)) | (((col >> 1) & 3) << 4) | (((col >> 3) & 7) << 1) | (col & 1))
 
 
+def column_of_key(key: jax.Array) -> jax.Array:
+    """The column of a lane-ordered tile that holds key offset ``key`` (the inverse of :func:`key_of_column`)."""
+    return ((key & ~(BLOCK - 1)) | (((key >> 1) & 7) << 3) | (((key >> 4) & 3) << 1) | (key & 1))
+
+
 def key_order() -> Callable[[jax.Array], jax.Array] | None:
     """:func:`key_of_column` if ``ENABLED`` (the kernels' masks then map columns to keys), else None."""
     return key_of_column if ENABLED else None

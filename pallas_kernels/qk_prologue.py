@@ -108,14 +108,18 @@ def load_halves(ref, valid) -> tuple[jax.Array, jax.Array]:
     return load_rows(ref.at[:, pl.ds(0, h)], valid), load_rows(ref.at[:, pl.ds(h, h)], valid)
 
 
-def store_parts(ref, value, *, axis: int = 1) -> None:
-    """Store a tile given whole, or as its two channel halves (a tuple) along ``axis`` of ``ref``."""
+def store_parts(ref, value, *, axis: int = 1, rows: jax.Array | None = None) -> None:
+    """Store a tile given whole, or as its two channel halves (a tuple) along ``axis`` of ``ref``; ``rows`` (int32,
+    axis 1 only): tile row r goes to row ``rows[r]`` of ``ref`` (a permutation), else to row r."""
+    if rows is not None and axis != 1:
+        raise ValueError("store_parts: rows needs axis=1")
+    first = slice(None) if rows is None else rows
     if not isinstance(value, tuple):
-        ref[...] = value
+        ref[... if rows is None else (rows, slice(None))] = value
         return
     h = ref.shape[axis] // 2
     for j, part in enumerate(value):
-        idx = (slice(None), pl.ds(j * h, h)) if axis == 1 else (pl.ds(j * h, h), slice(None))
+        idx = (first, pl.ds(j * h, h)) if axis == 1 else (pl.ds(j * h, h), slice(None))
         ref[idx] = part
 
 

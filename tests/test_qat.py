@@ -503,6 +503,7 @@ def test_lane_order_groups_are_whole_fp4_groups():
     assert sorted(np.asarray(lanes).tolist()) == list(range(192)) and not np.array_equal(lanes, keys)
     np.testing.assert_array_equal(lane_groups.from_lane_order(lanes, 0), keys)
     np.testing.assert_array_equal(lane_groups.key_of_column(keys), lanes)  # column c holds key_of_column(c)
+    np.testing.assert_array_equal(lane_groups.column_of_key(lanes), keys)  # and key k sits at column_of_key(k)
     cols = np.arange(64)
     thread = (cols % 8) // 2  # the lane of the quad holding column c of a WGMMA accumulator row
     for t in range(4):
@@ -533,6 +534,23 @@ def test_lane_order_groups_are_whole_fp4_groups():
                                   lane_groups.to_lane_order(plain, 2))
     with pytest.raises(ValueError, match="lane_order"):
         fp4_fake_quant_heads(k, block=32, lane_order=True, **kw)
+
+
+@pytest.mark.parametrize("by_address", [True, False])
+def test_fake_quant_lane_order_by_address_or_in_registers(monkeypatch, by_address):
+    """The operand pass's lane order, rows stored at their lane-order addresses (``LANE_ORDER_BY_ADDRESS``) or
+    permuted in registers: both equal XLA's permutation of the key-order result, over 128-row blocks (two 64-key
+    lane blocks each) and a ragged tail whose padding rows stay zero."""
+    from pallas_kernels import fake_quant, lane_groups
+
+    monkeypatch.setattr(fake_quant, "LANE_ORDER_BY_ADDRESS", by_address)
+    jax.clear_caches()  # the switch is read at trace time
+    _, k, _ = make_qkv(1, 8, 200, 2, 3, 64, seed=9)
+    kw = dict(seq_pad=256, out_dtype=jnp.bfloat16, interpret=INTERPRET)
+    plain = fake_quant.fp4_fake_quant_heads(k, block=32, **kw)
+    got = fake_quant.fp4_fake_quant_heads(k, block=128, lane_order=True, **kw)
+    np.testing.assert_array_equal(got, lane_groups.to_lane_order(plain, 2))
+    assert not np.array_equal(got, plain) and np.all(np.asarray(plain[:, :, 200:]) == 0)
 
 
 @pytest.mark.parametrize("backends", [("mosaic", "triton"), ("triton", "mosaic")])

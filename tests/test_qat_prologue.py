@@ -17,7 +17,7 @@ import lowbit_jax as lb
 from lowbit_jax import rel_l1
 from lowbit_jax.formats import qk_prologue as P
 from pallas_kernels import lane_groups
-from pallas_kernels.fake_quant import fp4_fake_quant_heads
+from pallas_kernels.fake_quant import fp4_fake_quant_heads, fp4_fake_quant_kv
 
 EPS = 1e-6
 
@@ -62,6 +62,22 @@ def test_fake_quant_kernel_with_the_prologue_quantizes_its_output(d, s, norm, ro
         assert np.all(np.asarray(in_order[:, :, s:]) == 0)  # padding rows stay zero
     plain = fp4_fake_quant_heads(q, **kw)  # the prologue does change the values
     assert rel_l1(fp4_fake_quant_heads(q, pro, "q", **kw), plain) > 0.05
+
+
+@pytest.mark.parametrize("d,s,with_prologue,lanes", [(64, 77, True, True), (128, 130, False, False),
+                                                     (64, 128, False, True)])
+def test_fake_quant_of_k_and_v_in_one_launch(d, s, with_prologue, lanes):
+    """Interpreted: ``fp4_fake_quant_kv`` (Attn-QAT's K and V in one launch) gives exactly what one launch each
+    gives, the prologue's "k" side applied to k only (ragged lengths, lane order on and off), and refuses a v
+    that does not match k."""
+    _, k, v, _, gq, gk = _inputs(2, s, s, 3, 2, d)
+    pro = _prologue(s, s, d, gq, gk) if with_prologue else None
+    kw = dict(seq_pad=-(-s // 64) * 64, block=64, out_dtype=jnp.bfloat16, lane_order=lanes, interpret=True)
+    kf, vf = fp4_fake_quant_kv(k, v, pro, **kw)
+    np.testing.assert_array_equal(kf, fp4_fake_quant_heads(k, pro, "k", **kw))
+    np.testing.assert_array_equal(vf, fp4_fake_quant_heads(v, **kw))
+    with pytest.raises(ValueError, match="k and v must match"):
+        fp4_fake_quant_kv(k, v[:, :-1], pro, **kw)
 
 
 def test_fake_quant_kernel_refuses_a_prologue_along_tokens_and_a_bad_side():
