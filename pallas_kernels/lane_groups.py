@@ -9,11 +9,12 @@ n/16 group scales, four values each).
 Here the kernels' K̃ and Ṽ rows are stored in *lane order*: within every block of 64 keys, position
 ``c = 8j + 2t + e`` holds key ``16t + 2j + e``. A thread's 16 columns of a 64-column block are then
 exactly one group: its maximum is a reduction over the thread's own registers (no shuffle), and the
-scale needs computing only once per thread, row and group (n/64 per row; :func:`group_max`). The softmax sums and both products
-contract over the keys in whatever order they are stored, so the values are the reference's (up to
-accumulation order): the groups are the same 16 keys. Masks map a column to its key with
-:func:`key_of_column`; the backward's dK/dV rows go back to key order as they are stored to SMEM
-(``stmatrix.store_rows``; :func:`from_lane_order` is the same permutation in XLA).
+scale needs computing only once per thread, row and group (n/64 per row; :func:`group_max`). The softmax
+sums and both products contract over the keys in whatever order they are stored, so the values are the
+reference's (up to accumulation order): the groups are the same 16 keys. Masks map a column to its key with
+:func:`key_of_column` (:func:`column_of_key` is its inverse: where the operand pass stores each key); the
+backward's dK/dV rows go back to key order as they are stored to SMEM (``stmatrix.store_rows``;
+:func:`from_lane_order` is the same permutation in XLA).
 
 ``ENABLED`` (a module switch read at trace time, for ``benchmarks/variants.py``): off, the kernels
 take keys in natural order and FQ runs on 16-column slices (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`).
