@@ -1,4 +1,7 @@
-"""NVFP4 fake quantization (Attn-QAT's Q, K, V; ThriftAttention's K, V): one fused, memory-bound pass per tensor.
+"""NVFP4 fake quantization (Attn-QAT's Q, K, V; ThriftAttention's K, V): fused, memory-bound passes.
+
+One pass per tensor (:func:`fp4_fake_quant_heads`), or Attn-QAT's K and V in one launch
+(:func:`fp4_fake_quant_kv`, :data:`PAIR_KV`).
 
 Reads (B, S, H, D) rows, fake-quantizes each token in groups of 16 channels (or, for ThriftAttention's V,
 each channel in groups of 16 tokens) with
