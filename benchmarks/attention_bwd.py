@@ -31,7 +31,9 @@ import jax.numpy as jnp
 
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
-from benchmarks.common import attention_flops, carried_part, environment, rerun_part, time_fn, write_json
+from benchmarks.common import (
+    attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn, time_rounds, write_json,
+)
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -39,6 +41,9 @@ SHAPES = [(4, 32, 4096, 128, False), (1, 32, 16384, 128, False), (4, 32, 4096, 1
           (1, 32, 16384, 128, True), (8, 32, 2048, 64, False)]
 SMOKE_SHAPES = [(1, 2, 128, 64, False), (1, 2, 96, 64, True)]
 MEMORY_SHAPES = [(4, 32, 4096, 128, False)]
+#: interleaved timing rounds per throughput shape (``common.time_rounds``: every method once per round, the median
+#: kept, so a drift of the device during a row moves cuDNN's column and sage's alike)
+ROUNDS = 3
 XLA_SCORE_BYTES_LIMIT = 20e9
 
 
@@ -158,14 +163,13 @@ def throughput(shapes, log, save, smoke=False):
         flops = 3.5 * attention_flops(b, h, s, s, d, causal)
         row = dict(b=b, h=h, s=s, d=d, causal=causal, ms={}, tflops={}, errors={})
         long = s * s * b >= 4 * 8192 * 8192
-        for name in (["sage"] if smoke else methods_for(b, h, s, d, causal)):
-            try:
-                f = fwd_bwd(attention_fn(name, d, causal))
-                ms = time_fn(f, q, k, v, do, warmup=2, iters=3 if long else 10, batches=3)
-                row["ms"][name], row["tflops"][name] = ms, flops / ms / 1e9
-            except Exception as e:  # noqa: BLE001
-                row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
-                log(f"  {name} failed at B{b} S{s} D{d} causal={causal}: {row['errors'][name]}")
+        # timed in interleaved rounds once every method has compiled (common.time_rounds)
+        timed = compiled_entries({name: {name: (fwd_bwd(attention_fn(name, d, causal)), (q, k, v, do))}
+                                  for name in (["sage"] if smoke else methods_for(b, h, s, d, causal))},
+                                 row["errors"], log, f" at B{b} S{s} D{d} causal={causal}")
+        row["rounds"] = 1 if smoke else ROUNDS
+        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=2, iters=3 if long else 10, batches=1)
+        row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
         base = row["ms"].get("cudnn_bf16")
         row["vs_cudnn_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
         rows.append(row)

@@ -92,6 +92,36 @@ def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 10, batches: int 
     return statistics.median(times)
 
 
+def compiled_entries(methods: dict[str, dict[str, tuple[Callable, tuple]]], errors: dict[str, str],
+                     log: Callable[[str], None], where: str = "") -> dict[str, tuple[Callable, tuple]]:
+    """Run every ``(fn, args)`` entry of each method once (compiling it) and return the entries of the methods that
+    ran, merged (for :func:`time_rounds`); a method that fails is left out, its first error (a short string) put in
+    ``errors[method]`` and logged (``where``: the row, for the log)."""
+    timed = {}
+    for method, entries in methods.items():
+        try:
+            for fn, args in entries.values():
+                jax.block_until_ready(fn(*args))
+        except Exception as e:  # noqa: BLE001
+            errors[method] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"  {method} failed{where}: {errors[method]}")
+            continue
+        timed.update(entries)
+    return timed
+
+
+def time_rounds(timed: dict[str, tuple[Callable, tuple]], rounds: int,
+                **kw) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Each ``name: (fn, args)`` timed by :func:`time_fn` (``kw``) once per round, the entries interleaved round by
+    round, so a drift of the device's clocks moves every entry alike instead of the ones timed last. Returns the
+    median ms per entry over the rounds and each entry's per-round ms."""
+    per_round: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, (fn, args) in timed.items():
+            per_round[name].append(time_fn(fn, *args, **kw))
+    return {name: statistics.median(ts) for name, ts in per_round.items()}, per_round
+
+
 def temp_mib(fn: Callable, *args) -> float:
     """XLA's temporary buffers of the compiled call of a jitted ``fn`` (MiB): what it needs beyond its arguments
     and outputs."""

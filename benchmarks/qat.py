@@ -7,7 +7,8 @@ Usage (GPU machine, repo root):
 Measures, in one run: compiled kernels vs the xla twin on awkward shapes (forward
 and gradients); a small tile sweep of the forward and the backward at
 B4 H32 S4096 D128; forward and fwd+bwd time and TFLOP/s (4·B·H·S²·D, halved if
-causal; fwd+bwd 3.5×) of qat (Triton kernels), qat_mosaic (Pallas Mosaic GPU kernels without the
+causal; fwd+bwd 3.5×; the methods timed in interleaved rounds, the median kept) of
+qat (Triton kernels), qat_mosaic (Pallas Mosaic GPU kernels without the
 forward's ping-pong schedule), qat_mosaic_pingpong (with it: the library's default on Hopper,
 QatConfig.pingpong), qat with the naive backward, sage and cuDNN bf16;
 O and gradient cos-sim / rel-L2 vs exact fp32 on N(0,1) at S=4096.
@@ -28,13 +29,17 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.attention_bwd import fwd_bwd
-from benchmarks.common import attention_flops, environment, time_fn, write_json
+from benchmarks.common import attention_flops, compiled_entries, environment, time_fn, time_rounds, write_json
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 SHAPES = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, False),
           (1, 32, 16384, 128, True), (8, 32, 2048, 64, False)]
 SMOKE_SHAPES = [(1, 2, 128, 64, False)]
+#: interleaved timing rounds per shape (``common.time_rounds``: every method once per round, the median kept), so
+#: that a drift of the device during a row moves cuDNN's column and ours alike (benchmarks/NOTES.md, fifty-fifth
+#: session: back-to-back tables had differed by 0.7% in the D64 ratio)
+ROUNDS = 3
 # forward (block_q, block_k, warps, stages) and backward (block_q, block_k, warps, stages) candidates
 FWD_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)]
 BWD_SWEEP = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2),
@@ -154,14 +159,17 @@ def throughput(shapes, config, log, save, smoke, methods=None):
         fns = {m: fn for m, fn in method_fns(d, causal, config).items() if methods is None or m in methods}
         if smoke:
             fns = {"qat": qat_fn(causal, config, implementation="pallas", interpret=True)}
-        for name, fn in fns.items():
-            try:
-                if name != "qat_naive_bwd":
-                    row["fwd_ms"][name] = time_fn(jax.jit(fn), q, k, v, warmup=1, iters=iters, batches=3)
-                row["fwd_bwd_ms"][name] = time_fn(fwd_bwd(fn), q, k, v, do, warmup=1, iters=iters, batches=3)
-            except Exception as e:  # noqa: BLE001
-                row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
-                log(f"  {name} failed: {row['errors'][name]}")
+        def entries(name, fn):  # "kind:method" -> (fn, args); the naive backward's forward is qat's
+            fwd = {} if name == "qat_naive_bwd" else {f"fwd:{name}": (jax.jit(fn), (q, k, v))}
+            return {**fwd, f"fwd_bwd:{name}": (fwd_bwd(fn), (q, k, v, do))}
+
+        # timed in interleaved rounds once every method has compiled
+        timed = compiled_entries({name: entries(name, fn) for name, fn in fns.items()}, row["errors"], log)
+        row["rounds"] = 1 if smoke else ROUNDS
+        ms, row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=1, iters=iters, batches=1)
+        for key, t in ms.items():
+            kind, name = key.split(":", 1)
+            row[f"{kind}_ms"][name] = t
         row["fwd_tflops"] = {m: flops / t / 1e9 for m, t in row["fwd_ms"].items()}
         row["fwd_bwd_tflops"] = {m: 3.5 * flops / t / 1e9 for m, t in row["fwd_bwd_ms"].items()}
         for kind in ("fwd", "fwd_bwd"):

@@ -27,6 +27,17 @@ def _command_block(data: dict) -> list[str]:
     return [f"{_provenance(data)}. Command (repo root, GPU machine):", "", f"    {data['command'].strip()}", ""]
 
 
+def _rounds_note(rows: list[dict]) -> list[str]:
+    """A line saying how the rows' times were taken when they came from interleaved rounds
+    (``common.time_rounds``), else nothing (older files timed each method once, one after the other)."""
+    rounds = {r.get("rounds", 1) for r in rows}
+    if rounds == {1}:
+        return []
+    n = "/".join(str(x) for x in sorted(rounds))
+    return [f"Every method of a row timed in {n} interleaved rounds (each method once per round); the median is shown.",
+            ""]
+
+
 def render_attention(data: dict) -> list[str]:
     out = [
         "## INT8 SageAttention forward",
@@ -108,7 +119,7 @@ def render_backward(data: dict) -> list[str]:
            "`fwd_backend` = auto: the Mosaic forward at D128 since 2026-11-30 16:03 and at D64 since 2026-12-01, "
            "Triton's at D64 before); `sage (Triton)` and `sage (Mosaic)` put both backward kernels on one backend "
            "with the Triton forward, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
-           "`ds_scale=\"row\"` (a dash: not run in that measurement).", "",
+           "`ds_scale=\"row\"` (a dash: not run in that measurement).", "", *_rounds_note(data.get("throughput", [])),
            "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | dS per row "
            "| cuDNN bf16 | Pallas mha bf16 | Pallas Mosaic GPU bf16 | XLA bf16 | sage / cuDNN |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -264,7 +275,7 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "keeps two. From 2026-12-04 08:51 the Mosaic backward computes FQ(P) after it has issued dK's (and the "
            "fused dQ's) product and issues dV's after it, at head dim 128 and at 64 non-causal "
            "(`qat_bwd_mosaic.p_last`; the kernel 5% faster at B4 H32 S4096 D128, 2.5% at B8 H32 S2048 D64, "
-           "benchmarks/NOTES.md, fifty-second session).", "",
+           "benchmarks/NOTES.md, fifty-second session).", "", *_rounds_note(data.get("throughput", [])),
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]

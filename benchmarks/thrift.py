@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import RESULTS_DIR, attention_flops, environment, temp_mib, time_fn, write_json
+from benchmarks.common import RESULTS_DIR, attention_flops, environment, temp_mib, time_fn, time_rounds, write_json
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax.thrift_reference import decode_selection
 
@@ -345,12 +345,7 @@ def decode(log, smoke):
             except Exception as e:  # noqa: BLE001
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
                 log(f"  {name} failed: {row['errors'][name]}")
-        per_round = {name: [] for name in timed}
-        for _ in range(row["rounds"]):
-            for name, (fn, args) in timed.items():
-                per_round[name].append(time_fn(fn, *args, warmup=1, iters=iters, batches=3))
-        row["ms"] = {name: float(np.median(ts)) for name, ts in per_round.items()}
-        row["ms_rounds"] = per_round
+        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=1, iters=iters, batches=3)
         row["gbps"] = {m: row["bytes"][m] / t / 1e6 for m, t in row["ms"].items() if m in row["bytes"]}
         base = row["ms"].get("xla_bf16")
         row["vs_xla_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}

@@ -530,3 +530,36 @@ def test_barrier_census_sees_the_backwards_own_barriers(monkeypatch, method):
     assert 0 < own.bar_sync < auto.bar_sync, counts
     assert own.fence_proxy == auto.fence_proxy > 0 and own.wgmma_wait == auto.wgmma_wait > 0, counts
     assert counts[True][fwd] == counts[False][fwd], counts
+
+
+def test_time_rounds_interleaves_methods_and_keeps_the_median():
+    """benchmarks.common.time_rounds: every entry is timed once per round, entries in turn (a, b, a, b, …, not a, a,
+    b, b), each round's time kept and the median returned; compiled_entries runs each method's entries once, keeps
+    those that ran and records a failing method's first error instead of raising; render_results notes
+    interleaved rounds only where a row has them."""
+    from benchmarks import render_results
+    from benchmarks.common import compiled_entries, time_rounds
+
+    order, logged = [], []
+
+    def entry(name):
+        def fn(x):
+            order.append(name)
+            return x + 1.0
+        return fn, (jnp.ones(4),)
+
+    def broken(x):
+        raise ValueError("no kernel for this shape")
+
+    errors = {}
+    timed = compiled_entries({"m1": {"a": entry("a"), "b": entry("b")},
+                              "m2": {"c": entry("c"), "d": (broken, (jnp.ones(4),))}}, errors, logged.append, " at X")
+    assert set(timed) == {"a", "b"} and order == ["a", "b", "c"]
+    assert errors == {"m2": "ValueError: no kernel for this shape"} and logged == [f"  m2 failed at X: {errors['m2']}"]
+    order.clear()
+    ms, per_round = time_rounds(timed, 3, warmup=1, iters=2, batches=1)
+    assert order == (["a"] * 3 + ["b"] * 3) * 3  # per round: a's warm-up and batch, then b's
+    assert set(ms) == {"a", "b"} and all(len(ts) == 3 for ts in per_round.values())
+    assert all(ms[n] == sorted(per_round[n])[1] > 0 for n in ms)
+    assert render_results._rounds_note([{"b": 1}, {"rounds": 1}]) == []
+    assert "3 interleaved rounds" in render_results._rounds_note([{"rounds": 3}])[0]
