@@ -48,6 +48,12 @@ def in_use(interpret: bool) -> bool:
     return ENABLED and not interpret and _mosaic.STAGE_SWIZZLE == 128
 
 
+def permutes(head_dim: int, max_head_dim: int, interpret: bool) -> bool:
+    """A kernel's rule for its fused dQ stage: the permuted column order up to ``max_head_dim`` (the largest head
+    dim at which that kernel measured faster with it), where :func:`in_use`."""
+    return head_dim <= max_head_dim and in_use(interpret)
+
+
 def column_of(d):
     """The stage column (0..63) that holds dQ column ``d`` of a 64-column chunk (ints or numpy arrays):
     d = 16k + 8h + 2c + b → 32·(k // 2) + 4·(2c + k mod 2) + 2h + b."""

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowbit_jax.qat_reference import backward_rows
-from pallas_kernels import lane_groups, stmatrix
+from pallas_kernels import dq_stage, lane_groups, stmatrix
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
     grid_position, group_tile, launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys,
@@ -115,9 +115,7 @@ ZEROS_FROM_DO = True
 def permutes_dq_stage(head_dim: int, interpret: bool) -> bool:
     """Whether the fused dQ's stage holds its columns in ``dq_stage`` order: one REDUCE_COLS-wide stage per
     warpgroup (head dim 64, unsplit) up to :data:`PERMUTED_STAGE_MAX_HEAD_DIM`, where ``dq_stage.in_use``."""
-    from pallas_kernels import dq_stage
-
-    return head_dim <= min(PERMUTED_STAGE_MAX_HEAD_DIM, REDUCE_COLS) and dq_stage.in_use(interpret)
+    return dq_stage.permutes(head_dim, min(PERMUTED_STAGE_MAX_HEAD_DIM, REDUCE_COLS), interpret)
 
 
 def manual_barriers(head_dim: int, causal: bool) -> bool:

@@ -176,7 +176,7 @@ def supports(kernel: str, *, sq_len: int, sk_len: int, sq_pad: int, sk_pad: int,
 def permutes_dq_stage(head_dim: int, interpret: bool) -> bool:
     """Whether the fused dQ's stage holds its columns in ``dq_stage`` order: up to
     :data:`PERMUTED_STAGE_MAX_HEAD_DIM`, where ``dq_stage.in_use`` (compiled)."""
-    return head_dim <= PERMUTED_STAGE_MAX_HEAD_DIM and dq_stage.in_use(interpret)
+    return dq_stage.permutes(head_dim, PERMUTED_STAGE_MAX_HEAD_DIM, interpret)
 
 
 def takes_pair_ordered_inputs(*, fused_dq: bool) -> bool:
