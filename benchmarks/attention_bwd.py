@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.common import (
-    attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn, time_rounds, write_json,
+    ROUND_WARMUP, attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn, time_rounds,
+    write_json,
 )
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -167,8 +168,9 @@ def throughput(shapes, log, save, smoke=False):
         timed = compiled_entries({name: {name: (fwd_bwd(attention_fn(name, d, causal)), (q, k, v, do))}
                                   for name in (["sage"] if smoke else methods_for(b, h, s, d, causal))},
                                  row["errors"], log, f" at B{b} S{s} D{d} causal={causal}")
-        row["rounds"] = 1 if smoke else ROUNDS
-        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=2, iters=3 if long else 10, batches=1)
+        row["rounds"], row["warmup"] = (1 if smoke else ROUNDS), ROUND_WARMUP
+        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=ROUND_WARMUP, iters=3 if long else 10,
+                                                    batches=1)
         row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
         base = row["ms"].get("cudnn_bf16")
         row["vs_cudnn_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}

@@ -110,6 +110,13 @@ def compiled_entries(methods: dict[str, dict[str, tuple[Callable, tuple]]], erro
     return timed
 
 
+#: untimed calls of an entry before its timed batch in each round of :func:`time_rounds` (the #3 and #4 tables). With
+#: one, our kernels' rounds on the H200 spread widely after the other methods' (Attn-QAT fwd+bwd at B8 H32 S2048 D64:
+#: 3.02–3.81 ms over five rounds; B4 H32 S4096 D128 fwd 2.33–2.97) while cuDNN's did not; with five, 2.965–2.987
+#: (benchmarks/NOTES.md, fifty-sixth session)
+ROUND_WARMUP = 5
+
+
 def time_rounds(timed: dict[str, tuple[Callable, tuple]], rounds: int,
                 **kw) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Each ``name: (fn, args)`` timed by :func:`time_fn` (``kw``) once per round, the entries interleaved round by

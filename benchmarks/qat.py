@@ -3,6 +3,8 @@
 Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/qat.py              # tile sweep, throughput table, accuracy
     PYTHONPATH=. python benchmarks/qat.py --smoke      # tiny shapes, any backend (checks the script)
+    PYTHONPATH=. python benchmarks/qat.py --no-sweep --skip-checks --shapes 8,32,2048,64,0 --rounds 7 \
+        --methods qat_mosaic_pingpong cudnn_bf16 --name qat_rows   # more rounds of some rows, into qat_rows.json
 
 Measures, in one run: compiled kernels vs the xla twin on awkward shapes (forward
 and gradients); a small tile sweep of the forward and the backward at
@@ -12,7 +14,7 @@ qat (Triton kernels), qat_mosaic (Pallas Mosaic GPU kernels without the
 forward's ping-pong schedule), qat_mosaic_pingpong (with it: the library's default on Hopper,
 QatConfig.pingpong), qat with the naive backward, sage and cuDNN bf16;
 O and gradient cos-sim / rel-L2 vs exact fp32 on N(0,1) at S=4096.
-Writes benchmarks/results/qat.json (and $OUT/qat.json).
+Writes benchmarks/results/qat.json (and $OUT/qat.json; ``--name`` another name).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.attention_bwd import fwd_bwd
-from benchmarks.common import attention_flops, compiled_entries, environment, time_fn, time_rounds, write_json
+from benchmarks.common import (
+    ROUND_WARMUP, attention_flops, carried_part, compiled_entries, environment, time_fn, time_rounds, write_json,
+)
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -40,6 +44,8 @@ SMOKE_SHAPES = [(1, 2, 128, 64, False)]
 #: that a drift of the device during a row moves cuDNN's column and ours alike (benchmarks/NOTES.md, fifty-fifth
 #: session: back-to-back tables had differed by 0.7% in the D64 ratio)
 ROUNDS = 3
+#: untimed calls of each method before its batch in a round (``common.ROUND_WARMUP``)
+WARMUP = ROUND_WARMUP
 # forward (block_q, block_k, warps, stages) and backward (block_q, block_k, warps, stages) candidates
 FWD_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)]
 BWD_SWEEP = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2),
@@ -148,7 +154,7 @@ def sweep(log, smoke):
     return rows, best
 
 
-def throughput(shapes, config, log, save, smoke, methods=None):
+def throughput(shapes, config, log, save, smoke, methods=None, rounds=ROUNDS, warmup=WARMUP):
     rows = []
     for b, h, s, d, causal in shapes:
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
@@ -165,8 +171,8 @@ def throughput(shapes, config, log, save, smoke, methods=None):
 
         # timed in interleaved rounds once every method has compiled
         timed = compiled_entries({name: entries(name, fn) for name, fn in fns.items()}, row["errors"], log)
-        row["rounds"] = 1 if smoke else ROUNDS
-        ms, row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=1, iters=iters, batches=1)
+        row["rounds"], row["warmup"] = (1 if smoke else rounds), warmup
+        ms, row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=warmup, iters=iters, batches=1)
         for key, t in ms.items():
             kind, name = key.split(":", 1)
             row[f"{kind}_ms"][name] = t
@@ -203,23 +209,46 @@ def accuracy(log, smoke):
     return rows
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
+    """``"8,32,2048,64,0"`` → (8, 32, 2048, 64, False): a table row (B, H, S, D, causal)."""
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise ValueError(f"--shapes takes B,H,S,D,CAUSAL (five integers), got {text!r}")
+    b, h, s, d, causal = (int(p) for p in parts)
+    return b, h, s, d, bool(causal)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere")
     parser.add_argument("--no-sweep", action="store_true", help="use the default QatConfig")
     parser.add_argument("--methods", nargs="+", choices=tuple(method_fns(64, False, None)), default=None,
                         help="time only these columns (default: all); RESULTS.md leaves the others out")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,H,S,D,CAUSAL",
+                        help="time only these rows (default: the table's)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per row")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed calls before each timed batch")
+    parser.add_argument("--skip-checks", action="store_true",
+                        help="keep the kernel checks and accuracy of the results file instead of re-running them")
+    parser.add_argument("--name", default=None, help="results file name (default qat; qat_smoke with --smoke)")
     args = parser.parse_args(argv)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = [parse_shape(text) for text in args.shapes]
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/qat.py needs a GPU (or --smoke)")
         return 2
-    name = "qat_smoke" if args.smoke else "qat"
+    name = args.name or ("qat_smoke" if args.smoke else "qat")
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/qat.py " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {payload['env']}")
-    payload["kernel_checks"] = check_kernels(log, args.smoke)
-    payload["accuracy"] = accuracy(log, args.smoke)
+    if args.skip_checks:
+        payload.update(carried_part(name, "kernel_checks"))
+        payload.update(carried_part(name, "accuracy"))
+    else:
+        payload["kernel_checks"] = check_kernels(log, args.smoke)
+        payload["accuracy"] = accuracy(log, args.smoke)
     write_json(name, payload)
     config = None
     if not args.no_sweep:
@@ -231,7 +260,7 @@ def main(argv=None) -> int:
         payload["throughput"] = rows
         write_json(name, payload)
 
-    throughput(SMOKE_SHAPES if args.smoke else SHAPES, config, log, save, args.smoke, args.methods)
+    throughput(shapes, config, log, save, args.smoke, args.methods, rounds=args.rounds, warmup=args.warmup)
     for p in write_json(name, payload):
         log(f"wrote {p}")
     return 0

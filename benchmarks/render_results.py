@@ -34,8 +34,11 @@ def _rounds_note(rows: list[dict]) -> list[str]:
     if rounds == {1}:
         return []
     n = "/".join(str(x) for x in sorted(rounds))
-    return [f"Every method of a row timed in {n} interleaved rounds (each method once per round); the median is shown.",
-            ""]
+    warmups = sorted({r["warmup"] for r in rows if "warmup" in r})
+    before = (f", each timed batch after {'/'.join(map(str, warmups))} untimed calls of the same entry"
+              if warmups else "")
+    return [f"Every method of a row timed in {n} interleaved rounds (each method once per round{before}); the median "
+            "is shown.", ""]
 
 
 def render_attention(data: dict) -> list[str]:
@@ -275,7 +278,13 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "keeps two. From 2026-12-04 08:51 the Mosaic backward computes FQ(P) after it has issued dK's (and the "
            "fused dQ's) product and issues dV's after it, at head dim 128 and at 64 non-causal "
            "(`qat_bwd_mosaic.p_last`; the kernel 5% faster at B4 H32 S4096 D128, 2.5% at B8 H32 S2048 D64, "
-           "benchmarks/NOTES.md, fifty-second session).", "", *_rounds_note(data.get("throughput", [])),
+           "benchmarks/NOTES.md, fifty-second session). From 2026-12-04 19:52 the Mosaic forward rounds FQ(P) to "
+           "e2m1 with two packed `fma.rn.bf16x2` per two elements (`qat_fwd_mosaic.EXPLICIT_FMA`; same values, its "
+           "kernel 1–2% faster, benchmarks/NOTES.md, fifty-sixth session). From the same run each row's methods are "
+           "timed in interleaved rounds (below); in the first such runs the fwd columns of our Mosaic kernels read 2–7% "
+           "lower at D128 than in the last back-to-back run (16:56; cuDNN's fwd column did not move, the fwd+bwd "
+           "columns barely): not explained yet (benchmarks/NOTES.md, fifty-sixth session), so compare within a run.",
+           "", *_rounds_note(data.get("throughput", [])),
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
         r0 = data["accuracy"][0]

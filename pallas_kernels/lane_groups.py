@@ -118,7 +118,45 @@ def group_max(x: jax.Array, interpret: bool) -> jax.Array:
     return _max(x)
 
 
-def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None) -> jax.Array:
+def packed_fma(a: jax.Array, k: float, c: jax.Array) -> jax.Array:
+    """a·k + c rounded once, for (64, n) bfloat16 tiles in the WGMMA layout (compiled only): inline Mosaic GPU,
+    one PTX ``fma.rn.bf16x2`` per register (HFMA2 in SASS). Not ``math.fma``: Mosaic GPU's LLVM computes that
+    one in float32 and converts back (on the H200 the Attn-QAT forward 1.03 → 1.32 ms; benchmarks/NOTES.md,
+    fifty-sixth session)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    if jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"packed_fma needs bfloat16 tiles, got {a.dtype}")
+    layout = plgpu.Layout.WGMMA
+    a, c = plgpu.layout_cast(a, layout), plgpu.layout_cast(c, layout)
+    bits = int(np.array(k, dtype=jnp.bfloat16).view(np.uint16))
+    if float(np.array(k, dtype=jnp.bfloat16)) != k:
+        raise ValueError(f"packed_fma's factor must be a bfloat16 value, got {k}")
+
+    @plgpu.inline_mgpu(arg_types=(layout, layout),
+                       return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=layout))
+    def _fma(ctx, x, z):
+        del ctx
+        regs, addends = x.registers, z.registers
+        reg_type = regs.flat[0].type
+        if ir.VectorType(reg_type).shape != [2]:
+            raise ValueError(f"packed_fma expects bf16x2 registers, got {reg_type}")
+        i32 = ir.IntegerType.get_signless(32)
+        factor = arith.constant(i32, (bits << 16 | bits) - (1 << 32 if bits & 0x8000 else 0))
+        out = np.empty(regs.shape, dtype=object)
+        for idx in np.ndindex(regs.shape):
+            packed = llvm.inline_asm(i32, [llvm.bitcast(i32, regs[idx]), factor, llvm.bitcast(i32, addends[idx])],
+                                     "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
+            out[idx] = llvm.bitcast(reg_type, packed)
+        return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=x.is_signed)
+
+    return _fma(a, c)
+
+
+def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None,
+                 fma: bool = False) -> jax.Array:
     """P̃ of a (64, n) tile of non-negative finite probabilities, groups of 16 keys per row: lane-ordered keys
     if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). The values of
     :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` (the references' twin) for the same ``dtype``.
@@ -131,6 +169,8 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
         and quantized in packed bf16 arithmetic (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`); on the
         H200 Attn-QAT fwd+bwd 7–10% less device time than the float32 quantizer (benchmarks/NOTES.md,
         fortieth session). Otherwise the float32 quantizer, then converted.
+      fma: bfloat16, compiled: e2m1 rounding's two magic-number steps as :func:`packed_fma` (the same values; a
+        packed multiply fewer per two elements than ptxas makes of ``a * k + c``, which it does not contract).
     Returns:
       (64, n) in ``dtype``.
     """
@@ -140,7 +180,8 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
         return out if dtype is None else out.astype(dtype)
     if bf16:
         h = p.astype(jnp.bfloat16)
-        return nvfp4.fake_quant_bf16(h, group_max(h, interpret), times=times)
+        return nvfp4.fake_quant_bf16(h, group_max(h, interpret), times=times,
+                                     fma=packed_fma if fma and not interpret else None)
     values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret), nonnegative=True, assume_finite=True,
                                            times=times)
     out = values * scale

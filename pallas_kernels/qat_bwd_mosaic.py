@@ -110,6 +110,11 @@ PERMUTED_STAGE_MAX_HEAD_DIM = 64
 #: fill 0.079 → 0.068 ms; level at B4 H32 S4096 D128 and B16 H10/5 S2048 D64 causal. A row of dO with an inf or NaN
 #: starts its dQ row as NaN, which that row's dQ would be anyway
 ZEROS_FROM_DO = True
+#: FQ(P) with explicit packed fma (``lane_groups.fake_quant_p(fma=True)``, as ``qat_fwd_mosaic.EXPLICIT_FMA``): off.
+#: The hot loop has 626 → 610 SASS instructions per thread and step at B8 H32 S2048 D64, but on the H200 (two repeats,
+#: benchmarks/NOTES.md, fifty-sixth session) this kernel 1.710 / 1.711 → 1.734 / 1.742 ms there, 0.603 / 0.606 →
+#: 0.611 / 0.614 at B16 H10/5 S2048 D64 causal, 5.47 / 5.54 → 5.57 / 5.51 at B4 H32 S4096 D128
+EXPLICIT_FMA = False
 
 
 def permutes_dq_stage(head_dim: int, interpret: bool) -> bool:
@@ -282,7 +287,7 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
 
             def p_operand():  # P̃·(1/l) = e2m1 · (sf·(1/l)) (the scale product once per FP4 group) → dV's A operand
                 p_smem[...] = ((e * inv_l).astype(dt) if naive
-                               else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt))
+                               else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt, fma=EXPLICIT_FMA))
                 return p_smem.T, do_smem
 
             def late_p_operand():  # after dS's products are issued (P_LAST)

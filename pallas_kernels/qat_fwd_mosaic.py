@@ -75,6 +75,12 @@ SCALE_IN_EXP = True
 #: (``_mosaic.needed_step``: past its last row's diagonal, causal, or every tile if its rows are all padding)
 #: and leaves its carry as it is, as ``sage_fwd_mosaic.SKIP_EMPTY_STEPS``
 SKIP_EMPTY_STEPS = True
+#: FQ(P)'s e2m1 rounding with explicit packed fma (``lane_groups.fake_quant_p(fma=True)``): the same values, the hot
+#: loop 890 → 858 SASS instructions per thread and step at B8 H32 S2048 D64. On the H200 (two repeats,
+#: benchmarks/NOTES.md, fifty-sixth session) this kernel 1.032 / 1.034 → 1.010 / 1.018 ms at B8 H32 S2048 D64, 0.376 /
+#: 0.379 → 0.372 / 0.374 at B16 H10/5 S2048 D64 causal, 2.629 / 2.648 → 2.604 / 2.585 at B4 H32 S4096 D128, 5.25 / 5.20
+#: → 5.12 / 5.22 at B1 H32 S16384 D128 causal (the backward's twin switch, ``qat_bwd_mosaic.EXPLICIT_FMA``, lost)
+EXPLICIT_FMA = True
 LOG2E = math.log2(math.e)
 
 
@@ -175,7 +181,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sq_
             alpha = rows_of(rescale, out_shape)
             l_new = l_prev * rescale + jnp.sum(p, axis=1)
             dt = v_smem.dtype
-            pq = lane_groups.fake_quant_p(p, interpret, dtype=dt)
+            pq = lane_groups.fake_quant_p(p, interpret, dtype=dt, fma=EXPLICIT_FMA)
             p16 = p.astype(dt) if with_aux else None
             acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
             pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)

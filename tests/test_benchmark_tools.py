@@ -563,3 +563,36 @@ def test_time_rounds_interleaves_methods_and_keeps_the_median():
     assert all(ms[n] == sorted(per_round[n])[1] > 0 for n in ms)
     assert render_results._rounds_note([{"b": 1}, {"rounds": 1}]) == []
     assert "3 interleaved rounds" in render_results._rounds_note([{"rounds": 3}])[0]
+    assert "untimed" not in render_results._rounds_note([{"rounds": 3}])[0]
+    assert "after 5 untimed calls" in render_results._rounds_note([{"rounds": 3, "warmup": 5}])[0]
+
+
+def test_qat_table_takes_rows_rounds_and_carries_its_checks(monkeypatch, tmp_path):
+    """``benchmarks/qat.py`` for repeated verdict runs: ``--shapes`` picks rows, ``--rounds``/``--warmup`` reach the
+    interleaved timing, ``--skip-checks`` keeps the results file's kernel checks and accuracy (with their command)
+    instead of re-running them, ``--name`` picks the file; a malformed row is refused."""
+    from benchmarks import common, qat
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    common.write_json("rows", dict(env={"date": "d0"}, command="full", kernel_checks=[1], accuracy=[2]))
+    seen = {}
+
+    def fake_throughput(shapes, config, log, save, smoke, methods=None, rounds=0, warmup=0):
+        seen.update(shapes=shapes, methods=methods, rounds=rounds, warmup=warmup)
+        save([{"timed": True}])
+        return []
+
+    monkeypatch.setattr(qat, "throughput", fake_throughput)
+    monkeypatch.setattr(qat, "check_kernels", lambda *a: pytest.fail("--skip-checks re-ran the kernel checks"))
+    monkeypatch.setattr(qat, "accuracy", lambda *a: pytest.fail("--skip-checks re-ran the accuracy"))
+    argv = ["--smoke", "--skip-checks", "--name", "rows", "--shapes", "8,32,2048,64,0", "4,32,4096,128,1",
+            "--rounds", "7", "--warmup", "3", "--methods", "cudnn_bf16"]
+    assert qat.main(argv) == 0
+    assert seen == dict(shapes=[(8, 32, 2048, 64, False), (4, 32, 4096, 128, True)], methods=["cudnn_bf16"],
+                        rounds=7, warmup=3)
+    out = json.loads((tmp_path / "rows.json").read_text())
+    assert out["kernel_checks"] == [1] and out["accuracy"] == [2] and out["accuracy_command"] == "full"
+    assert out["throughput"] == [{"timed": True}] and "--rounds 7" in out["command"]
+    with pytest.raises(ValueError, match="five integers"):
+        qat.parse_shape("8,32,2048")

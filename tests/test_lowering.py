@@ -587,3 +587,37 @@ def test_the_qk_prologue_lowers_to_triton(method, d, norm):
                           spec(sin.shape, jnp.float32), spec(q.shape))
     for name in (*kernels, "qk_prologue_bwd"):
         assert triton_named(text, name), name
+
+
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_qat_forward_rounds_fq_p_with_packed_fma(monkeypatch, d, causal):
+    """``qat_fwd_mosaic.EXPLICIT_FMA``: the Attn-QAT forward's FQ(P) takes e2m1 rounding's two magic-number steps as
+    ``lane_groups.packed_fma`` (inline PTX ``fma.rn.bf16x2`` per register, factors ±64 for bf16), the backward's
+    (``qat_bwd_mosaic.EXPLICIT_FMA`` off) does not. Checked on the lowering for an H200 (calls in kernel order and the
+    inline assembly the calls emit); that the fma form gives the same values is ``test_nvfp4_format``'s."""
+    from jax._src.lib.mlir.dialects import llvm
+
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import lane_groups, qat_bwd_mosaic, qat_fwd_mosaic
+
+    assert qat_fwd_mosaic.EXPLICIT_FMA and not qat_bwd_mosaic.EXPLICIT_FMA
+    factors, asm = [], []
+    real_fma, real_asm = lane_groups.packed_fma, llvm.inline_asm
+
+    def spy_fma(a, k, c):
+        factors.append(k)
+        return real_fma(a, k, c)
+
+    def spy_asm(result, operands, text, *args, **kw):
+        asm.append(text)
+        return real_asm(result, operands, text, *args, **kw)
+
+    monkeypatch.setattr(lane_groups, "packed_fma", spy_fma)
+    monkeypatch.setattr(llvm, "inline_asm", spy_asm)
+    jax.clear_caches()
+    lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
+    jax.clear_caches()
+    assert factors == [64.0, -64.0], factors  # t = m + 96·floor2, then t − 96·floor2: the forward only
+    # each call one fma per bf16x2 register of its (64, block_k) tile: 64·block_k / 128 threads / 2 per register
+    block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
+    assert asm.count("fma.rn.bf16x2 $0, $1, $2, $3;") == 2 * 64 * block_k // 256

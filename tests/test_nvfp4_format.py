@@ -223,9 +223,19 @@ def test_e2m1_rounding_in_16bit_arithmetic_is_exact(dtype):
     top = 0x7C00 if dtype == jnp.float16 else 0x7F80
     y = jnp.asarray(np.arange(top, dtype=np.uint16).view(dtype))
     y = y[y <= 10]
+    want = nvfp4.e2m1_round(y.astype(jnp.float32))
     got = jax.jit(nvfp4.e2m1_round_16bit, compiler_options=EXACT_16BIT)(y)
     assert got.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(got, np.float32), nvfp4.e2m1_round(y.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+    def fused(a, k, c):  # a kernel's fma: a·k + c rounded once (in float32 exactly here, then to the 16-bit dtype)
+        fused.calls += 1
+        return (a.astype(jnp.float32) * k + c.astype(jnp.float32)).astype(a.dtype)
+
+    fused.calls = 0
+    got = jax.jit(functools.partial(nvfp4.e2m1_round_16bit, fma=fused), compiler_options=EXACT_16BIT)(y)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    assert fused.calls == 2  # y + magic and − magic
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         nvfp4.e2m1_round_16bit(y.astype(jnp.float32))
 

@@ -331,27 +331,42 @@ def round_to_bf16(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
 
 
-def e2m1_round_16bit(y: jax.Array) -> jax.Array:
+#: ``fma(a, k, c)`` for :func:`e2m1_round_16bit`: a·k + c with one rounding to a's 16-bit dtype (k a Python float)
+Fma = Callable[[jax.Array, float, jax.Array], jax.Array]
+
+
+def e2m1_round_16bit(y: jax.Array, *, fma: Fma | None = None) -> jax.Array:
     """:func:`e2m1_round` in the 16-bit arithmetic of y's dtype (bfloat16 or float16; non-negative, finite).
 
     The magic-number rounding (:func:`_round_with_magic`) with the 16-bit format's own magic
     (1.5·2**m·step, m its mantissa bits; y ≤ 6 < 2**(m−1)·step): every operation is exact or rounds
-    as the float32 one would, so the result equals ``e2m1_round(y.astype(float32))``. On the GPU each
-    operation is one packed instruction per two elements (``min``/``max``/``mul``/``add``.bf16x2 and an
-    integer AND).
+    as the float32 one would, so the result equals ``e2m1_round(y.astype(float32))``. The magic is
+    2**(m−1) times h = 1.5·2**floor(log2 max(y, 1)), which one bit operation makes from max(y, 1)'s bits
+    (its exponent, and the mantissa's top bit), so that y + magic and its − magic are each one
+    ``fma(h, ±2**(m−1), ·)``: on the GPU five packed instructions per two elements (``min``, ``max``, an
+    integer AND-OR, two ``fma.rn``.bf16x2), one fewer than with the magic multiplied out (benchmarks/NOTES.md,
+    fifty-sixth session).
+
+    Args:
+      y: bfloat16 or float16, any shape.
+      fma: a·k + c rounded once (a kernel's packed ``fma``); None: ``a * k + c``, equal here (a·k is exact).
     """
     if jnp.dtype(y.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"e2m1_round_16bit needs bfloat16 or float16, got {y.dtype}")
     mantissa_bits = jnp.finfo(y.dtype).nmant
+    fma = fma or (lambda a, k, c: a * jnp.asarray(k, a.dtype) + c)
     y = jnp.minimum(y, jnp.asarray(E2M1_MAX, y.dtype))
     exponent_mask = 0x7FFF & ~((1 << mantissa_bits) - 1)
-    bits = jax.lax.bitcast_convert_type(y, jnp.int16)
-    floor2 = jax.lax.bitcast_convert_type(bits & jnp.int16(exponent_mask), y.dtype)  # 2**floor(log2 y), 0 below
-    magic = jnp.maximum(floor2, jnp.asarray(1.0, y.dtype)) * jnp.asarray(0.75 * 2.0**mantissa_bits, y.dtype)
-    return (y + magic) - magic
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(y, jnp.asarray(1.0, y.dtype)), jnp.int16)
+    # 1.5·2**floor(log2 max(y, 1)): the exponent kept, the mantissa's top bit set
+    h = jax.lax.bitcast_convert_type((bits & jnp.int16(exponent_mask)) | jnp.int16(1 << (mantissa_bits - 1)),
+                                     y.dtype)
+    k = float(2 ** (mantissa_bits - 1))
+    return fma(h, -k, fma(h, k, y))
 
 
-def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = None) -> jax.Array:
+def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = None,
+                    fma: Fma | None = None) -> jax.Array:
     """FQ of non-negative finite bfloat16 h in bfloat16 arithmetic (the Attn-QAT kernels' P̃ for bf16 operands).
 
     sf = e4m3(amax/6) in float32 (:func:`group_scale`); y = bf16(h · bf16(1/sf)); P̃ = bf16(e2m1(y) ·
@@ -364,6 +379,7 @@ def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = 
     Args:
       h: bfloat16, any shape; amax: float32 or bfloat16 group maxima of h (h's shape, or broadcastable to it).
       times: float32 factor constant along each group (a row's 1/l), amax's shape; None: 1.
+      fma: as in :func:`e2m1_round_16bit`.
     Returns:
       bfloat16 of h's shape.
     """
@@ -372,7 +388,7 @@ def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = 
     sf = group_scale(amax.astype(jnp.float32), assume_finite=True)
     inv = (1.0 / sf).astype(jnp.bfloat16)
     scale = (sf if times is None else sf * times).astype(jnp.bfloat16)
-    return e2m1_round_16bit(h * inv) * scale
+    return e2m1_round_16bit(h * inv, fma=fma) * scale
 
 
 def fake_quant_bf16_emulated(x: jax.Array, amax: jax.Array, *, times: jax.Array | None = None,
