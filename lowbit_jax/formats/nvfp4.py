@@ -343,9 +343,9 @@ def e2m1_round_16bit(y: jax.Array, *, fma: Fma | None = None) -> jax.Array:
     as the float32 one would, so the result equals ``e2m1_round(y.astype(float32))``. The magic is
     2**(m−1) times h = 1.5·2**floor(log2 max(y, 1)), which one bit operation makes from max(y, 1)'s bits
     (its exponent, and the mantissa's top bit), so that y + magic and its − magic are each one
-    ``fma(h, ±2**(m−1), ·)``: on the GPU five packed instructions per two elements (``min``, ``max``, an
-    integer AND-OR, two ``fma.rn``.bf16x2), one fewer than with the magic multiplied out (benchmarks/NOTES.md,
-    fifty-sixth session).
+    ``fma(h, ±2**(m−1), ·)``: with a kernel's packed fma five packed instructions per two elements on the GPU
+    (``min``, ``max``, an integer AND-OR, two ``fma.rn``.bf16x2), one fewer than ptxas makes of ``a * k + c``
+    (benchmarks/NOTES.md, fifty-sixth session).
 
     Args:
       y: bfloat16 or float16, any shape.
