@@ -283,7 +283,9 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "kernel 1–2% faster, benchmarks/NOTES.md, fifty-sixth session). From the same run each row's methods are "
            "timed in interleaved rounds (below); in the first such runs the fwd columns of our Mosaic kernels read 2–7% "
            "lower at D128 than in the last back-to-back run (16:56; cuDNN's fwd column did not move, the fwd+bwd "
-           "columns barely): not explained yet (benchmarks/NOTES.md, fifty-sixth session), so compare within a run.",
+           "columns barely). Those runs took one untimed call before each timed batch, after which our calls ran "
+           "slow and spread widely while cuDNN's did not; later runs take five (`common.ROUND_WARMUP`, noted above "
+           "their table; benchmarks/NOTES.md, fifty-sixth session).",
            "", *_rounds_note(data.get("throughput", [])),
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
