@@ -127,13 +127,13 @@ def packed_fma(a: jax.Array, k: float, c: jax.Array) -> jax.Array:
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic import gpu as mgpu
 
-    if jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16):
-        raise TypeError(f"packed_fma needs bfloat16 tiles, got {a.dtype}")
-    layout = plgpu.Layout.WGMMA
-    a, c = plgpu.layout_cast(a, layout), plgpu.layout_cast(c, layout)
-    bits = int(np.array(k, dtype=jnp.bfloat16).view(np.uint16))
+    if jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(c.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"packed_fma needs bfloat16 tiles, got {a.dtype} and {c.dtype}")
     if float(np.array(k, dtype=jnp.bfloat16)) != k:
         raise ValueError(f"packed_fma's factor must be a bfloat16 value, got {k}")
+    bits = int(np.array(k, dtype=jnp.bfloat16).view(np.uint16))
+    layout = plgpu.Layout.WGMMA
+    a, c = plgpu.layout_cast(a, layout), plgpu.layout_cast(c, layout)
 
     @plgpu.inline_mgpu(arg_types=(layout, layout),
                        return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=layout))

@@ -621,3 +621,17 @@ def test_qat_forward_rounds_fq_p_with_packed_fma(monkeypatch, d, causal):
     # each call one fma per bf16x2 register of its (64, block_k) tile: 64·block_k / 128 threads / 2 per register
     block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
     assert asm.count("fma.rn.bf16x2 $0, $1, $2, $3;") == 2 * 64 * block_k // 256
+
+
+def test_packed_fma_refuses_other_dtypes_and_inexact_factors():
+    """``lane_groups.packed_fma`` emits ``fma.rn.bf16x2``: other tile dtypes, and a factor bfloat16 cannot hold
+    exactly, are refused before anything is built."""
+    from pallas_kernels import lane_groups
+
+    bf16, f32 = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.float32)
+    with pytest.raises(TypeError, match="bfloat16 tiles"):
+        lane_groups.packed_fma(f32, 64.0, f32)
+    with pytest.raises(TypeError, match="bfloat16 tiles"):
+        lane_groups.packed_fma(bf16, 64.0, f32)
+    with pytest.raises(ValueError, match="bfloat16 value"):
+        lane_groups.packed_fma(bf16, 0.1, bf16)
