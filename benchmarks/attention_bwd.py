@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.common import (
-    ROUND_WARMUP, attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn, time_rounds,
+    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn, time_rounds,
     write_json,
 )
 
@@ -42,9 +42,6 @@ SHAPES = [(4, 32, 4096, 128, False), (1, 32, 16384, 128, False), (4, 32, 4096, 1
           (1, 32, 16384, 128, True), (8, 32, 2048, 64, False)]
 SMOKE_SHAPES = [(1, 2, 128, 64, False), (1, 2, 96, 64, True)]
 MEMORY_SHAPES = [(4, 32, 4096, 128, False)]
-#: interleaved timing rounds per throughput shape (``common.time_rounds``: every method once per round, the median
-#: kept, so a drift of the device during a row moves cuDNN's column and sage's alike)
-ROUNDS = 3
 XLA_SCORE_BYTES_LIMIT = 20e9
 
 

@@ -110,6 +110,10 @@ def compiled_entries(methods: dict[str, dict[str, tuple[Callable, tuple]]], erro
     return timed
 
 
+#: interleaved timing rounds per row of the #3 and #4 tables (:func:`time_rounds`: every method once per round, the
+#: median kept), so that a drift of the device during a row moves cuDNN's column and ours alike (benchmarks/NOTES.md,
+#: fifty-fifth session: back-to-back tables had differed by 0.7% in the D64 ratio)
+ROUNDS = 3
 #: untimed calls of an entry before its timed batch in each round of :func:`time_rounds` (the #3 and #4 tables). With
 #: one, our kernels' rounds on the H200 spread widely after the other methods' (Attn-QAT fwd+bwd at B8 H32 S2048 D64:
 #: 3.02–3.81 ms over five rounds; B4 H32 S4096 D128 fwd 2.33–2.97) while cuDNN's did not; with five, 2.965–2.987

@@ -32,7 +32,7 @@ import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.attention_bwd import fwd_bwd
 from benchmarks.common import (
-    ROUND_WARMUP, attention_flops, carried_part, compiled_entries, environment, time_fn, time_rounds, write_json,
+    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, time_fn, time_rounds, write_json,
 )
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -40,12 +40,6 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 SHAPES = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, False),
           (1, 32, 16384, 128, True), (8, 32, 2048, 64, False)]
 SMOKE_SHAPES = [(1, 2, 128, 64, False)]
-#: interleaved timing rounds per shape (``common.time_rounds``: every method once per round, the median kept), so
-#: that a drift of the device during a row moves cuDNN's column and ours alike (benchmarks/NOTES.md, fifty-fifth
-#: session: back-to-back tables had differed by 0.7% in the D64 ratio)
-ROUNDS = 3
-#: untimed calls of each method before its batch in a round (``common.ROUND_WARMUP``)
-WARMUP = ROUND_WARMUP
 # forward (block_q, block_k, warps, stages) and backward (block_q, block_k, warps, stages) candidates
 FWD_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)]
 BWD_SWEEP = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2),
@@ -154,7 +148,7 @@ def sweep(log, smoke):
     return rows, best
 
 
-def throughput(shapes, config, log, save, smoke, methods=None, rounds=ROUNDS, warmup=WARMUP):
+def throughput(shapes, config, log, save, smoke, methods=None, rounds=ROUNDS, warmup=ROUND_WARMUP):
     rows = []
     for b, h, s, d, causal in shapes:
         q, k, v = make_inputs(jax.random.PRNGKey(3), b, h, s, d)
@@ -227,7 +221,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,H,S,D,CAUSAL",
                         help="time only these rows (default: the table's)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per row")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed calls before each timed batch")
+    parser.add_argument("--warmup", type=int, default=ROUND_WARMUP, help="untimed calls before each timed batch")
     parser.add_argument("--skip-checks", action="store_true",
                         help="keep the kernel checks and accuracy of the results file instead of re-running them")
     parser.add_argument("--name", default=None, help="results file name (default qat; qat_smoke with --smoke)")

@@ -62,17 +62,18 @@ def _fake_quant_kernel(*refs, n, block, seq_len, ragged, along, lane_order, by_a
           for i, x_ref in enumerate(x_refs)]
     # key k of the block goes to row column_of_key(k) (by address) or is moved there in registers
     rows = lane_groups.column_of_key(jnp.arange(block, dtype=jnp.int32)) if lane_order and by_address else None
-    for x, o_ref in zip(xs, refs, strict=True):
-        def quantize(t, dtype=o_ref.dtype):
-            t = t.astype(jnp.float32)
-            if along == "channels":
-                fq = nvfp4.fake_quant_last(t)
-            else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
-                fq = nvfp4.fake_quant_last(t.T).T
-            if lane_order and not by_address:
-                fq = lane_groups.to_lane_order(fq, 0)
-            return fq.astype(dtype)
 
+    def quantize(t):  # every output has the one out_dtype
+        t = t.astype(jnp.float32)
+        if along == "channels":
+            fq = nvfp4.fake_quant_last(t)
+        else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
+            fq = nvfp4.fake_quant_last(t.T).T
+        if lane_order and not by_address:
+            fq = lane_groups.to_lane_order(fq, 0)
+        return fq.astype(refs[0].dtype)
+
+    for x, o_ref in zip(xs, refs, strict=True):
         # groups of 16 channels never straddle the halves (D/2 is a multiple of 16)
         qk_prologue_kernels.store_parts(o_ref, tuple(map(quantize, x)) if isinstance(x, tuple) else quantize(x),
                                         rows=rows)

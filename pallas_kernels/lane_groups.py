@@ -129,9 +129,10 @@ def packed_fma(a: jax.Array, k: float, c: jax.Array) -> jax.Array:
 
     if jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(c.dtype) != jnp.dtype(jnp.bfloat16):
         raise TypeError(f"packed_fma needs bfloat16 tiles, got {a.dtype} and {c.dtype}")
-    if float(np.array(k, dtype=jnp.bfloat16)) != k:
+    factor_bf16 = np.array(k, dtype=jnp.bfloat16)
+    if float(factor_bf16) != k:
         raise ValueError(f"packed_fma's factor must be a bfloat16 value, got {k}")
-    bits = int(np.array(k, dtype=jnp.bfloat16).view(np.uint16))
+    bits = int(factor_bf16.view(np.uint16))
     layout = plgpu.Layout.WGMMA
     a, c = plgpu.layout_cast(a, layout), plgpu.layout_cast(c, layout)
 
