@@ -10,7 +10,8 @@ division by a constant into a multiply (and a Mosaic GPU kernel's division gave 
 which puts 15 float32 patterns of amax on the wrong side of an e4m3 rounding point. This script is the evidence
 that it does not: for every backend it compares ``group_scale(amax, assume_finite=True)`` with e4m3 of numpy's
 correctly rounded quotient (``--old`` also counts what ``amax / 6`` compiled by XLA gives). It also checks the
-reciprocal 1/sf of every e4m3 value. Exit status 1 on any mismatch.
+reciprocal 1/sf of every e4m3 value, and (Mosaic GPU) the Attn-QAT kernels' bf16 FQ(P) scales by conversion and
+approximate reciprocal on every bf16 amax. Exit status 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -102,6 +103,30 @@ def reciprocal_mismatches(fns: dict) -> dict[str, int]:
     return {name: int(np.sum(np.asarray(r(jnp.asarray(x))) != want)) for name, (_, r) in fns.items()}
 
 
+def kernel_scale_mismatches() -> dict[str, int]:
+    """The Attn-QAT kernels' bf16 FQ(P) scales (``lane_groups.fake_quant_p(fast_scale=True)``) compiled in a Mosaic GPU
+    kernel, on every finite non-negative bf16 amax: sf = ``group_scale_16bit`` with the conversion to e4m3, and
+    bf16 of the approximate reciprocal, against ``group_scale`` and bf16 of numpy's 1/sf."""
+    from pallas_kernels import lane_groups
+    from pallas_kernels._mosaic import plgpu
+
+    def sf_of(a):
+        a = plgpu.layout_cast(a, plgpu.Layout.WGMMA)
+        return nvfp4.group_scale_16bit(a, to_e4m3=lambda x: lane_groups.e4m3_by_conversion(x, False))
+
+    def inv_of(a):
+        return lane_groups.approx_reciprocal(sf_of(a), False).astype(jnp.bfloat16).astype(jnp.float32)
+
+    bits = np.arange(0x8000, dtype=np.uint16)
+    bits = np.where(bits <= 0x7F7F, bits, 0).astype(np.uint16)  # past the last finite bf16: amax 0
+    amax = bits.view(ml_dtypes.bfloat16).astype(np.float32).reshape(256, 128)
+    want = np.asarray(nvfp4.group_scale(jnp.asarray(amax), assume_finite=True))
+    want_inv = (np.float32(1) / want).astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = np.asarray(jax.jit(_mosaic(sf_of))(jnp.asarray(amax)))
+    got_inv = np.asarray(jax.jit(_mosaic(inv_of))(jnp.asarray(amax)))
+    return {"sf": int(np.sum(got != want)), "bf16_inv": int(np.sum(got_inv != want_inv))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=128, help="chunks of 2**24 bit patterns (128: all)")
@@ -117,7 +142,10 @@ def main(argv=None) -> int:
     print(f"{jax.devices()[0].device_kind}: group_scale mismatches over {min(args.chunks, 128)} chunk(s) of 2**24 "
           f"float32 bit patterns: {scale}; 1/sf mismatches over every e4m3 value: {recip} "
           f"({time.time() - start:.1f} s)")
-    return int(any(v for k, v in scale.items() if k != "xla_divide") or any(recip.values()))
+    kernel = kernel_scale_mismatches() if "mosaic" in names else {}
+    if kernel:
+        print(f"Attn-QAT kernels' fast bf16 FQ(P) scales (every finite bf16 amax), mismatches: {kernel}")
+    return int(any(v for k, v in scale.items() if k != "xla_divide") or any(recip.values()) or any(kernel.values()))
 
 
 if __name__ == "__main__":

@@ -118,46 +118,100 @@ def group_max(x: jax.Array, interpret: bool) -> jax.Array:
     return _max(x)
 
 
+def _per_register(text: str, operands: tuple) -> jax.Array:
+    """One inline PTX instruction ``text`` per 32-bit register of (64, n) 16-bit tiles in the WGMMA layout
+    (compiled only; inline Mosaic GPU): ``$0`` the result register (the first tile's dtype), ``$1…`` the operands
+    in order, each a tile (its register) or a Python int (a 32-bit constant, which ptxas keeps in a register
+    outside the loop where the instruction has no room for it)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    layout = plgpu.Layout.WGMMA
+    tiles = [plgpu.layout_cast(x, layout) for x in operands if not isinstance(x, int)]
+    first = tiles[0]
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(tiles),
+                       return_type=plgpu.ShapeDtypeStruct(first.shape, first.dtype, layout=layout))
+    def _asm(ctx, *arrays):
+        del ctx
+        reg_type = arrays[0].registers.flat[0].type
+        if ir.VectorType(reg_type).shape != [2]:
+            raise ValueError(f"{text!r} expects 16-bit pairs per register, got {reg_type}")
+        i32 = ir.IntegerType.get_signless(32)
+        consts = {i: arith.constant(i32, x - (1 << 32) if x >= 1 << 31 else x)
+                  for i, x in enumerate(operands) if isinstance(x, int)}
+        out = np.empty(arrays[0].registers.shape, dtype=object)
+        for idx in np.ndindex(out.shape):
+            regs = iter(a.registers[idx] for a in arrays)
+            args = [consts[i] if i in consts else llvm.bitcast(i32, next(regs)) for i in range(len(operands))]
+            packed = llvm.inline_asm(i32, args, text, ",".join(["=r"] + ["r"] * len(args)))
+            out[idx] = llvm.bitcast(reg_type, packed)
+        return mgpu.FragmentedArray(_registers=out, _layout=arrays[0].layout, _is_signed=arrays[0].is_signed)
+
+    return _asm(*tiles)
+
+
 def packed_fma(a: jax.Array, k: float, c: jax.Array) -> jax.Array:
     """a·k + c rounded once, for (64, n) bfloat16 tiles in the WGMMA layout (compiled only): inline Mosaic GPU,
     one PTX ``fma.rn.bf16x2`` per register (HFMA2 in SASS). Not ``math.fma``: Mosaic GPU's LLVM computes that
     one in float32 and converts back (on the H200 the Attn-QAT forward 1.03 → 1.32 ms; benchmarks/NOTES.md,
     fifty-sixth session)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic import gpu as mgpu
-
     if jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(c.dtype) != jnp.dtype(jnp.bfloat16):
         raise TypeError(f"packed_fma needs bfloat16 tiles, got {a.dtype} and {c.dtype}")
     factor_bf16 = np.array(k, dtype=jnp.bfloat16)
     if float(factor_bf16) != k:
         raise ValueError(f"packed_fma's factor must be a bfloat16 value, got {k}")
     bits = int(factor_bf16.view(np.uint16))
+    return _per_register("fma.rn.bf16x2 $0, $1, $2, $3;", (a, bits << 16 | bits, c))
+
+
+#: ``lop3``'s truth table of (a & b) | c: bit a·4 + b·2 + c of it is the result for those input bits
+MASK_OR_LUT = (0xF0 & 0xCC) | 0xAA
+
+
+def packed_mask_or(t: jax.Array, mask: int, bits: int) -> jax.Array:
+    """(t's bits & mask) | bits in each 16-bit lane of a (64, n) bfloat16 tile (compiled only): one PTX ``lop3.b32``
+    per register with both constants as operands, so ptxas makes one LOP3 of it (with ``&`` and ``|`` written
+    apart it made two, each with its own immediate: 32 instructions per thread and step of the Attn-QAT forward)."""
+    if jnp.dtype(t.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(f"packed_mask_or needs a bfloat16 tile, got {t.dtype}")
+    if not (0 <= mask < 1 << 16 and 0 <= bits < 1 << 16):
+        raise ValueError(f"packed_mask_or takes 16-bit masks, got {mask:#x} and {bits:#x}")
+    return _per_register(f"lop3.b32 $0, $1, $2, $3, {MASK_OR_LUT:#X};", (t, mask << 16 | mask, bits << 16 | bits))
+
+
+def e4m3_by_conversion(x: jax.Array, interpret: bool) -> jax.Array:
+    """Non-negative finite float32 rounded to e4m3 as :func:`lowbit_jax.formats.nvfp4.e4m3_round` does (nearest even,
+    saturating at 448), by converting to ``float8_e4m3fn`` and back: compiled, PTX ``cvt.rn.satfinite.e4m3x2.f32``
+    and ``cvt.rn.f16x2.e4m3x2`` for two values (instead of the magic-number rounding's seven operations);
+    interpreted, XLA's conversion, which gives NaN past 464 instead of saturating, so the input is clamped first."""
+    if interpret:
+        x = jnp.minimum(x, nvfp4.E4M3_MAX)
+    return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def approx_reciprocal(x: jax.Array, interpret: bool) -> jax.Array:
+    """1/x of a float32 tile: compiled (inline Mosaic GPU, any layout) PTX ``rcp.approx.ftz.f32``, at most 1 ulp off
+    (one MUFU.RCP instead of a correctly rounded division's ~8 instructions and its branch); interpreted, ``1 / x``.
+    Enough where only bf16(1/x) of an e4m3 x is used (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`)."""
+    if interpret:
+        return 1.0 / x
+    from jax.experimental.mosaic import gpu as mgpu
+
     layout = plgpu.Layout.WGMMA
-    a, c = plgpu.layout_cast(a, layout), plgpu.layout_cast(c, layout)
+    x = plgpu.layout_cast(x, layout)
 
-    @plgpu.inline_mgpu(arg_types=(layout, layout),
-                       return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=layout))
-    def _fma(ctx, x, z):
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
+    def _rcp(ctx, arr):
         del ctx
-        regs, addends = x.registers, z.registers
-        reg_type = regs.flat[0].type
-        if ir.VectorType(reg_type).shape != [2]:
-            raise ValueError(f"packed_fma expects bf16x2 registers, got {reg_type}")
-        i32 = ir.IntegerType.get_signless(32)
-        factor = arith.constant(i32, (bits << 16 | bits) - (1 << 32 if bits & 0x8000 else 0))
-        out = np.empty(regs.shape, dtype=object)
-        for idx in np.ndindex(regs.shape):
-            packed = llvm.inline_asm(i32, [llvm.bitcast(i32, regs[idx]), factor, llvm.bitcast(i32, addends[idx])],
-                                     "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
-            out[idx] = llvm.bitcast(reg_type, packed)
-        return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=x.is_signed)
+        return arr._pointwise(mgpu.FragmentedArray._lift_fast_instr("rcp.approx.ftz.f32"))
 
-    return _fma(a, c)
+    return _rcp(x)
 
 
 def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None,
-                 fma: bool = False) -> jax.Array:
+                 fma: bool = False, lop3: bool = False, fast_scale: bool = False) -> jax.Array:
     """P̃ of a (64, n) tile of non-negative finite probabilities, groups of 16 keys per row: lane-ordered keys
     if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). The values of
     :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` (the references' twin) for the same ``dtype``.
@@ -172,6 +226,9 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
         fortieth session). Otherwise the float32 quantizer, then converted.
       fma: bfloat16, compiled: e2m1 rounding's two magic-number steps as :func:`packed_fma` (the same values; a
         packed multiply fewer per two elements than ptxas makes of ``a * k + c``, which it does not contract).
+      lop3: bfloat16, compiled: e2m1 rounding's bit operation as :func:`packed_mask_or` (one LOP3 per two elements).
+      fast_scale: bfloat16: each group's scale by conversion instructions (:func:`e4m3_by_conversion`) and
+        its reciprocal approximately (:func:`approx_reciprocal`); the same values.
     Returns:
       (64, n) in ``dtype``.
     """
@@ -181,8 +238,11 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
         return out if dtype is None else out.astype(dtype)
     if bf16:
         h = p.astype(jnp.bfloat16)
+        fast = dict(to_e4m3=lambda x: e4m3_by_conversion(x, interpret),
+                    reciprocal=lambda x: approx_reciprocal(x, interpret)) if fast_scale else {}
         return nvfp4.fake_quant_bf16(h, group_max(h, interpret), times=times,
-                                     fma=packed_fma if fma and not interpret else None)
+                                     fma=packed_fma if fma and not interpret else None,
+                                     mask_or=packed_mask_or if lop3 and not interpret else None, **fast)
     values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret), nonnegative=True, assume_finite=True,
                                            times=times)
     out = values * scale

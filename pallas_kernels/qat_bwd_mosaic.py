@@ -115,6 +115,14 @@ ZEROS_FROM_DO = True
 #: benchmarks/NOTES.md, fifty-sixth session) this kernel 1.710 / 1.711 → 1.734 / 1.742 ms there, 0.603 / 0.606 →
 #: 0.611 / 0.614 at B16 H10/5 S2048 D64 causal, 5.47 / 5.54 → 5.57 / 5.51 at B4 H32 S4096 D128
 EXPLICIT_FMA = False
+#: FQ(P)'s group scales as ``qat_fwd_mosaic.FAST_SCALE``: off. The hot loop has 610 → 601 SASS instructions per thread
+#: and step at B8 H32 S2048 D64, but on the H200 (two repeats, benchmarks/NOTES.md, fifty-seventh session) this kernel
+#: 1.725 / 1.726 → 1.740 / 1.755 ms there, 0.600 / 0.601 → 0.603 / 0.604 at B16 H10/5 S2048 D64 causal, 5.42 / 5.46 →
+#: 5.50 / 5.48 at B4 H32 S4096 D128, 3.06 / 3.02 → 3.02 / 3.00 at B4 H32 S4096 D128 causal (as with EXPLICIT_FMA:
+#: fewer instructions, slower at three of four shapes)
+FAST_SCALE = False
+#: probe, not yet timed: FQ(P)'s bit operation as ``qat_fwd_mosaic.PACKED_LOP3``
+PACKED_LOP3 = False
 
 
 def permutes_dq_stage(head_dim: int, interpret: bool) -> bool:
@@ -287,7 +295,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
 
             def p_operand():  # P̃·(1/l) = e2m1 · (sf·(1/l)) (the scale product once per FP4 group) → dV's A operand
                 p_smem[...] = ((e * inv_l).astype(dt) if naive
-                               else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt, fma=EXPLICIT_FMA))
+                               else lane_groups.fake_quant_p(e, interpret, times=inv_l, dtype=dt, fma=EXPLICIT_FMA,
+                                                             lop3=PACKED_LOP3, fast_scale=FAST_SCALE))
                 return p_smem.T, do_smem
 
             def late_p_operand():  # after dS's products are issued (P_LAST)

@@ -81,6 +81,18 @@ SKIP_EMPTY_STEPS = True
 #: 0.379 → 0.372 / 0.374 at B16 H10/5 S2048 D64 causal, 2.629 / 2.648 → 2.604 / 2.585 at B4 H32 S4096 D128, 5.25 / 5.20
 #: → 5.12 / 5.22 at B1 H32 S16384 D128 causal (the backward's twin switch, ``qat_bwd_mosaic.EXPLICIT_FMA``, lost)
 EXPLICIT_FMA = True
+#: FQ(P)'s group scales by conversion to e4m3 and an approximate reciprocal (``lane_groups.fake_quant_p(fast_scale=
+#: True)``): the same values (checked compiled on every bf16 amax, ``benchmarks/nvfp4_scale_check.py``); per group
+#: one multiply, two conversions and a MUFU.RCP instead of ``_sixth``, the float32 magic-number rounding and a
+#: correctly rounded division. Hot loop 858 → 806 SASS instructions per thread and step at B8 H32 S2048 D64; on the
+#: H200 (two repeats, benchmarks/NOTES.md, fifty-seventh session) this kernel 0.983 / 0.985 → 0.952 / 0.962 ms there,
+#: 1.369 / 1.354 → 1.357 / 1.341 at B4 H32 S4096 D128 causal, level at B4 H32 S4096 D128 and B16 H10/5 S2048 D64
+#: causal (the backward's twin, ``qat_bwd_mosaic.FAST_SCALE``, lost)
+FAST_SCALE = True
+#: probe, not yet timed: FQ(P)'s bit operation (``(t & 0x7F80) | 0x40``, two LOP3 with an immediate each in the SASS)
+#: as one ``lop3.b32`` per register (``lane_groups.fake_quant_p(lop3=True)``; the same values): 32 instructions per
+#: thread and step fewer at B8 H32 S2048 D64 if ptxas keeps it one LOP3
+PACKED_LOP3 = False
 LOG2E = math.log2(math.e)
 
 
@@ -181,7 +193,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sq_
             alpha = rows_of(rescale, out_shape)
             l_new = l_prev * rescale + jnp.sum(p, axis=1)
             dt = v_smem.dtype
-            pq = lane_groups.fake_quant_p(p, interpret, dtype=dt, fma=EXPLICIT_FMA)
+            pq = lane_groups.fake_quant_p(p, interpret, dtype=dt, fma=EXPLICIT_FMA, lop3=PACKED_LOP3,
+                                            fast_scale=FAST_SCALE)
             p16 = p.astype(dt) if with_aux else None
             acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
             pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)

@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import lowbit_jax as lb
@@ -623,9 +624,73 @@ def test_qat_forward_rounds_fq_p_with_packed_fma(monkeypatch, d, causal):
     assert asm.count("fma.rn.bf16x2 $0, $1, $2, $3;") == 2 * 64 * block_k // 256
 
 
-def test_packed_fma_refuses_other_dtypes_and_inexact_factors():
-    """``lane_groups.packed_fma`` emits ``fma.rn.bf16x2``: other tile dtypes, and a factor bfloat16 cannot hold
-    exactly, are refused before anything is built."""
+#: FQ(P) switches of the two Attn-QAT kernels and the inline PTX each puts in the lowering
+FQ_SWITCH_PTX = {"FAST_SCALE": ("rcp.approx.ftz.f32", "cvt.rn.satfinite.e4m3x2.f32"),
+                 "PACKED_LOP3": ("lop3.b32 $0, $1, $2, $3, 0XEA;",)}
+
+
+def test_packed_mask_or_truth_table_is_and_then_or():
+    """``lane_groups.MASK_OR_LUT``, evaluated bit by bit as PTX ``lop3`` does (result bit = LUT bit a·4 + b·2 + c),
+    is (a & b) | c on random words and on FQ(P)'s masks (bf16 exponent, mantissa top bit, in both halves)."""
+    from pallas_kernels import lane_groups
+
+    rng = np.random.default_rng(11)
+    a, b, c = (rng.integers(0, 1 << 32, 256, dtype=np.uint64) for _ in range(3))
+    b[:128], c[:128] = 0x7F807F80, 0x00400040
+
+    def lop3(a, b, c, lut):
+        out = np.zeros_like(a)
+        for bit in range(32):
+            index = ((a >> bit) & 1) * 4 + ((b >> bit) & 1) * 2 + ((c >> bit) & 1)
+            out |= ((lut >> index) & 1) << bit
+        return out
+
+    np.testing.assert_array_equal(lop3(a, b, c, np.uint64(lane_groups.MASK_OR_LUT)), (a & b) | c)
+
+
+@pytest.mark.parametrize("switch", sorted(FQ_SWITCH_PTX))
+def test_qat_fq_p_switches_emit_their_instructions_per_kernel(monkeypatch, switch):
+    """``FAST_SCALE`` (FQ(P)'s group scales by conversion to e4m3 and ``rcp.approx``) and ``PACKED_LOP3`` (its bit
+    operation as one ``lop3``) of ``qat_fwd_mosaic`` and ``qat_bwd_mosaic``: in the lowering for an H200 each kernel
+    emits the switch's inline PTX exactly when its own switch is on (the forward one ``lop3`` per bf16x2 register of
+    its (64, block_k) P tile), and the committed settings are the measured ones (FAST_SCALE in the forward only;
+    PACKED_LOP3 not yet timed, off). That the values are the same is ``test_nvfp4_format``'s (and
+    ``benchmarks/nvfp4_scale_check.py``'s, compiled)."""
+    from jax._src.lib.mlir.dialects import llvm
+
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
+
+    committed = {"FAST_SCALE": (True, False), "PACKED_LOP3": (False, False)}[switch]
+    assert (getattr(qat_fwd_mosaic, switch), getattr(qat_bwd_mosaic, switch)) == committed
+    asm, real_asm = [], llvm.inline_asm
+
+    def spy_asm(result, operands, text, *args, **kw):
+        asm.append(text)
+        return real_asm(result, operands, text, *args, **kw)
+
+    monkeypatch.setattr(llvm, "inline_asm", spy_asm)
+
+    def counts(fwd: bool, bwd: bool) -> list[int]:
+        monkeypatch.setattr(qat_fwd_mosaic, switch, fwd)
+        monkeypatch.setattr(qat_bwd_mosaic, switch, bwd)
+        asm.clear()
+        jax.clear_caches()
+        lower_mosaic_fwd_bwd("qat", 64, False, dq_kernel="fused", seq=256)
+        jax.clear_caches()
+        return [sum(ptx in text for text in asm) for ptx in FQ_SWITCH_PTX[switch]]
+
+    fwd, bwd, neither = counts(True, False), counts(False, True), counts(False, False)
+    assert min(fwd) > 0 and min(bwd) > 0 and max(neither) == 0, (fwd, bwd, neither)
+    assert counts(True, True) == [f + b for f, b in zip(fwd, bwd)]
+    if switch == "PACKED_LOP3":
+        assert fwd == [64 * lb.qat_config(64, False, "NVIDIA H200").block_k // 256]
+
+
+def test_packed_instructions_refuse_other_dtypes_and_inexact_constants():
+    """``lane_groups.packed_fma`` emits ``fma.rn.bf16x2`` and ``packed_mask_or`` a ``lop3.b32`` on 16-bit pairs: other
+    tile dtypes, a factor bfloat16 cannot hold exactly and masks wider than 16 bits are refused before anything is
+    built."""
     from pallas_kernels import lane_groups
 
     bf16, f32 = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.float32)
@@ -635,3 +700,7 @@ def test_packed_fma_refuses_other_dtypes_and_inexact_factors():
         lane_groups.packed_fma(bf16, 64.0, f32)
     with pytest.raises(ValueError, match="bfloat16 value"):
         lane_groups.packed_fma(bf16, 0.1, bf16)
+    with pytest.raises(TypeError, match="bfloat16 tile"):
+        lane_groups.packed_mask_or(f32, 0x7F80, 0x40)
+    with pytest.raises(ValueError, match="16-bit masks"):
+        lane_groups.packed_mask_or(bf16, 0x7F807F80, 0x40)

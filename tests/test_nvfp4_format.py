@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lowbit_jax.formats import nvfp4
+from pallas_kernels import lane_groups
 
 
 def oracle(x: np.ndarray) -> np.ndarray:
@@ -208,6 +209,56 @@ def test_group_scale_rounds_the_exact_quotient():
             np.testing.assert_array_equal(np.asarray(got), want)
     rel = jnp.abs(nvfp4._sixth(jnp.asarray(amax)) - amax / np.float32(6)) / np.maximum(amax / 6, 1e-30)
     assert float(jnp.max(rel)) < 2.0**-23
+
+
+def _e4m3_values() -> np.ndarray:
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.unique(grid[np.isfinite(grid) & (grid > 0)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_group_scale_of_16bit_maxima_by_one_multiply(dtype):
+    """``group_scale_16bit`` (amax·fl(1/6), no ``_sixth``) equals ``group_scale`` on every finite non-negative
+    bf16 and fp16 amax, with its own rounding and with the kernels' conversion to e4m3 (as interpreted); and a
+    float32 amax that is not a 16-bit value can round the other way (why ``_sixth`` stays for those)."""
+    bits = np.arange(0x8000, dtype=np.uint16)
+    amax = bits.view(dtype)
+    amax = amax[np.isfinite(amax.astype(np.float32))]
+    want = nvfp4.group_scale(jnp.asarray(amax.astype(np.float32)), assume_finite=True)
+    for to_e4m3 in (None, lambda x: lane_groups.e4m3_by_conversion(x, interpret=True)):
+        for arg in (jnp.asarray(amax), jnp.asarray(amax.astype(np.float32))):
+            got = jax.jit(functools.partial(nvfp4.group_scale_16bit, to_e4m3=to_e4m3))(arg)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    wide = np.float32(0.11132812) * np.exp2(np.arange(-8, 12)).astype(np.float32)  # _sixth's documented cases
+    assert not np.array_equal(np.asarray(nvfp4.group_scale_16bit(jnp.asarray(wide))),
+                              np.asarray(nvfp4.group_scale(jnp.asarray(wide), assume_finite=True)))
+
+
+def test_e4m3_by_conversion_saturates_as_e4m3_round():
+    """The kernels' e4m3 conversion (interpreted: XLA's, clamped) rounds as ``e4m3_round``: every e4m3 value and
+    midpoint with its float32 neighbours, random values up to 2**20, and 464 (XLA's NaN without the clamp)."""
+    grid = _e4m3_values()
+    x = np.concatenate([_with_neighbours(np.concatenate([grid, (grid[:-1] + grid[1:]) / 2])),
+                        np.random.default_rng(5).uniform(0, 2.0**20, 4096).astype(np.float32), [0.0, 464.0, 1e30]])
+    x = jnp.asarray(x.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(lane_groups.e4m3_by_conversion(x, interpret=True)),
+                                  np.asarray(nvfp4.e4m3_round(x, assume_finite=True)))
+
+
+def test_bf16_reciprocal_of_every_e4m3_scale_is_safe_within_two_ulp():
+    """bf16(1/sf) is the same for any float32 within 2 ulp of 1/sf, for every e4m3 sf (and sf = 1 of zero groups):
+    so the kernels' ``rcp.approx.ftz.f32`` (at most 1 ulp off, PTX ISA) gives the references' bf16 reciprocal.
+    A reciprocal off by 2**-9 relative (a bf16 rounding) would not be."""
+    sf = np.append(_e4m3_values(), np.float32(1))
+    exact = np.float32(1) / sf
+    want = exact.astype(ml_dtypes.bfloat16)
+    for direction in (np.float32(np.inf), np.float32(-np.inf)):
+        near = exact
+        for _ulp in range(2):
+            near = np.nextafter(near, direction)
+            np.testing.assert_array_equal(near.astype(ml_dtypes.bfloat16), want)
+    off = (exact * np.float32(1 + 2.0**-9)).astype(ml_dtypes.bfloat16)
+    assert (off != want).any()
 
 
 #: XLA compiles 16-bit arithmetic as float32 with converts between the operations and, where it allows excess

@@ -294,6 +294,33 @@ def group_scale(amax: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     return jnp.where(sf == 0.0, 1.0, sf)
 
 
+#: f(float32) → float32 rounded to e4m3 as :func:`e4m3_round` does (a kernel's hardware conversion)
+ToE4m3 = Callable[[jax.Array], jax.Array]
+
+
+def group_scale_16bit(amax: jax.Array, *, to_e4m3: ToE4m3 | None = None) -> jax.Array:
+    """:func:`group_scale` of group maxima that are bfloat16 or float16 values (any float dtype holding them), by one
+    multiply: amax·fl(1/6) rounds to e4m3 as the exact quotient amax/6 does, so the result equals
+    ``group_scale(amax, assume_finite=True)`` (every finite non-negative bf16 and fp16 amax:
+    tests/test_nvfp4_format.py).
+
+    Why: fl(1/6) = (1/6)(1 + 2**-25), so for x = amax/6 in [2**e, 2**(e+1)) the product is within x·2**-25 <
+    ½ ulp(x) of x before its rounding. Where x is an e4m3 rounding point (≤ 5 significant bits: amax = 6x has ≤ 7, a
+    16-bit value) it rounds to x itself; any other x is at least ulp16(amax)/6 (≥ 2**-11·x) from every rounding
+    point, since amax − 6·point is then a non-zero multiple of amax's 16-bit ulp. :func:`_sixth` (four operations
+    more) is needed only for float32 amax.
+
+    Args:
+      amax: non-negative finite group maxima holding 16-bit values, any shape.
+      to_e4m3: the rounding to e4m3 (a kernel's conversion instruction); None: :func:`e4m3_round`.
+    Returns:
+      float32 sf, amax's shape (1 for all-zero groups).
+    """
+    sixth = amax.astype(jnp.float32) * jnp.float32(_INV6)
+    sf = (to_e4m3 or functools.partial(e4m3_round, assume_finite=True))(sixth)
+    return jnp.where(sf == 0.0, 1.0, sf)
+
+
 def fake_quant_parts(x: jax.Array, amax: jax.Array, *, nonnegative: bool = False, assume_finite: bool = False,
                      times: jax.Array | None = None,
                      broadcast: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
@@ -335,7 +362,16 @@ def round_to_bf16(x: jax.Array) -> jax.Array:
 Fma = Callable[[jax.Array, float, jax.Array], jax.Array]
 
 
-def e2m1_round_16bit(y: jax.Array, *, fma: Fma | None = None) -> jax.Array:
+#: ``mask_or(t, mask, bits)``: (t's bits & mask) | bits in each 16-bit lane, t's dtype (a kernel's one ``lop3``)
+MaskOr = Callable[[jax.Array, int, int], jax.Array]
+
+
+def _mask_or(t: jax.Array, mask: int, bits: int) -> jax.Array:
+    i16 = jax.lax.bitcast_convert_type(t, jnp.int16)
+    return jax.lax.bitcast_convert_type((i16 & jnp.int16(mask)) | jnp.int16(bits), t.dtype)
+
+
+def e2m1_round_16bit(y: jax.Array, *, fma: Fma | None = None, mask_or: MaskOr | None = None) -> jax.Array:
     """:func:`e2m1_round` in the 16-bit arithmetic of y's dtype (bfloat16 or float16; non-negative, finite).
 
     The magic-number rounding (:func:`_round_with_magic`) with the 16-bit format's own magic
@@ -350,6 +386,7 @@ def e2m1_round_16bit(y: jax.Array, *, fma: Fma | None = None) -> jax.Array:
     Args:
       y: bfloat16 or float16, any shape.
       fma: a·k + c rounded once (a kernel's packed ``fma``); None: ``a * k + c``, equal here (a·k is exact).
+      mask_or: the bit operation (a kernel's ``lop3``); None: integer ``&`` and ``|``.
     """
     if jnp.dtype(y.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"e2m1_round_16bit needs bfloat16 or float16, got {y.dtype}")
@@ -357,20 +394,19 @@ def e2m1_round_16bit(y: jax.Array, *, fma: Fma | None = None) -> jax.Array:
     fma = fma or (lambda a, k, c: a * jnp.asarray(k, a.dtype) + c)
     y = jnp.minimum(y, jnp.asarray(E2M1_MAX, y.dtype))
     exponent_mask = 0x7FFF & ~((1 << mantissa_bits) - 1)
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(y, jnp.asarray(1.0, y.dtype)), jnp.int16)
     # 1.5·2**floor(log2 max(y, 1)): the exponent kept, the mantissa's top bit set
-    h = jax.lax.bitcast_convert_type((bits & jnp.int16(exponent_mask)) | jnp.int16(1 << (mantissa_bits - 1)),
-                                     y.dtype)
+    h = (mask_or or _mask_or)(jnp.maximum(y, jnp.asarray(1.0, y.dtype)), exponent_mask, 1 << (mantissa_bits - 1))
     k = float(2 ** (mantissa_bits - 1))
     return fma(h, -k, fma(h, k, y))
 
 
 def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = None,
-                    fma: Fma | None = None) -> jax.Array:
+                    fma: Fma | None = None, mask_or: MaskOr | None = None, to_e4m3: ToE4m3 | None = None,
+                    reciprocal: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """FQ of non-negative finite bfloat16 h in bfloat16 arithmetic (the Attn-QAT kernels' P̃ for bf16 operands).
 
-    sf = e4m3(amax/6) in float32 (:func:`group_scale`); y = bf16(h · bf16(1/sf)); P̃ = bf16(e2m1(y) ·
-    bf16(sf · times)). In a GPU kernel the element-wise part is one packed instruction per two elements for
+    sf = e4m3(amax/6) in float32 (:func:`group_scale_16bit`: amax holds bf16 values); y = bf16(h · bf16(1/sf));
+    P̃ = bf16(e2m1(y) · bf16(sf · times)). In a GPU kernel the element-wise part is one packed instruction per two elements for
     each step (about half the float32 quantizer's instructions); :func:`fake_quant_bf16_emulated` is the same
     function in float32 arithmetic for the references. Against float32 arithmetic
     (:func:`fake_quant_parts`) only inputs within ~2**-8 relative of an e2m1 rounding midpoint can round
@@ -379,16 +415,20 @@ def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = 
     Args:
       h: bfloat16, any shape; amax: float32 or bfloat16 group maxima of h (h's shape, or broadcastable to it).
       times: float32 factor constant along each group (a row's 1/l), amax's shape; None: 1.
-      fma: as in :func:`e2m1_round_16bit`.
+      fma, mask_or: as in :func:`e2m1_round_16bit`.
+      to_e4m3: as in :func:`group_scale_16bit` (amax holds bf16 values: the maxima of h).
+      reciprocal: float32 1/sf to within 2 ulp (a kernel's approximate reciprocal); None: ``1 / sf``. The same
+        bf16(1/sf) for every e4m3 sf: no such reciprocal is within 2 ulp of a bf16 rounding point
+        (tests/test_nvfp4_format.py).
     Returns:
       bfloat16 of h's shape.
     """
     if jnp.dtype(h.dtype) != jnp.dtype(jnp.bfloat16):
         raise TypeError(f"fake_quant_bf16 needs bfloat16 h, got {h.dtype}")
-    sf = group_scale(amax.astype(jnp.float32), assume_finite=True)
-    inv = (1.0 / sf).astype(jnp.bfloat16)
+    sf = group_scale_16bit(amax, to_e4m3=to_e4m3)
+    inv = (reciprocal(sf) if reciprocal is not None else 1.0 / sf).astype(jnp.bfloat16)
     scale = (sf if times is None else sf * times).astype(jnp.bfloat16)
-    return e2m1_round_16bit(h * inv, fma=fma) * scale
+    return e2m1_round_16bit(h * inv, fma=fma, mask_or=mask_or) * scale
 
 
 def fake_quant_bf16_emulated(x: jax.Array, amax: jax.Array, *, times: jax.Array | None = None,
