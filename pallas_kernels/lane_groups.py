@@ -172,8 +172,8 @@ MASK_OR_LUT = (0xF0 & 0xCC) | 0xAA
 
 def packed_mask_or(t: jax.Array, mask: int, bits: int) -> jax.Array:
     """(t's bits & mask) | bits in each 16-bit lane of a (64, n) bfloat16 tile (compiled only): one PTX ``lop3.b32``
-    per register with both constants as operands, so ptxas makes one LOP3 of it (with ``&`` and ``|`` written
-    apart it made two, each with its own immediate: 32 instructions per thread and step of the Attn-QAT forward)."""
+    per register with both constants as operands, so that ptxas can make one LOP3 of it (with ``&`` and ``|``
+    written apart it made two, each with its own immediate: 32 more per thread and step in the Attn-QAT forward)."""
     if jnp.dtype(t.dtype) != jnp.dtype(jnp.bfloat16):
         raise TypeError(f"packed_mask_or needs a bfloat16 tile, got {t.dtype}")
     if not (0 <= mask < 1 << 16 and 0 <= bits < 1 << 16):
@@ -192,7 +192,7 @@ def e4m3_by_conversion(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def approx_reciprocal(x: jax.Array, interpret: bool) -> jax.Array:
-    """1/x of a float32 tile: compiled (inline Mosaic GPU, any layout) PTX ``rcp.approx.ftz.f32``, at most 1 ulp off
+    """1/x of a float32 tile: compiled (inline Mosaic GPU, WGMMA layout) PTX ``rcp.approx.ftz.f32``, at most 1 ulp off
     (one MUFU.RCP instead of a correctly rounded division's ~8 instructions and its branch); interpreted, ``1 / x``.
     Enough where only bf16(1/x) of an e4m3 x is used (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`)."""
     if interpret:
