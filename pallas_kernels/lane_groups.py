@@ -211,7 +211,8 @@ def approx_reciprocal(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None,
-                 fma: bool = False, lop3: bool = False, fast_scale: bool = False) -> jax.Array:
+                 fma: bool = False, lop3: bool = False, fast_scale: bool = False,
+                 amax: jax.Array | None = None) -> jax.Array:
     """P̃ of a (64, n) tile of non-negative finite probabilities, groups of 16 keys per row: lane-ordered keys
     if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). The values of
     :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` (the references' twin) for the same ``dtype``.
@@ -229,10 +230,15 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
       lop3: bfloat16, compiled: e2m1 rounding's bit operation as :func:`packed_mask_or` (one LOP3 per two elements).
       fast_scale: bfloat16: each group's scale by conversion instructions (:func:`e4m3_by_conversion`) and
         its reciprocal approximately (:func:`approx_reciprocal`); the same values.
+      amax: float32 (64, n), each element its FP4 group's maximum of p, where the caller has it (the forward: the
+        exponential of S's group maxima, as exp is increasing); None: :func:`group_max` of p (of bf16(p) for
+        bfloat16, which is bf16 of p's group maximum). Lane order only.
     Returns:
       (64, n) in ``dtype``.
     """
     bf16 = dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    if amax is not None and not ENABLED:
+        raise ValueError("fake_quant_p takes amax only with keys in lane order (lane_groups.ENABLED)")
     if not ENABLED:  # natural key order: each group a 16-column slice, reduced along its rows
         out = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True, times=times, bf16=bf16)
         return out if dtype is None else out.astype(dtype)
@@ -240,10 +246,11 @@ def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = Non
         h = p.astype(jnp.bfloat16)
         fast = dict(to_e4m3=lambda x: e4m3_by_conversion(x, interpret),
                     reciprocal=lambda x: approx_reciprocal(x, interpret)) if fast_scale else {}
-        return nvfp4.fake_quant_bf16(h, group_max(h, interpret), times=times,
+        amax_h = group_max(h, interpret) if amax is None else amax.astype(jnp.bfloat16)
+        return nvfp4.fake_quant_bf16(h, amax_h, times=times,
                                      fma=packed_fma if fma and not interpret else None,
                                      mask_or=packed_mask_or if lop3 and not interpret else None, **fast)
-    values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret), nonnegative=True, assume_finite=True,
-                                           times=times)
+    values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret) if amax is None else amax, nonnegative=True,
+                                           assume_finite=True, times=times)
     out = values * scale
     return out if dtype is None else out.astype(dtype)

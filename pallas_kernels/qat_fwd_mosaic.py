@@ -93,6 +93,11 @@ FAST_SCALE = True
 #: as one ``lop3.b32`` per register (``lane_groups.fake_quant_p(lop3=True)``; the same values): 32 instructions per
 #: thread and step fewer at B8 H32 S2048 D64 if ptxas keeps it one LOP3
 PACKED_LOP3 = False
+#: probe, not yet timed: FQ(P)'s group maxima from S's (``lane_groups.group_max`` of the masked score tile, whose
+#: maximum is then the row maximum) as exp2(max·c − m), the exponential being increasing, instead of a reduction of
+#: bf16(P) after every exponential: the group scales can then be computed while the exponentials run (off the path
+#: from S to the P̃Ṽ product). The same values interpreted; compiled as long as ex2.approx is monotone
+GROUP_MAX_FROM_S = False
 LOG2E = math.log2(math.e)
 
 
@@ -183,18 +188,23 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sq_
             if masked:
                 s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len,
                                 key_of_column=lane_groups.key_order())
-            m_tile = jnp.max(s, axis=1)
+            g = lane_groups.group_max(s, interpret) if GROUP_MAX_FROM_S else None  # each FP4 group's max of s
+            m_tile = jnp.max(s if g is None else g, axis=1)
             if SCALE_IN_EXP:  # the scale is positive: max(s)·c is the row max of s·c (and −inf stays −inf)
                 m_tile = m_tile * score_scale
             m_new = jnp.maximum(m_prev, m_tile)
             m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-            p = jnp.exp2((s * score_scale if SCALE_IN_EXP else s) - rows_of(m_ref, shape))  # s·c − m: one FFMA
+
+            def exp_of(x):  # exp2(x·c − m) (one FFMA), the same expression for the scores and their group maxima
+                return jnp.exp2((x * score_scale if SCALE_IN_EXP else x) - rows_of(m_ref, shape))
+
+            p = exp_of(s)
             rescale = jnp.exp2(m_prev - m_ref)  # of the running sums, per row
             alpha = rows_of(rescale, out_shape)
             l_new = l_prev * rescale + jnp.sum(p, axis=1)
             dt = v_smem.dtype
             pq = lane_groups.fake_quant_p(p, interpret, dtype=dt, fma=EXPLICIT_FMA, lop3=PACKED_LOP3,
-                                            fast_scale=FAST_SCALE)
+                                            fast_scale=FAST_SCALE, amax=None if g is None else exp_of(g))
             p16 = p.astype(dt) if with_aux else None
             acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
             pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)

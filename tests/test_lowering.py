@@ -629,6 +629,34 @@ FQ_SWITCH_PTX = {"FAST_SCALE": ("rcp.approx.ftz.f32", "cvt.rn.satfinite.e4m3x2.f
                  "PACKED_LOP3": ("lop3.b32 $0, $1, $2, $3, 0XEA;",)}
 
 
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_qat_forward_group_max_from_scores_lowers(monkeypatch, d, causal):
+    """``qat_fwd_mosaic.GROUP_MAX_FROM_S`` (probe, off) lowers for an H200, and its forward then takes one more
+    ``ex2.approx`` per score register value of its (64, block_k) tile before common-subexpression elimination (the
+    exponentials of S's group maxima, one per group once merged). Its values: ``test_qat``'s
+    ``test_mosaic_forward_group_max_from_scores_same_values``."""
+    from jax._src.lib.mlir.dialects import llvm
+
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import qat_fwd_mosaic
+
+    assert not qat_fwd_mosaic.GROUP_MAX_FROM_S
+    asm, real_asm = [], llvm.inline_asm
+    monkeypatch.setattr(llvm, "inline_asm", lambda r, ops, text, *a, **kw: asm.append(text) or real_asm(r, ops, text,
+                                                                                                       *a, **kw))
+
+    def exponentials(from_s: bool) -> int:
+        monkeypatch.setattr(qat_fwd_mosaic, "GROUP_MAX_FROM_S", from_s)
+        asm.clear()
+        jax.clear_caches()
+        lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
+        jax.clear_caches()
+        return sum(text.startswith("ex2.approx") for text in asm)
+
+    block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
+    assert exponentials(True) - exponentials(False) == 64 * block_k // 128
+
+
 def test_packed_mask_or_truth_table_is_and_then_or():
     """``lane_groups.MASK_OR_LUT``, evaluated bit by bit as PTX ``lop3`` does (result bit = LUT bit a·4 + b·2 + c),
     is (a & b) | c on random words and on FQ(P)'s masks (bf16 exponent, mantissa top bit, in both halves)."""

@@ -578,6 +578,41 @@ def test_mosaic_forward_warpgroups_per_call():
     assert qat_fwd_mosaic.compute_wgs(128, causal=False, with_aux=False) == 2
 
 
+@pytest.mark.parametrize("sq, sk, d, causal, dtype", [(250, 300, 64, True, jnp.bfloat16),
+                                                       (256, 256, 128, False, jnp.bfloat16),
+                                                       (200, 200, 64, False, jnp.float16)])
+def test_mosaic_forward_group_max_from_scores_same_values(monkeypatch, sq, sk, d, causal, dtype):
+    """``qat_fwd_mosaic.GROUP_MAX_FROM_S``: FQ(P)'s group maxima taken as exp2 of S's group maxima (masked, causal
+    with Sq < Sk and a ragged tail; GQA) give the forward's O, O′, LSE and m exactly as the reduction of P does
+    (interpreter; bf16's packed quantizer and fp16's float32 one). A spy sees the maxima passed in."""
+    from lowbit_jax import qat as qat_mod
+    from pallas_kernels import lane_groups, qat_fwd_mosaic
+
+    q, k, v = make_qkv(1, sq, sk, 4, 2, d, dtype=dtype, seed=sq + d)
+    real, given = lane_groups.fake_quant_p, []
+    monkeypatch.setattr(lane_groups, "fake_quant_p",
+                        lambda *a, **kw: given.append(kw.get("amax") is not None) or real(*a, **kw))
+    cfg = lb.qat_config(d, causal, "NVIDIA H200")
+    cfg = dataclasses.replace(cfg, fwd_backend="mosaic", bwd_backend="mosaic")
+
+    def forward():
+        jax.clear_caches()
+        opts = qat_mod.resolve_qat_options(q, k, v, causal=causal, naive_backward=False, implementation="pallas",
+                                           interpret=True, config=cfg)
+        return [np.asarray(x, np.float32) for x in qat_mod.qat_forward(q, k, v, opts=opts, with_aux=True)[:4]]
+
+    outs = {}
+    for from_s in (True, False):
+        monkeypatch.setattr(qat_fwd_mosaic, "GROUP_MAX_FROM_S", from_s)
+        given.clear()
+        outs[from_s] = forward()
+        assert given and set(given) == {from_s}
+    for name, a, r in zip(("o", "o_aux", "lse", "m"), outs[True], outs[False]):
+        np.testing.assert_array_equal(a, r, err_msg=name)
+    x = lb.qat_attention(q, k, v, causal=causal, implementation="xla", config=cfg)
+    assert metrics(outs[True][0], x)[1] < 2e-3
+
+
 @pytest.mark.parametrize("sq, sk, causal, with_aux", [(250, 300, True, False), (384, 384, False, False),
                                                        (250, 250, False, True)])
 def test_mosaic_forward_three_warpgroups_same_values(monkeypatch, sq, sk, causal, with_aux):
