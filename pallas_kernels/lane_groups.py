@@ -67,7 +67,7 @@ def key_order() -> Callable[[jax.Array], jax.Array] | None:
     return key_of_column if ENABLED else None
 
 
-def group_max(x: jax.Array, interpret: bool) -> jax.Array:
+def group_max(x: jax.Array, interpret: bool, *, row_max: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """For a (64, n) float32 WGMMA-layout tile of lane-ordered keys (n a multiple of 64): each element replaced
     by its FP4 group's maximum, the maximum over the 16 columns a thread holds of that row and 64-column block.
 
@@ -77,13 +77,18 @@ def group_max(x: jax.Array, interpret: bool) -> jax.Array:
     computation per group (not checked in SASS; the forward measured 9–14% faster on the H200,
     benchmarks/NOTES.md, thirtieth session). Interpreted (the interpreter has no inline Mosaic GPU): the
     same maxima by a reshape.
+
+    ``row_max=True`` also returns each row's maximum, (64,) in the WGMMA row layout, as ``jnp.max(x, axis=1)``:
+    compiled, from the thread's distinct group maxima (one per group, not one per register), then the quad's
+    shuffles.
     """
     rows, n = x.shape
     if n % BLOCK:
         raise ValueError(f"group_max needs a multiple of {BLOCK} columns, got {x.shape}")
     if interpret:
         g = x.reshape(rows, n // BLOCK, 8, 4, 2)
-        return jnp.broadcast_to(jnp.max(g, axis=(2, 4), keepdims=True), g.shape).reshape(rows, n)
+        g = jnp.broadcast_to(jnp.max(g, axis=(2, 4), keepdims=True), g.shape).reshape(rows, n)
+        return (g, jnp.max(x, axis=1)) if row_max else g
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -91,10 +96,14 @@ def group_max(x: jax.Array, interpret: bool) -> jax.Array:
     layout = plgpu.Layout.WGMMA
     x = plgpu.layout_cast(x, layout)
 
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
+    tile_type = plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout)
+    row_type = plgpu.ShapeDtypeStruct((rows,), x.dtype, layout=layout.reduce(1))
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=(tile_type, row_type) if row_max else tile_type)
     def _max(ctx, arr):
         del ctx
         regs = arr.registers
+        row_tops: dict[tuple, ir.Value] = {}  # the thread's maximum of each row it holds (register index 1 dropped)
         groups: dict[tuple, list] = {}
         for idx in np.ndindex(regs.shape):
             key = idx[:1] + (idx[1] // (BLOCK // 8),) + idx[2:]
@@ -113,7 +122,17 @@ def group_max(x: jax.Array, interpret: bool) -> jax.Array:
             splat = vector.broadcast(pair.type, top)
             for i in members:
                 out[i] = splat
-        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=arr.is_signed)
+            row = members[0][:1] + members[0][2:]
+            row_tops[row] = top if row not in row_tops else arith.maximumf(row_tops[row], top)
+        groups_tile = mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=arr.is_signed)
+        if not row_max:
+            return groups_tile
+        # a (64, 8) tile holding each row's thread maximum, reduced by Mosaic GPU's row reduction (the shuffles)
+        narrow = np.empty((regs.shape[0], 1, *regs.shape[2:]), dtype=object)
+        for idx in np.ndindex(narrow.shape):
+            narrow[idx] = vector.broadcast(regs[idx].type, row_tops[idx[:1] + idx[2:]])
+        tops = mgpu.FragmentedArray(_registers=narrow, _layout=arr.layout, _is_signed=arr.is_signed)
+        return groups_tile, tops.reduce("max", axis=1)
 
     return _max(x)
 

@@ -188,8 +188,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sq_
             if masked:
                 s = mask_scores(s, idx[0] * block_k, q_start, causal=causal, offset=offset, sk_len=sk_len,
                                 key_of_column=lane_groups.key_order())
-            g = lane_groups.group_max(s, interpret) if GROUP_MAX_FROM_S else None  # each FP4 group's max of s
-            m_tile = jnp.max(s if g is None else g, axis=1)
+            if GROUP_MAX_FROM_S:  # each FP4 group's max of s, and the row max from them
+                g, m_tile = lane_groups.group_max(s, interpret, row_max=True)
+            else:
+                g, m_tile = None, jnp.max(s, axis=1)
             if SCALE_IN_EXP:  # the scale is positive: max(s)·c is the row max of s·c (and −inf stays −inf)
                 m_tile = m_tile * score_scale
             m_new = jnp.maximum(m_prev, m_tile)
