@@ -406,9 +406,9 @@ def fake_quant_bf16(h: jax.Array, amax: jax.Array, *, times: jax.Array | None = 
     """FQ of non-negative finite bfloat16 h in bfloat16 arithmetic (the Attn-QAT kernels' P̃ for bf16 operands).
 
     sf = e4m3(amax/6) in float32 (:func:`group_scale_16bit`: amax holds bf16 values); y = bf16(h · bf16(1/sf));
-    P̃ = bf16(e2m1(y) · bf16(sf · times)). In a GPU kernel the element-wise part is one packed instruction per two elements for
-    each step (about half the float32 quantizer's instructions); :func:`fake_quant_bf16_emulated` is the same
-    function in float32 arithmetic for the references. Against float32 arithmetic
+    P̃ = bf16(e2m1(y) · bf16(sf · times)). In a GPU kernel the element-wise part is one packed instruction per two
+    elements for each step (about half the float32 quantizer's instructions); :func:`fake_quant_bf16_emulated` is
+    the same function in float32 arithmetic for the references. Against float32 arithmetic
     (:func:`fake_quant_parts`) only inputs within ~2**-8 relative of an e2m1 rounding midpoint can round
     to the other neighbour, and the result's scale is rounded to bf16 when ``times`` is given.
 
