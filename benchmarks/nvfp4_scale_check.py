@@ -106,7 +106,8 @@ def reciprocal_mismatches(fns: dict) -> dict[str, int]:
 def kernel_scale_mismatches() -> dict[str, int]:
     """The Attn-QAT kernels' bf16 FQ(P) scales (``lane_groups.fake_quant_p(fast_scale=True)``) compiled in a Mosaic GPU
     kernel, on every finite non-negative bf16 amax: sf = ``group_scale_16bit`` with the conversion to e4m3, and
-    bf16 of the approximate reciprocal, against ``group_scale`` and bf16 of numpy's 1/sf."""
+    bf16 of the approximate reciprocal, against ``group_scale`` and bf16 of numpy's 1/sf; with Mosaic GPU's pairwise
+    conversion and with ``lane_groups.E4M3_LANEWISE``'s per value (keys ``…_lanewise``)."""
     from pallas_kernels import lane_groups
     from pallas_kernels._mosaic import plgpu
 
@@ -122,9 +123,18 @@ def kernel_scale_mismatches() -> dict[str, int]:
     amax = bits.view(ml_dtypes.bfloat16).astype(np.float32).reshape(256, 128)
     want = np.asarray(nvfp4.group_scale(jnp.asarray(amax), assume_finite=True))
     want_inv = (np.float32(1) / want).astype(ml_dtypes.bfloat16).astype(np.float32)
-    got = np.asarray(jax.jit(_mosaic(sf_of))(jnp.asarray(amax)))
-    got_inv = np.asarray(jax.jit(_mosaic(inv_of))(jnp.asarray(amax)))
-    return {"sf": int(np.sum(got != want)), "bf16_inv": int(np.sum(got_inv != want_inv))}
+    bad = {}
+    lanewise = lane_groups.E4M3_LANEWISE
+    try:
+        for mode in (False, True):  # Mosaic GPU's pairwise conversion, and lane_groups' own per value
+            lane_groups.E4M3_LANEWISE = mode
+            tag = "_lanewise" if mode else ""
+            got = np.asarray(jax.jit(_mosaic(sf_of))(jnp.asarray(amax)))
+            got_inv = np.asarray(jax.jit(_mosaic(inv_of))(jnp.asarray(amax)))
+            bad |= {f"sf{tag}": int(np.sum(got != want)), f"bf16_inv{tag}": int(np.sum(got_inv != want_inv))}
+    finally:
+        lane_groups.E4M3_LANEWISE = lanewise
+    return bad
 
 
 def main(argv=None) -> int:

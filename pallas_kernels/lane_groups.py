@@ -200,33 +200,57 @@ def packed_mask_or(t: jax.Array, mask: int, bits: int) -> jax.Array:
     return _per_register(f"lop3.b32 $0, $1, $2, $3, {MASK_OR_LUT:#X};", (t, mask << 16 | mask, bits << 16 | bits))
 
 
+#: probe, not yet timed: :func:`e4m3_by_conversion` converts each float32 of a register by itself (one inline block
+#: per value) instead of Mosaic GPU's pairwise ``astype``: where both values of a register are one group's (the splat
+#: registers of :func:`group_max`), the two blocks are the same and LLVM merges them, and so everything after them on
+#: the group's scale (the zero-group select, ``rcp.approx``, the bf16 conversions), which the pairwise conversion's
+#: two unpacked halves computed twice (two MUFU.RCP, two HADD2.F32 per group in the fifty-seventh session's census)
+E4M3_LANEWISE = False
+#: one float32 → e4m3 → float32 rounding in PTX (the value converted as the low byte of an e4m3x2 pair)
+_E4M3_ROUND_PTX = ("{ .reg .b16 e; .reg .b32 h; .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 e, $1, $1; "
+                   "cvt.rn.f16x2.e4m3x2 h, e; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; }")
+
+
 def e4m3_by_conversion(x: jax.Array, interpret: bool) -> jax.Array:
     """Non-negative finite float32 rounded to e4m3 as :func:`lowbit_jax.formats.nvfp4.e4m3_round` does (nearest even,
     saturating at 448), by converting to ``float8_e4m3fn`` and back: compiled, PTX ``cvt.rn.satfinite.e4m3x2.f32``
-    and ``cvt.rn.f16x2.e4m3x2`` for two values (instead of the magic-number rounding's seven operations);
-    interpreted, XLA's conversion, which gives NaN past 464 instead of saturating, so the input is clamped first."""
+    and ``cvt.rn.f16x2.e4m3x2`` for two values (instead of the magic-number rounding's seven operations; per value with
+    :data:`E4M3_LANEWISE`, WGMMA-layout tiles); interpreted, XLA's conversion, which gives NaN past 464 instead of
+    saturating, so the input is clamped first."""
     if interpret:
         x = jnp.minimum(x, nvfp4.E4M3_MAX)
+    elif E4M3_LANEWISE:
+        return _per_value(_E4M3_ROUND_PTX, x)
     return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _per_value(text: str, x: jax.Array) -> jax.Array:
+    """One inline PTX ``text`` ($0 ← $1, float32) per value of a float32 WGMMA-layout tile (compiled only): a lane's
+    block depends on that value alone, so equal values (a splat register's two lanes) give one block after LLVM's
+    common-subexpression elimination."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    layout = plgpu.Layout.WGMMA
+    x = plgpu.layout_cast(x, layout)
+
+    def one(value):
+        return llvm.inline_asm(ir.F32Type.get(), [value], text, "=f,f")
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
+    def _asm(ctx, arr):
+        del ctx
+        return arr._pointwise(mgpu.FragmentedArray._lift_fast_instr(one))
+
+    return _asm(x)
 
 
 def approx_reciprocal(x: jax.Array, interpret: bool) -> jax.Array:
     """1/x of a float32 tile: compiled (inline Mosaic GPU, WGMMA layout) PTX ``rcp.approx.ftz.f32``, at most 1 ulp off
     (one MUFU.RCP instead of a correctly rounded division's ~8 instructions and its branch); interpreted, ``1 / x``.
     Enough where only bf16(1/x) of an e4m3 x is used (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`)."""
-    if interpret:
-        return 1.0 / x
-    from jax.experimental.mosaic import gpu as mgpu
-
-    layout = plgpu.Layout.WGMMA
-    x = plgpu.layout_cast(x, layout)
-
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
-    def _rcp(ctx, arr):
-        del ctx
-        return arr._pointwise(mgpu.FragmentedArray._lift_fast_instr("rcp.approx.ftz.f32"))
-
-    return _rcp(x)
+    return 1.0 / x if interpret else _per_value("rcp.approx.ftz.f32 $0, $1;", x)
 
 
 def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None,

@@ -657,6 +657,34 @@ def test_qat_forward_group_max_from_scores_lowers(monkeypatch, d, causal):
     assert exponentials(True) - exponentials(False) == 64 * block_k // 128
 
 
+def test_e4m3_lanewise_conversion_replaces_the_pairwise_one(monkeypatch):
+    """``lane_groups.E4M3_LANEWISE`` (probe, off): FQ(P)'s e4m3 rounding in the forward (``FAST_SCALE``) is one inline
+    block per value (cvt to e4m3 and back to float32) instead of Mosaic GPU's pairwise ``astype`` conversions, as many
+    blocks as the pairwise path converts values. Compiled values: ``benchmarks/nvfp4_scale_check.py``."""
+    from jax._src.lib.mlir.dialects import llvm
+
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import lane_groups
+
+    assert not lane_groups.E4M3_LANEWISE
+    asm, real_asm = [], llvm.inline_asm
+    monkeypatch.setattr(llvm, "inline_asm", lambda r, ops, text, *a, **kw: asm.append(text) or real_asm(r, ops, text,
+                                                                                                       *a, **kw))
+
+    def conversions(lanewise: bool) -> tuple[int, int]:
+        monkeypatch.setattr(lane_groups, "E4M3_LANEWISE", lanewise)
+        asm.clear()
+        jax.clear_caches()
+        lower_mosaic_fwd_bwd("qat", 64, False, dq_kernel="fused", seq=256)
+        jax.clear_caches()
+        return (sum(text == lane_groups._E4M3_ROUND_PTX for text in asm),
+                sum("cvt.rn.satfinite.e4m3x2.f32 result_pair" in text for text in asm))
+
+    pairwise, lanewise = conversions(False), conversions(True)
+    assert pairwise[0] == 0 and pairwise[1] > 0
+    assert lanewise == (2 * pairwise[1], 0)
+
+
 def test_packed_mask_or_truth_table_is_and_then_or():
     """``lane_groups.MASK_OR_LUT``, evaluated bit by bit as PTX ``lop3`` does (result bit = LUT bit a·4 + b·2 + c),
     is (a & b) | c on random words and on FQ(P)'s masks (bf16 exponent, mantissa top bit, in both halves)."""
