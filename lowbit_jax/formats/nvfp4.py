@@ -438,12 +438,13 @@ def fake_quant_bf16_emulated(x: jax.Array, amax: jax.Array, *, times: jax.Array 
 
     Args:
       x: float32 holding bfloat16 values (:func:`round_to_bf16` of P); amax: their group maxima (x's shape, or
-        one per group with ``broadcast``).
+        one per group with ``broadcast``), bfloat16 values, so the scale is :func:`group_scale_16bit`'s as the
+        kernels' is.
       times: as in :func:`fake_quant_bf16` (x's shape, or per group with ``broadcast``).
     Returns:
       float32 of x's shape, bfloat16 values.
     """
-    sf = group_scale(amax, assume_finite=True)
+    sf = group_scale_16bit(amax)
     inv = round_to_bf16(1.0 / sf)
     scale = sf if times is None else round_to_bf16(sf * times)
     if broadcast is not None:
