@@ -12,11 +12,12 @@ K-major (the contraction dim contiguous): the ``B`` operand is always a
 transposed view of a tile stored with the contraction dim last. An INT8 ``A``
 operand may come from registers: importing this module adds the one relayout
 jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`register_operand`).
+The fused backwards' float32 dQ accumulation by TMA reduce-add is :mod:`pallas_kernels.reduce_add` (its stage's
+layout: :mod:`pallas_kernels.dq_stage`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,11 +36,6 @@ MEMORY_REGISTERS = 40
 #: default, 2 KiB). No kernel here uses them: all lower with 0, and on the H200 0 gave the same gradients
 #: and level timings (benchmarks/NOTES.md, eighteenth session); kept at the default, since nothing gained.
 REDUCTION_SCRATCH_BYTES: int | None = None
-
-#: free the dQ reduce-add stage (:func:`stage_free`: the previous TMA reduce-add has read it, and a warpgroup
-#: barrier) right after the step's products are issued, while the tensor cores run them, instead of after the
-#: dQ product is waited for, just before the stage is rewritten (:func:`early_stage_wait`)
-EARLY_STAGE_WAIT = True
 
 
 def compiler_params(*, manual_barriers: bool = False) -> plgpu.CompilerParams:
@@ -883,149 +879,6 @@ def copy_out(copies) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-#: columns of one TMA reduce-add chunk (128 bytes of a 16-bit row: one swizzle width, so a column
-#: slice of a K tile is a valid ``wgmma`` B operand)
-REDUCE_COLS = 64
-
-
-#: probe switch: swizzle (bytes) of the float32 dQ stage (:func:`reduce_add_stage`). With 128 (a tiling of 8 × 32
-#: floats, what :func:`tile_transforms` gives a 64-column float32 tile) a half-warp's 8-byte stores of the WGMMA
-#: layout hit the same banks twice, so Mosaic GPU staggers them (``StaggeredTransferPlan``: a select per stored
-#: register, 32 per thread and step); with 32 (a tiling of 8 × 8 floats) its plain transfer is conflict-free, but
-#: the TMA reduce-add then copies the tile as eight 32-byte-wide boxes instead of two. On the H200 32 was slower
-#: (kernel ms: SageBwd 0.668 → 0.749 at B16 H10/5 S2048 D64 causal, 2.11 → 2.34 at B8 H32 S2048 D64, 5.94 → 9.25 at
-#: B4 H32 S4096 D128; Attn-QAT 0.613 → 0.718 and 1.92 → 2.12 at the D64 shapes). Attn-QAT's column-split dQ at
-#: D128 was the exception in kernel time (6.00 → 5.88 ms, causal 3.18 → 3.14) but not in wall time (fwd+bwd 9.58
-#: → 9.69 ms): benchmarks/NOTES.md, forty-third session.
-STAGE_SWIZZLE = 128
-
-
-def stage_transforms() -> tuple:
-    """SMEM tiling + swizzle of the float32 stage: :data:`STAGE_SWIZZLE` bytes, the tiling 8 rows × one swizzle
-    width."""
-    if STAGE_SWIZZLE not in (32, 64, 128):
-        raise ValueError(f"STAGE_SWIZZLE must be 32, 64 or 128 bytes, got {STAGE_SWIZZLE}")
-    return (plgpu.TilingTransform((8, STAGE_SWIZZLE // 4)), plgpu.SwizzleTransform(STAGE_SWIZZLE))
-
-
-def reduce_add_stage(wgs: int, rows: int, chunks: int = 1) -> plgpu.SMEM:
-    """The float32 SMEM stage of :func:`reduce_add_out`, one (rows, REDUCE_COLS) tile per compute warpgroup, or
-    with ``chunks`` > 1 one per warpgroup and column chunk of :func:`reduce_add_matmul` ((wgs, chunks, rows,
-    REDUCE_COLS)), so a chunk's stage waits only for the previous step's copy of that chunk. Tiled and swizzled
-    by :func:`stage_transforms`."""
-    shape = (wgs, rows, REDUCE_COLS) if chunks == 1 else (wgs, chunks, rows, REDUCE_COLS)
-    return plgpu.SMEM(shape, jnp.float32, transforms=stage_transforms())
-
-
-def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret: bool, after: jax.Array,
-                           zeros: jax.Array | None = None):
-    """A zeroed float32 GMEM ref of ``shape`` for :func:`reduce_add_out` to add into (a kernel operand).
-    Interpreting (no TMA reduction) it gets one slice per writer, ``writers`` axes prepended: select one
-    with :func:`reduce_add_slot`, sum them with :func:`reduce_add_total`.
-
-    ``after``: an input of the same kernel call (the backward's dO). The zero is passed through
-    ``lax.optimization_barrier`` together with it, so the buffer cannot be filled before that input
-    exists. A plain ``jnp.zeros`` has no operands: in a model's training step XLA merged the zero fills
-    of every layer's backward into one multi-output fusion at the start of the backward, so all of them
-    were live at once (11 × 80 MiB float32 dQ workspaces in the 50m preset at B16 S2048; benchmarks/NOTES.md,
-    twenty-second session).
-
-    ``zeros``: a float32 array of ``shape`` that a kernel reading ``after`` wrote as zeros (the SageBwd
-    preprocess: ``sage_bwd.sage_bwd_preprocess(zero_dq=True)``), used instead of a separate fill; interpreting,
-    each writer's slice starts from it."""
-    if zeros is not None:
-        if zeros.shape != tuple(shape) or zeros.dtype != jnp.float32:
-            raise ValueError(f"zeros: expected float32 {tuple(shape)}, got {zeros.dtype} {zeros.shape}")
-        return jax.new_ref(zeros if not interpret else jnp.broadcast_to(zeros, (*writers, *shape)))
-    zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), after))
-    return jax.new_ref(jnp.broadcast_to(zero, shape if not interpret else (*writers, *shape)))
-
-
-def reduce_add_slot(ref, writer: tuple, *, interpret: bool):
-    """This writer's target in a :func:`reduce_add_accumulator` (all of it unless interpreting)."""
-    return ref.at[writer] if interpret else ref
-
-
-def reduce_add_total(ref, n_writer_axes: int, *, interpret: bool, permuted: bool = False) -> jax.Array:
-    """The value of a :func:`reduce_add_accumulator` after the kernel (its slices summed when interpreting; its
-    columns put back in order if the kernel's stage was ``permuted``, as :func:`reduce_add_out`)."""
-    from pallas_kernels import dq_stage  # it builds on this module
-
-    total = ref[...]
-    if interpret:
-        return jnp.sum(total, axis=tuple(range(n_writer_axes)))
-    return dq_stage.unpermute(total) if permuted else total
-
-
-def stage_free(pending: int = 0) -> None:
-    """Wait (warpgroup-wide) until the TMA reduce-adds from this warpgroup's stage have read it, so the stage may
-    be rewritten (:func:`reduce_add_out`): all but the ``pending`` most recent (those read other chunks' stages)."""
-    plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
-
-
-def early_stage_wait(pending: int = 0) -> Callable[[], None] | None:
-    """The ``issued`` hook that frees the dQ stage while the step's products run (:data:`EARLY_STAGE_WAIT`;
-    ``pending`` as in :func:`stage_free`), or None (the wait stays in :func:`reduce_add_out`); pass ``waited=``
-    that hook's truth to it."""
-    return functools.partial(stage_free, pending) if EARLY_STAGE_WAIT else None
-
-
-def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool, waited: bool = False,
-                   pending: int = 0, permuted: bool = False) -> None:
-    """``dst += value`` in GMEM by a TMA reduce-add, through the SMEM ``stage`` (reused once the previous
-    copy has read it: :func:`stage_free` here unless ``waited``, i.e. the caller ran it since its last
-    reduce-add; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
-    The Mosaic GPU interpreter has no TMA reduction: there it is a plain copy, so ``dst`` must be a
-    slice of a workspace that only this warpgroup writes, summed by the caller. ``permuted``: the stage's columns in
-    ``dq_stage`` order (16-byte stores without bank conflicts; only where ``dq_stage.in_use``), to be put back by
-    :func:`reduce_add_total` with the same flag."""
-    from pallas_kernels import dq_stage  # it builds on this module
-
-    if not waited:
-        stage_free(pending)
-    if permuted:
-        if not dq_stage.in_use(interpret):
-            raise ValueError("permuted: the dQ stage's column order is used only where dq_stage.in_use()")
-        dq_stage.store(stage, value)
-    else:
-        stage[...] = value
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, dst, reduction_op=None if interpret else "add")
-
-
-def reduce_add_matmul(stage, a, b_cols, width: int, dst, *, interpret: bool, acc_dtype=jnp.float32,
-                      factor=None, early: bool = True, permuted: bool = False) -> None:
-    """``dst(cols) += (a @ b_cols(cols)) · factor`` for each REDUCE_COLS-wide column chunk of a ``width``-column
-    product: FlashAttention-3's dQ accumulation, each step's dS·K added to a float32 dQ in GMEM by TMA
-    (:func:`reduce_add_out`, through the float32 ``stage``) instead of a second kernel recomputing S, P
-    and dP. ``b_cols(cols)`` is the B operand of those columns; an int32 (INT8) product is converted to
-    float32 before ``factor`` (a scalar, or None for none). Chunks keep the stage within SMEM at D128.
-    ``stage``: one (rows, REDUCE_COLS) tile that every chunk reuses (each waits for the previous chunk's copy to
-    have read it), or one per chunk ((chunks, rows, REDUCE_COLS), :func:`reduce_add_stage`; a chunk waits for
-    the previous step's copy of its own). With ``early`` the stage is freed while each chunk's product runs
-    (:func:`early_stage_wait`); ``permuted`` as in :func:`reduce_add_out`."""
-    per_chunk = len(stage.shape) == 3
-    cols = stage.shape[-1]
-    chunks = width // cols
-    pending = chunks - 1 if per_chunk else 0  # copies issued since this chunk's stage was last read
-    hook = early_stage_wait(pending) if early else None
-    for c in range(chunks):
-        chunk, tile = pl.ds(c * cols, cols), stage.at[c] if per_chunk else stage
-        reduce_add_product(tile, matmul(tile.shape, acc_dtype, a, b_cols(chunk), issued=hook), dst(chunk),
-                           interpret=interpret, factor=factor, waited=hook is not None, pending=pending,
-                           permuted=permuted)
-
-
-def reduce_add_product(stage, part: jax.Array, dst, *, interpret: bool, factor=None, waited: bool = False,
-                       pending: int = 0, permuted: bool = False) -> None:
-    """``dst += part · factor`` (:func:`reduce_add_out`) for one product chunk already in registers: an int32
-    (INT8) product is converted to float32 first; ``factor`` a scalar, or None for none; ``waited``, ``pending``
-    and ``permuted`` as in :func:`reduce_add_out`."""
-    part = part.astype(jnp.float32)
-    reduce_add_out(stage, part if factor is None else part * factor, dst, interpret=interpret, waited=waited,
-                   pending=pending, permuted=permuted)
-
-
 def on_hopper() -> bool:
     """True when the default device is an sm_90 GPU (H100/H200), where these kernels run."""
     if jax.default_backend() not in ("gpu", "cuda"):
@@ -1038,9 +891,6 @@ __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transform
            "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "QueryRows", "query_ctas", "pad_rows",
            "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",
-           "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "REDUCE_COLS", "reduce_add_stage",
-           "reduce_add_accumulator", "reduce_add_slot", "reduce_add_total", "reduce_add_out", "reduce_add_product",
-           "reduce_add_matmul", "on_hopper", "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers",
-           "product_first", "stage_free", "early_stage_wait", "EARLY_STAGE_WAIT",
-           "STAGE_SWIZZLE", "stage_transforms",
+           "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "on_hopper",
+           "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers", "product_first",
            "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "group_tile"]

@@ -26,7 +26,7 @@ updated in place, the two independent products of a step issued together.
   loops over key tiles; dS is the register A operand of dS·K̃.
 * or dQ fused into the dK/dV kernel (``fused_dq``, ``QatConfig.dq_kernel``): each step's
   dS·K̃ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
-  ``_mosaic.reduce_add_matmul``); from head dim 128 split by columns between the two warpgroups
+  ``reduce_add.reduce_add_matmul``); from head dim 128 split by columns between the two warpgroups
   after a CTA-wide barrier (:func:`splits_dq_columns`); at head dim 128 and causal the dQ product is issued
   before dV's and dK's and reduce-added while they run (:func:`dq_first`). The default (faster on the H200 at
   every benchmarked shape since the keys went into lane order).
@@ -54,11 +54,13 @@ from jax import lax
 from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels import dq_stage, lane_groups, stmatrix
 from pallas_kernels._mosaic import (
-    PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
-    grid_position, group_tile, launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys,
-    reduce_add_accumulator, reduce_add_matmul, reduce_add_out, REDUCE_COLS, product_first, reduce_add_slot,
-    reduce_add_stage, reduce_add_total, register_operand, row_vector, rows_of, schedule_barrier, tile_transforms,
-    warpgroup_barrier, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, group_tile,
+    launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, product_first, register_operand, row_vector,
+    rows_of, schedule_barrier, tile_transforms, warpgroup_barrier, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+)
+from pallas_kernels.reduce_add import (
+    REDUCE_COLS, early_stage_wait, reduce_add_accumulator, reduce_add_matmul, reduce_add_out, reduce_add_slot,
+    reduce_add_stage, reduce_add_total,
 )
 
 LOG2E = math.log2(math.e)
@@ -211,7 +213,7 @@ def _ds(e, dp, inv_l_row, delta_row, dtype):
 def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, items, group, n_qtiles, head_dim,
                  sk_len, causal, offset, score_scale, scale, naive, interpret, fused_dq, split, permuted, do_native):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
-    (``_mosaic.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`);
+    (``reduce_add.reduce_add_matmul``); ``split``: by columns between the warpgroups (:func:`splits_dq_columns`);
     ``permuted``: the dQ stage's columns in ``dq_stage`` order (:func:`permutes_dq_stage`).
     ``refs``: [dq_ref], dk_ref, dv_ref, then the scratch [, stage2[, cta_barrier]]."""
     if fused_dq:
@@ -327,8 +329,8 @@ def _dkdv_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, *refs, i
                 dq_product = ((TILE, half if split else head_dim), jnp.float32,
                               tuple((ds_tile(w), k_smem2.at[w, :, cols]) for w in (wg, 1 - wg)) if split
                               else ((ds_smem, k_smem.at[:, cols]),))
-                # issued first, its stage is freed while the three products run (_mosaic.early_stage_wait; issued after
-                # dV and dK, freeing it early measured slower: benchmarks/NOTES.md, forty-second session)
+                # issued first, its stage is freed while the three products run (reduce_add.early_stage_wait; issued
+                # after dV and dK, freeing it early measured slower: benchmarks/NOTES.md, forty-second session)
                 free = early_stage_wait() if first else None
                 add_dq = lambda dq: reduce_add_out(stage2.at[wg], dq, dq_dst(cols), interpret=interpret,  # noqa: E731
                                                    waited=free is not None, permuted=permuted)
@@ -413,7 +415,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     (B, Sk, Hkv, D) in do's dtype.
 
     ``fused_dq``: one kernel for all three gradients — the dK/dV kernel also reduce-adds each
-    step's dS·K̃ into a float32 dQ (``_mosaic.reduce_add_matmul``; the order of those additions is not
+    step's dS·K̃ into a float32 dQ (``reduce_add.reduce_add_matmul``; the order of those additions is not
     fixed, so dQ is not bit-reproducible run to run) — instead of a separate dQ kernel.
     ``lane_ordered``: kf and vf are already in lane order (as :func:`pallas_kernels.qat_fwd_mosaic.
     qat_attention_fwd_mosaic`); dk and dv are returned in key order either way.

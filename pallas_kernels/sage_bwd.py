@@ -64,7 +64,7 @@ def _dot_f32(a, b):
 
 _TILE = (0, 1)  # ψ with one scale for the whole 2-D tile (scale shape (1, 1))
 #: the fused Mosaic backward's float32 dQ accumulator zeroed by :func:`sage_bwd_preprocess` (``zero_dq``) rather
-#: than by a separate XLA fill (``_mosaic.reduce_add_accumulator``); a switch for ``benchmarks/variants.py``
+#: than by a separate XLA fill (``reduce_add.reduce_add_accumulator``); a switch for ``benchmarks/variants.py``
 ZERO_DQ_HERE = True
 
 

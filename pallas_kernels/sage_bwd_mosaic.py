@@ -16,7 +16,7 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   S, P, dP, dS as above, dQ += dŜK̂.
 * or dQ fused into ``sage_bwd_dkdv_mosaic`` (``k8_t=``; ``SageFwdConfig.dq_kernel``): the
   per-tile dŜ is also stored transposed and each step's dŜK̂ is reduce-added by TMA into a
-  float32 dQ (FlashAttention-3's accumulation, ``_mosaic.reduce_add_matmul``): the default
+  float32 dQ (FlashAttention-3's accumulation, ``reduce_add.reduce_add_matmul``): the default
   (``SageFwdConfig.fuses_dq``; fwd+bwd 23% less time on the H200 at head dim 64, 11% at 128
   non-causal, 3–7% at 128 causal). Its K̂ and Ṽ rows are in :mod:`pallas_kernels.key_pairs`
   order, so the transposed copy is two ``stmatrix.trans`` per thread and step instead of a
@@ -25,7 +25,7 @@ SMEM pipeline while two compute warpgroups each own one 64-row tile and issue
   B4 H32 S4096 D128; benchmarks/NOTES.md, thirty-first session); dK and dV leave in natural order.
   At head dim 128 dQ's two 64-column chunks each have their own float32 stage (:data:`DQ_STAGE_PER_CHUNK`:
   the kernel 2.8% faster at B4 H32 S4096 D128, 6% causal), and a stage is freed while the step's products run
-  (``_mosaic.early_stage_wait``; forty-second session). At head dim 64 the stage holds its columns permuted
+  (``reduce_add.early_stage_wait``; forty-second session). At head dim 64 the stage holds its columns permuted
   (:mod:`pallas_kernels.dq_stage`: 16-byte stores without bank conflicts instead of Mosaic GPU's staggered ones; the
   kernel 2.3% faster at B16 H10/5 S2048 D64 causal, 7.5% at B8 H32 S2048 D64; forty-fourth session).
 
@@ -75,11 +75,14 @@ from lowbit_jax.formats import int8
 from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
-    WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, early_stage_wait, first_query_tile,
-    grid_position, group_tile, guarded_step, key_step_specs, int8_operand_in_smem, launch, mask_scores, matmul,
-    matmuls, pl, plgpu, query_block_keys, register_operand, row_vector, rows_of, scalar, tile_absmax, pad_rows,
-    reduce_add_accumulator, reduce_add_matmul, reduce_add_slot, reduce_add_stage, reduce_add_total, tile_transforms,
-    tma_rows, reduce_add_product, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros, REDUCE_COLS,
+    WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, group_tile,
+    guarded_step, key_step_specs, int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu,
+    query_block_keys, register_operand, row_vector, rows_of, scalar, tile_absmax, pad_rows, tile_transforms, tma_rows,
+    transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+)
+from pallas_kernels.reduce_add import (
+    REDUCE_COLS, early_stage_wait, reduce_add_accumulator, reduce_add_matmul, reduce_add_product, reduce_add_slot,
+    reduce_add_stage, reduce_add_total,
 )
 from pallas_kernels.configs import SageFwdConfig
 
@@ -111,11 +114,11 @@ OPERAND_ORDER = True
 #: thirty-seventh session): a CTA's two warpgroups meet at the pipeline's barriers every step, so the one that skips
 #: waits for the other.
 SKIP_EMPTY_STEPS = False
-#: at head dim 128 the fused dQ's two column chunks each have their own float32 stage (_mosaic.reduce_add_stage), so
+#: at head dim 128 the fused dQ's two column chunks each have their own float32 stage (reduce_add.reduce_add_stage), so
 #: the second chunk's stage does not wait for the first chunk's TMA reduce-add (just issued) to have read it
 DQ_STAGE_PER_CHUNK = True
 #: the smallest head dim at which the fused dQ's stage is freed while its own product runs where that product is
-#: issued after dV's and dK's wait (D128, and D64 non-causal; ``_mosaic.early_stage_wait``): at D128 the kernel 1.3%
+#: issued after dV's and dK's wait (D128, and D64 non-causal; ``reduce_add.early_stage_wait``): at D128 the kernel 1.3%
 #: faster at B4 H32 S4096 (forty-second session); at D64 non-causal 2.4% slower at B8 H32 S2048 (forty-third)
 EARLY_FREE_MIN_HEAD_DIM = 128
 #: the largest head dim at which the fused dQ's float32 stage holds its columns in ``dq_stage`` order (conflict-free
@@ -250,7 +253,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                  *refs, items, group, n_qtiles, per_block, head_dim, fused, causal, offset, ds_per_row, fused_dq, pairs,
                  operand, scale, permuted, interpret):
     """dK, dV; if ``fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
-    (``_mosaic.reduce_add_matmul``). ``pairs``: K̂ and Ṽ rows in :mod:`pallas_kernels.key_pairs` order (the
+    (``reduce_add.reduce_add_matmul``). ``pairs``: K̂ and Ṽ rows in :mod:`pallas_kernels.key_pairs` order (the
     transposed dŜ and the dK, dV tiles stored by ``stmatrix``; dK and dV leave in natural key order).
     ``permuted``: the dQ stage's columns in ``dq_stage`` order (:func:`permutes_dq_stage`).
     ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref, then the scratch: K̂, Ṽ, K scales[, dK], [P̂ᵀ], [dŜᵀ]
@@ -389,7 +392,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
                 dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
                 kt_smem = kt_smem2.at[wg]
             dq_joins = fused_dq and head_dim <= 64 and causal and DQ_WITH_DKDV_CAUSAL
-            if dq_joins:  # the dQ stage freed while the three run (_mosaic.early_stage_wait)
+            if dq_joins:  # the dQ stage freed while the three run (reduce_add.early_stage_wait)
                 free = early_stage_wait()
                 dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
                                                     (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused,

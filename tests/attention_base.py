@@ -45,13 +45,14 @@ def vjp_outputs(attention, q, k, v, do, *, f32=False):
 
 def trace_stage_waits(monkeypatch, out_owner, attention, q, k, v) -> list:
     """The fused dQ's stage protocol of a Mosaic backward, from tracing ``attention``'s vjp (nothing runs): a log of
-    ``("free", pending)`` per ``_mosaic.stage_free`` and ``("out", waited)`` per reduce-add made through
+    ``("free", pending)`` per ``reduce_add.stage_free`` and ``("out", waited)`` per reduce-add made through
     ``out_owner.reduce_add_out`` (logged once its own wait, if any, has run)."""
-    from pallas_kernels import _mosaic
+    from pallas_kernels import reduce_add
 
     events = []
-    real_free, real_out = _mosaic.stage_free, _mosaic.reduce_add_out
-    monkeypatch.setattr(_mosaic, "stage_free", lambda pending=0: events.append(("free", pending)) or real_free(pending))
+    real_free, real_out = reduce_add.stage_free, out_owner.reduce_add_out
+    monkeypatch.setattr(reduce_add, "stage_free",
+                        lambda pending=0: events.append(("free", pending)) or real_free(pending))
     monkeypatch.setattr(out_owner, "reduce_add_out", lambda *a, waited=False, **kw: (
         real_out(*a, waited=waited, **kw) or events.append(("out", waited))))
     jax.clear_caches()

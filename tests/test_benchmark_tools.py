@@ -491,12 +491,12 @@ def test_transfer_plans_find_the_staggered_dq_stage(monkeypatch, permuted, swizz
     """benchmarks/probes/transfer_plans.py lowers the fused SageBwd backward (D64 causal) on the CPU and lists Mosaic
     GPU's register ↔ SMEM transfer plans. With the 128-byte float32 dQ stage stored by Mosaic GPU in natural column
     order its stores are the only staggered transfers (forty-third session); with a 32-byte stage
-    (``_mosaic.STAGE_SWIZZLE``) none are; with the permuted order (``dq_stage``, committed) the stage is stored by
+    (``dq_stage.STAGE_SWIZZLE``) none are; with the permuted order (``dq_stage``, committed) the stage is stored by
     inline 16-byte stores, so Mosaic GPU plans no float32 transfer and none is staggered."""
     from benchmarks.probes.transfer_plans import transfer_plans
-    from pallas_kernels import _mosaic, dq_stage
+    from pallas_kernels import dq_stage
 
-    monkeypatch.setattr(_mosaic, "STAGE_SWIZZLE", swizzle)
+    monkeypatch.setattr(dq_stage, "STAGE_SWIZZLE", swizzle)
     monkeypatch.setattr(dq_stage, "ENABLED", permuted)
     plans = transfer_plans("sage", 64, True, seq=256)
     staggered = {key for key in plans if key[3] == "StaggeredTransferPlan"}

@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _mosaic, dq_stage
+from pallas_kernels import _mosaic, dq_stage, reduce_add
 
 
 def _position(offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,11 +67,12 @@ def test_each_piece_holds_the_columns_column_of_names():
 
 def test_accumulator_total_is_unpermuted_only_for_a_permuted_stage(monkeypatch):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 3, 128)), jnp.float32)
-    np.testing.assert_array_equal(_mosaic.reduce_add_total(x, 0, interpret=False, permuted=True), dq_stage.unpermute(x))
-    np.testing.assert_array_equal(_mosaic.reduce_add_total(x, 0, interpret=False), x)
-    np.testing.assert_array_equal(_mosaic.reduce_add_total(x[None], 1, interpret=True), x)
+    np.testing.assert_array_equal(reduce_add.reduce_add_total(x, 0, interpret=False, permuted=True),
+                                  dq_stage.unpermute(x))
+    np.testing.assert_array_equal(reduce_add.reduce_add_total(x, 0, interpret=False), x)
+    np.testing.assert_array_equal(reduce_add.reduce_add_total(x[None], 1, interpret=True), x)
     assert dq_stage.in_use(False) and not dq_stage.in_use(True)
-    monkeypatch.setattr(_mosaic, "STAGE_SWIZZLE", 32)
+    monkeypatch.setattr(dq_stage, "STAGE_SWIZZLE", 32)
     assert not dq_stage.in_use(False)
 
 
@@ -107,7 +108,7 @@ def _stage_kernel(interpret: bool = False):
     return _mosaic.plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
                                 scratch_types=[tile(64, 64, bf16), tile(64, 64, bf16),
                                                _mosaic.plgpu.SMEM((64, 64), jnp.float32,
-                                                                  transforms=_mosaic.stage_transforms()),
+                                                                  transforms=dq_stage.stage_transforms()),
                                                _mosaic.plgpu.Barrier(num_barriers=2)],
                                 compiler_params=_mosaic.compiler_params(),
                                 interpret=_mosaic.interpret_params(interpret))

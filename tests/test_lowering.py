@@ -288,7 +288,7 @@ def test_sage_backward_lowers_to_mosaic_gpu(monkeypatch, causal, ds_scale, sq, d
     assert mosaic_named(text, "sage_bwd_dq") != fused
     # the fused dQ's float32 accumulator is zeroed after dO exists, so XLA cannot hoist and merge the fills of a
     # model's layers into one early fusion (all layers' workspaces live at once): by the preprocess, which reads dO
-    # (a fourth output), or by a fill that waits for dO (``_mosaic.reduce_add_accumulator(after=…)``)
+    # (a fourth output), or by a fill that waits for dO (``reduce_add.reduce_add_accumulator(after=…)``)
     outputs = re.search(r"func\.func private @sage_bwd_preprocess\([^)]*\) -> \(([^)]*)\)", text)
     assert outputs and outputs.group(1).count("tensor<") == 3 + (fused and zero_here)
     assert ("stablehlo.optimization_barrier" in text) == (fused and not zero_here)

@@ -277,14 +277,14 @@ def test_mosaic_dq_accumulator_from_do_same_gradients(monkeypatch, case):
 @pytest.mark.parametrize("d, causal, early", [(128, False, True), (64, True, True), (64, False, True),
                                               (128, True, False)])
 def test_mosaic_dq_stage_protocol(monkeypatch, d, causal, early):
-    """One ``_mosaic.stage_free`` (all earlier TMA reduce-adds have read the dQ stage) before each reduce-add of
-    the fused dQ. Where the dQ product goes first (``dq_first``) and ``_mosaic.EARLY_STAGE_WAIT`` is on, it is the
+    """One ``reduce_add.stage_free`` (all earlier TMA reduce-adds have read the dQ stage) before each reduce-add of
+    the fused dQ. Where the dQ product goes first (``dq_first``) and ``reduce_add.EARLY_STAGE_WAIT`` is on, it is the
     products' ``issued`` hook, so it runs while they are on the tensor cores; after dV and dK (D64 non-causal) or
     with the switch off it stays inside ``reduce_add_out``. Checked on the traced kernel: the interpreter's copies
     are synchronous, so its values cannot show a missing wait."""
-    from pallas_kernels import _mosaic, qat_bwd_mosaic
+    from pallas_kernels import qat_bwd_mosaic, reduce_add
 
-    monkeypatch.setattr(_mosaic, "EARLY_STAGE_WAIT", early)
+    monkeypatch.setattr(reduce_add, "EARLY_STAGE_WAIT", early)
     q, k, v = make_qkv(1, 128, 128, 2, 1, d, dtype=jnp.bfloat16, seed=d)
     fn = functools.partial(lb.qat_attention, causal=causal, config=dataclasses.replace(MOSAIC, dq_kernel="fused"),
                            implementation="pallas", interpret=True)

@@ -250,22 +250,22 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
                                                         (64, False, True, True)])
 def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal, per_chunk, early):
     """The fused dQ's TMA reduce-adds go through float32 SMEM stages, which each reduce-add may rewrite only after
-    ``_mosaic.stage_free`` (wait for earlier copies to have read them). At D128 each of the two column chunks has its
+    ``reduce_add.stage_free`` (wait for earlier copies to have read them). At D128 each of the two column chunks has its
     own stage (``DQ_STAGE_PER_CHUNK``): the wait then lets the one most recent copy (the other chunk's) stay in
-    flight, ``pending=1``; with one shared stage it waits for all, 0. With ``_mosaic.EARLY_STAGE_WAIT`` the wait runs
+    flight, ``pending=1``; with one shared stage it waits for all, 0. With ``reduce_add.EARLY_STAGE_WAIT`` the wait runs
     as the product's ``issued`` hook (while it is on the tensor cores), else inside ``reduce_add_out``; either way
     exactly one wait precedes each reduce-add. The interpreter's copies are synchronous, so a missing or too-loose
     wait would not change its values: the protocol is checked on the traced kernel (D64 causal: dQ's product joins
     dV's and dK's, one stage, freed early; D64 non-causal: dQ's product after their wait, freed late)."""
-    from pallas_kernels import _mosaic, sage_bwd_mosaic
+    from pallas_kernels import reduce_add, sage_bwd_mosaic
 
-    monkeypatch.setattr(_mosaic, "EARLY_STAGE_WAIT", early)
+    monkeypatch.setattr(reduce_add, "EARLY_STAGE_WAIT", early)
     monkeypatch.setattr(sage_bwd_mosaic, "DQ_STAGE_PER_CHUNK", per_chunk)
     q, k, v = make_qkv(1, 128, 128, 2, 1, d, dtype=jnp.bfloat16, seed=d)
     fn = functools.partial(lb.sage_attention, causal=causal, qk_granularity="per_block", implementation="pallas",
                            config=dataclasses.replace(MOSAIC, dq_kernel="fused"), interpret=True)
-    events = trace_stage_waits(monkeypatch, _mosaic, fn, q, k, v)
-    chunks = d // _mosaic.REDUCE_COLS
+    events = trace_stage_waits(monkeypatch, reduce_add, fn, q, k, v)
+    chunks = d // reduce_add.REDUCE_COLS
     assert [e[0] for e in events] == ["free", "out"] * chunks, events  # one kernel trace: a wait before each add
     assert {e[1] for e in events if e[0] == "free"} == {1 if per_chunk and chunks > 1 else 0}
     assert {e[1] for e in events if e[0] == "out"} == {early and (d > 64 or causal)}
@@ -517,7 +517,7 @@ def test_fused_backward_takes_dq_zeros_from_preprocess(case, monkeypatch):
     """With the fused dQ the preprocess zeroes its float32 accumulator (``sage_bwd.ZERO_DQ_HERE``): o and every
     gradient equal the separate fill's route (ragged causal GQA at D64, D128; compiled, dQ to its summation order);
     a spy sees ``zero_dq`` asked for only with the switch on; a wrong-shaped accumulator is refused."""
-    from pallas_kernels import _mosaic, sage_bwd
+    from pallas_kernels import reduce_add, sage_bwd
 
     b, sq, sk, hq, hkv, d, causal = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d + 17, k_outlier=3.0)
@@ -528,5 +528,5 @@ def test_fused_backward_takes_dq_zeros_from_preprocess(case, monkeypatch):
     assert seen == [True, False]
     _assert_same_gradients(got)
     with pytest.raises(ValueError, match="zeros: expected float32"):
-        _mosaic.reduce_add_accumulator((1, 64, 2, 64), (1, 2), interpret=True, after=do,
+        reduce_add.reduce_add_accumulator((1, 64, 2, 64), (1, 2), interpret=True, after=do,
                                        zeros=jnp.zeros((1, 64, 2, 32), jnp.float32))

@@ -1,7 +1,7 @@
 """Which register ↔ SMEM transfers of the Mosaic GPU kernels Mosaic GPU staggers, found on any machine (no GPU).
 
 Usage (repo root): PYTHONPATH=. python benchmarks/probes/transfer_plans.py --method sage --head-dim 64 --causal
-[--assign pallas_kernels._mosaic.STAGE_SWIZZLE=32]
+[--assign pallas_kernels.dq_stage.STAGE_SWIZZLE=32]
 
 Mosaic GPU lays out each transfer between a register array and a tiled, swizzled SMEM ref in Python, while the
 kernel lowers (``fragmented_array.plan_tiled_transfer``): a plain plan, or, where a warp's plain accesses would hit
@@ -9,7 +9,7 @@ the same SMEM banks twice, a ``StaggeredTransferPlan`` (lanes in two groups that
 a select per register and address). This lowers one fwd+bwd of the method's Mosaic kernels for an abstract H200
 (``benchmarks.common.lower_mosaic_fwd_bwd``, the library's H200 config) with a spy on that function and prints each plan with its count: nested ref
 shape, element bits, swizzle bytes, the plan, its stagger. The forty-third session found this way that the only
-staggered transfers in the fused backwards are their float32 dQ stages (``_mosaic.STAGE_SWIZZLE``).
+staggered transfers in the fused backwards are their float32 dQ stages (``dq_stage.STAGE_SWIZZLE``).
 """
 
 from __future__ import annotations
