@@ -9,11 +9,12 @@ Mosaic GPU exposes what the Triton lowering hides on Hopper: explicit ``wgmma``
 (INT8 × INT8 → INT32 included), TMA copies and warp specialisation (one memory
 warpgroup feeding two compute warpgroups). INT8 ``wgmma`` needs both operands
 K-major (the contraction dim contiguous): the ``B`` operand is always a
-transposed view of a tile stored with the contraction dim last. An INT8 ``A``
-operand may come from registers: importing this module adds the one relayout
-jax 0.11.2 lacks for that (:func:`_install_8bit_relayout`, used by :func:`register_operand`).
-The fused backwards' float32 dQ accumulation by TMA reduce-add is :mod:`pallas_kernels.reduce_add` (its stage's
-layout: :mod:`pallas_kernels.dq_stage`).
+transposed view of a tile stored with the contraction dim last.
+
+Beside it, each in its own module: the ``wgmma`` A operands from registers and the INT8 relayout jax 0.11.2 lacks
+for them (:mod:`pallas_kernels.register_operands`), the reductions across a warpgroup's registers
+(:mod:`pallas_kernels.warp_reduce`), and the fused backwards' float32 dQ accumulation by TMA reduce-add
+(:mod:`pallas_kernels.reduce_add`; its stage's layout: :mod:`pallas_kernels.dq_stage`).
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ def warpgroup_barrier(interpret: bool) -> None:
     SMEM written by the warpgroup is then visible to its own loads, and every warp is past what it did before.
     Unlike ``plgpu.commit_smem`` there is no async-proxy fence (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``),
     which only TMA and ``wgmma`` readers need. Until the fifty-third session this built its inline block without
-    calling it and so emitted nothing: the nineteenth session's gain from it in :func:`tile_absmax` (fwd+bwd 1.7%
-    at B8 H32 S2048 D64) was that of dropping the commit's fence and barrier, the order kept by the barrier Pallas
-    puts after every store to SMEM (benchmarks/NOTES.md). The interpreter, which has no inline Mosaic GPU,
+    calling it and so emitted nothing: the nineteenth session's gain from it in ``warp_reduce.tile_absmax``
+    (fwd+bwd 1.7% at B8 H32 S2048 D64) was that of dropping the commit's fence and barrier, the order kept by the
+    barrier Pallas puts after every store to SMEM (benchmarks/NOTES.md). The interpreter, which has no inline Mosaic GPU,
     commits instead."""
     if interpret:
         plgpu.commit_smem()
@@ -119,120 +120,6 @@ def scalar(ref) -> jax.Array:
     spills at D128 causal 264 → 144 bytes) and made fwd+bwd 9% faster at B4 H32 S4096 D128 causal on the
     H200, 5% non-causal, 4–6% at B16 H10/5 S2048 D64 causal (benchmarks/NOTES.md, nineteenth session)."""
     return ref[0]
-
-
-#: :func:`tile_absmax` compiled: each warp's maximum by one ``redux.sync`` and four SMEM words
-#: (:func:`_warp_absmax`), instead of 64 row maxima through SMEM re-read along the lanes
-WARP_TILE_MAX = True
-
-
-def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
-    """max |x| of a (rows, cols) float32 WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
-    ``scratch``: this warpgroup's own (rows,) float32 SMEM ref (rows a multiple of 4, as allocated: 16-byte
-    aligned). Consecutive calls on one ``scratch`` need, between them, a point that every warp passes only after
-    every warp's loads (in the kernels: the SMEM commit of the step's operands, or a ``wgmma`` on the result,
-    which starts once all four warps have issued it).
-
-    Mosaic GPU reduces across warps through one SMEM scratch area shared by all
-    warpgroups of a CTA, which races when two compute warpgroups reduce at once
-    (measured: wrong dS scales on the H200), so the cross-warp step goes through ``scratch``,
-    which only this warpgroup reads; a plain warpgroup barrier orders it (:func:`warpgroup_barrier`).
-    Compiled with :data:`WARP_TILE_MAX`: :func:`_warp_absmax`. Otherwise (and interpreted) the row maxima are
-    written to ``scratch`` and re-read along the lanes, so the last reduction stays inside each warp.
-    """
-    if x.ndim != 2 or scratch.shape != (x.shape[0],) or x.shape[0] % 4:
-        raise ValueError(f"tile_absmax takes a (rows, cols) tile and a (rows,) scratch, rows a multiple of 4; got "
-                         f"{x.shape} and {scratch.shape}")
-    x = jnp.abs(x)
-    if WARP_TILE_MAX and not interpret:
-        return _warp_absmax(x, scratch)
-    scratch[...] = jnp.max(x, axis=1)
-    warpgroup_barrier(interpret)  # every row max is written
-    return jnp.max(col_vector(scratch))
-
-
-def _thread_values(arr) -> list:
-    """In inline Mosaic GPU: this thread's scalar values of the fragmented array ``arr``, register by register."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import vector
-
-    return [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-            for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
-
-
-def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
-    """:func:`tile_absmax` of ``x`` = |tile| in inline Mosaic GPU: each thread's maximum of its values (a balanced
-    tree of ``max.NaN.f32``), the warp's by one ``redux.sync.max.u32`` on the float bits (order-preserving for
-    non-negative floats, NaN above +inf), one word per warp into ``scratch[0:4]``, the warpgroup's named barrier,
-    one 16-byte load of the four words and their maximum. Stores, barrier and load are in one inline block, in
-    program order."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
-    from jax.experimental import mosaic
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    from pallas_kernels import stmatrix  # it builds on this module
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((), jnp.float32, layout=plgpu.Layout.WG_SPLAT(())))
-    def _max(ctx, arr, smem):
-        del ctx
-        f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-        const = lambda v: arith.constant(i32, v)  # noqa: E731
-        fmax = lambda a, b: llvm.inline_asm(f32, [a, b], "max.NaN.f32 $0, $1, $2;", "=f,f,f")  # noqa: E731
-        values = _thread_values(arr)
-        while len(values) > 1:
-            values = [fmax(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) // 2 * 2:]
-        warp_max = mgpu_utils.redux(arith.bitcast(i32, values[0]), const(0xFFFFFFFF),
-                                    mgpu_utils.ReductionKind.UMAX)
-        warp, _ = stmatrix.warp_and_lane()
-        base = mgpu_utils.memref_ptr(smem)
-        llvm.store(warp_max, mgpu_utils.getelementptr(base, [(warp << 2).value], i8), alignment=4)
-        mgpu_utils.warpgroup_barrier()  # every warp's word is written
-        words = llvm.load(ir.VectorType.get((4,), i32), base, alignment=16)
-        pick = lambda i: vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))  # noqa: E731
-        total = arith.maxui(arith.maxui(pick(0), pick(1)), arith.maxui(pick(2), pick(3)))
-        return mosaic.gpu.FragmentedArray.splat(arith.bitcast(f32, total), (), is_signed=None)
-
-    return _max(plgpu.layout_cast(x, plgpu.Layout.WGMMA), scratch)
-
-
-def warp_any_above(x: jax.Array, threshold: float, interpret: bool) -> jax.Array:
-    """Whether any row value of a (rows,) WGMMA row vector (``Layout.WGMMA.reduce(1)``) exceeds ``threshold``, as a
-    bool scalar for ``lax.cond``: compiled, over the rows of this thread's *warp* (16 of a 64-row tile; one
-    ``vote.sync.any`` — so the branch is uniform within each warp, and may differ between the warps of a
-    warpgroup: only for branches that touch nothing but the warp's own rows' registers); interpreted, over all
-    rows (uniform across the warpgroup). NaN counts as not above."""
-    if x.ndim != 1:
-        raise ValueError(f"warp_any_above takes a (rows,) row vector, got shape {x.shape}")
-    if interpret:
-        return jnp.any(x > threshold)
-    return _warp_vote_above(x, threshold) != 0
-
-
-def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
-    """:func:`warp_any_above` compiled: int32 1 where a row of this thread's warp is above ``threshold``, else 0."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental import mosaic
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
-                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(())))
-    def _vote(ctx, arr):
-        del ctx
-        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        values = _thread_values(arr)
-        top = values[0]
-        for v in values[1:]:  # max.f32 drops a NaN operand: a NaN row does not hide another row's value
-            top = llvm.inline_asm(f32, [top, v], "max.f32 $0, $1, $2;", "=f,f,f")
-        limit = arith.constant(f32, float(threshold))
-        any_above = llvm.inline_asm(
-            i32, [top, limit],
-            "{ .reg .pred p, q; setp.gt.f32 p, $1, $2; vote.sync.any.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; }",
-            "=r,f,f", has_side_effects=True)
-        return mosaic.gpu.FragmentedArray.splat(any_above, (), is_signed=True)
-
-    return _vote(plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)))
 
 
 #: skip the element-wise mask on tiles that no key of which is masked (:func:`mask_scores`)
@@ -546,149 +433,6 @@ def matmul_sum(acc_shape: tuple[int, int], acc_dtype, operands: tuple, *, fused:
     return pl.run_scoped(body, plgpu.ACC(acc_shape, acc_dtype))
 
 
-def _wgmma_to_8bit(x, *, shuffle: bool = True):
-    """The relayout WGMMA → WGMMA_8BIT of an 8-bit ``mosaic.gpu`` FragmentedArray (shape (64·r, 16·c)).
-
-    In the accumulator's WGMMA layout lane ``4·row + c`` holds columns 2c, 2c+1 of every 8-column
-    group; the 8-bit ``wgmma`` A operand wants columns 4c…4c+3 of every 16-column group. Each lane
-    packs its two pairs of a 16-column group into one 32-bit word; two ``shfl.idx`` from lanes
-    4·row + 2(c mod 2) and that + 1 fetch the four bytes it needs, one ``prmt`` keeps the low
-    (c < 2) or high (c ≥ 2) halves: 2 shuffles and 1 permute per 4 values, no SMEM, no barrier.
-    ``shuffle=False``: the packed words as they are (the operand whose contraction index is in
-    ``pallas_kernels.operand_order``).
-    """
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, nvvm
-
-    regs = x.registers
-    new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
-    new = np.empty(new_shape, dtype=object)
-
-    def packed(idx):  # the lane's two column pairs of 16-column group idx[1], as 4 bytes
-        return mgpu_utils.vector_concat([regs[(idx[0], 2 * idx[1] + i, *idx[2:])] for i in range(2)])
-
-    if not shuffle:
-        for idx in np.ndindex(*new_shape):
-            new[idx] = packed(idx)
-        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=x.is_signed)
-
-    i32 = ir.IntegerType.get_signless(32)
-    const = lambda v: arith.constant(i32, v)  # noqa: E731
-    lane = arith.remui(mgpu_utils.thread_idx(), const(32))
-    quad = arith.remui(lane, const(4))
-    src0 = arith.addi(arith.subi(lane, quad), arith.muli(arith.remui(quad, const(2)), const(2)))
-    src1 = arith.addi(src0, const(1))
-    low_half = arith.cmpi(arith.CmpIPredicate.ult, quad, const(2))
-    perm = arith.select(low_half, const(0x5410), const(0x7632))
-
-    def shfl(word, src):
-        return nvvm.shfl_sync(mgpu_utils.c(0xFFFFFFFF, i32), word, src, const(0x1F), nvvm.ShflKind.idx)
-
-    vec4 = ir.VectorType.get((4,), ir.VectorType(regs.flat[0].type).element_type)
-    for idx in np.ndindex(*new_shape):
-        word = mgpu_utils.bitcast(packed(idx), i32)
-        blend = mgpu_utils.prmt(shfl(word, src0), shfl(word, src1), perm)
-        new[idx] = mgpu_utils.bitcast(blend, vec4)
-    return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=x.is_signed)
-
-
-def _expected_8bit_layouts(fa) -> tuple:
-    """(WGMMA, WGMMA_8BIT) as :func:`_wgmma_to_8bit` assumes them (jax 0.11.2): lane 4·r + c holds columns
-    2c, 2c+1 of each 8-column group, resp. 4c…4c+3 of each 16-column group, of rows r and r + 8 of its warp's 16."""
-    return (fa.TiledLayout(fa.Tiling(((64, 8), (16, 8), (8, 8), (2,))), warp_dims=(-7,), lane_dims=(-3, -2),
-                           vector_dim=-1),
-            fa.TiledLayout(fa.Tiling(((64, 16), (16, 16), (8, 16), (4,))), warp_dims=(-7,), lane_dims=(-3, -2),
-                           vector_dim=-1))
-
-
-def _install_8bit_relayout() -> bool:
-    """Let ``plgpu.layout_cast(x, Layout.WGMMA_8BIT)`` take an 8-bit tile out of the WGMMA layout.
-
-    Mosaic GPU (jax 0.11.2) accepts an INT8 ``wgmma`` A operand in registers only in
-    WGMMA_8BIT and implements no relayout into it from the layout every computed tile has
-    (``to_layout`` raises NotImplementedError, and the warpgroup lowering's layout inference
-    accepts only relayouts on its own list), which forced P̂ and dŜ through SMEM and a warpgroup
-    barrier. This adds that one conversion (:func:`_wgmma_to_8bit`) in front of Mosaic's own
-    ``FragmentedArray.to_layout`` and to that list; every other conversion is Mosaic's.
-
-    Returns whether the relayout is available. Nothing is patched (False; :func:`register_operand`
-    then uses SMEM) when this jax lacks the internals it extends or lays the two layouts out
-    otherwise than :func:`_expected_8bit_layouts`. Idempotent.
-    """
-    try:
-        from jax.experimental.mosaic.gpu import constraints
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-        from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-        original, supported = fa.FragmentedArray.to_layout, constraints._is_supported_tiled_relayout
-        layouts_match = (fa.WGMMA_LAYOUT, fa.WGMMA_LAYOUT_8BIT) == _expected_8bit_layouts(fa)
-        helpers = all(hasattr(mgpu_utils, name) for name in ("prmt", "bitcast", "vector_concat", "thread_idx", "c"))
-    except (ImportError, AttributeError):
-        return False
-    if getattr(original, "_lowbit_8bit", False):
-        return True
-    if not (layouts_match and helpers):
-        return False
-
-    def to_layout(self, new_layout):
-        if (self.layout == fa.WGMMA_LAYOUT and new_layout == fa.WGMMA_LAYOUT_8BIT
-                and mgpu_utils.bitwidth(self.mlir_dtype) == 8 and self.shape[1] % 16 == 0):
-            return _wgmma_to_8bit(self)
-        return original(self, new_layout)
-
-    def is_supported(src, dst, bitwidth):
-        return (src == fa.WGMMA_LAYOUT and dst == fa.WGMMA_LAYOUT_8BIT and bitwidth == 8) or supported(
-            src, dst, bitwidth)
-
-    to_layout._lowbit_8bit, to_layout._lowbit_original = True, original
-    fa.FragmentedArray.to_layout = to_layout
-    constraints._is_supported_tiled_relayout = is_supported
-    return True
-
-
-#: whether this jax has the WGMMA → WGMMA_8BIT relayout (:func:`_install_8bit_relayout`)
-RELAYOUT_8BIT = _install_8bit_relayout()
-
-#: INT8 ``wgmma`` A operands (P̂, dŜ) straight from registers (:func:`register_operand`) instead of through SMEM
-INT8_REGISTER_OPERANDS = True
-
-
-def int8_in_registers(interpret: bool) -> bool:
-    """Whether :func:`register_operand` keeps INT8 tiles in registers: with the relayout available and switched on,
-    never in the interpreter (which takes SMEM operands)."""
-    return RELAYOUT_8BIT and INT8_REGISTER_OPERANDS and not interpret
-
-
-def int8_operand_in_smem(interpret: bool, registers: bool = True) -> bool:
-    """Whether :func:`register_operand` stores an INT8 tile to its SMEM ``scratch`` (so the kernel must allocate
-    one) rather than relaying it out in registers: always when ``registers`` is False or
-    :func:`int8_in_registers` is (interpreted, no relayout, or switched off)."""
-    return not (registers and int8_in_registers(interpret))
-
-
-def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = True, registers: bool = True):
-    """``x`` (a WGMMA-layout tile: 16-bit, or INT8 (64, K)) as the register A operand of ``wgmma``.
-
-    A 16-bit tile is used as is; an INT8 one is relaid out to WGMMA_8BIT (:func:`_install_8bit_relayout`; lane
-    shuffles). Where the product's B operand can hold its contraction index permuted,
-    ``operand_order.register_operand`` takes the tile with no shuffle instead.
-    The Mosaic GPU interpreter takes SMEM operands only, and an INT8 tile stays out of registers with
-    ``registers=False`` or :func:`int8_in_registers` false (:func:`int8_operand_in_smem`): then ``x`` is
-    stored to ``scratch`` (an SMEM tile, which is returned), followed by ``commit_smem`` unless
-    ``commit=False`` (the caller then commits once for several stores). Same values either way."""
-    if jnp.dtype(x.dtype).itemsize > 1:
-        if registers and not interpret:
-            return x
-    elif not int8_operand_in_smem(interpret, registers):
-        return plgpu.layout_cast(x, plgpu.Layout.WGMMA_8BIT)
-    scratch[...] = x
-    if commit:
-        plgpu.commit_smem()
-    return scratch
-
-
 def matmuls(shapes: tuple, dtypes: tuple, operands: tuple, *, fused: bool,
             issued: Callable[[], None] | None = None) -> tuple:
     """Independent products ``a_i @ b_i`` (``operands``: one ``(a, b)`` per product).
@@ -887,10 +631,10 @@ def on_hopper() -> bool:
 
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
-           "col_vector", "tile_absmax", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
+           "col_vector", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
            "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "QueryRows", "query_ctas", "pad_rows",
            "wg_tiles", "launch", "wgmma_zeros", "matmul",
-           "matmul_sum", "matmuls", "int8_operand_in_smem", "register_operand", "accumulate", "compute_pipeline",
+           "matmul_sum", "matmuls", "accumulate", "compute_pipeline",
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "on_hopper",
-           "MEMORY_REGISTERS", "INT8_REGISTER_OPERANDS", "int8_in_registers", "product_first",
+           "MEMORY_REGISTERS", "product_first",
            "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "group_tile"]

@@ -5,7 +5,7 @@ The SageAttention kernels compute a tile (P̂ in the forward, P̂ᵀ and dŜᵀ 
 WGMMA layout and feed it to the next INT8 product as its A operand straight from registers. The two layouts differ
 within every 16 columns: lane ``4r + c`` of a warp holds columns ``2c, 2c+1`` and ``8+2c, 9+2c`` of the
 accumulator, but columns ``4c … 4c+3`` of the 8-bit A operand. With the contraction index in its natural order
-that costs two lane shuffles and a byte permute per four values (``_mosaic._wgmma_to_8bit``).
+that costs two lane shuffles and a byte permute per four values (``register_operands._wgmma_to_8bit``).
 
 Here the product's *B operand* is stored with its contraction index in operand order instead: position
 ``4c + 2h + l`` of each 16-block holds index ``8h + 2c + l``. The A operand's column ``4c + 2h + l`` is then
@@ -30,8 +30,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from pallas_kernels import _mosaic
-from pallas_kernels._mosaic import RELAYOUT_8BIT, plgpu, swap_within_blocks
+from pallas_kernels import register_operands
+from pallas_kernels._mosaic import plgpu, swap_within_blocks
+from pallas_kernels.register_operands import RELAYOUT_8BIT
 
 #: entries per operand-order block (one 16-column group of the 8-bit A operand)
 BLOCK = 16
@@ -41,7 +42,7 @@ ENABLED = True
 
 def available(interpret: bool) -> bool:
     """Whether kernels take operand order: ``ENABLED`` and, compiled, this jax's WGMMA_8BIT layout as
-    :func:`register_operand` assumes it (``_mosaic.RELAYOUT_8BIT``); the interpreter permutes in jax.numpy."""
+    :func:`register_operand` assumes it (``register_operands.RELAYOUT_8BIT``); the interpreter permutes in jax.numpy."""
     return ENABLED and (interpret or RELAYOUT_8BIT)
 
 
@@ -80,7 +81,7 @@ def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = T
         raise ValueError(f"register_operand takes a (64, n) 8-bit tile, n a multiple of {BLOCK}; got {x.shape} "
                          f"{x.dtype}")
     if interpret:  # the SMEM operand, its columns permuted
-        return _mosaic.register_operand(to_operand_order(x, 1), scratch, interpret, commit=commit)
+        return register_operands.register_operand(to_operand_order(x, 1), scratch, interpret, commit=commit)
 
     layout = plgpu.Layout.WGMMA
 
@@ -88,6 +89,6 @@ def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = T
                        return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA_8BIT))
     def _repack(ctx, arr):
         del ctx
-        return _mosaic._wgmma_to_8bit(arr, shuffle=False)
+        return register_operands._wgmma_to_8bit(arr, shuffle=False)
 
     return _repack(plgpu.layout_cast(x, layout))

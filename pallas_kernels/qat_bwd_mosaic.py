@@ -55,13 +55,14 @@ from lowbit_jax.qat_reference import backward_rows
 from pallas_kernels import dq_stage, lane_groups, stmatrix
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, group_tile,
-    launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, product_first, register_operand, row_vector,
-    rows_of, schedule_barrier, tile_transforms, warpgroup_barrier, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
+    launch, mask_scores, matmul_sum, matmuls, pl, plgpu, query_block_keys, product_first, row_vector, rows_of,
+    schedule_barrier, tile_transforms, warpgroup_barrier, wg_tiles, tma_rows, trim_rows, wgmma_zeros,
 )
 from pallas_kernels.reduce_add import (
     REDUCE_COLS, early_stage_wait, reduce_add_accumulator, reduce_add_matmul, reduce_add_out, reduce_add_slot,
     reduce_add_stage, reduce_add_total,
 )
+from pallas_kernels.register_operands import register_operand
 
 LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile

@@ -43,9 +43,10 @@ from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, accumulate, compute_pipeline, copy_in, copy_out, grid_position, guarded_step, launch,
     mask_scores, matmul, needed_step, pad_rows, pl, plgpu, query_block_keys, query_ctas, query_warpgroups,
-    register_operand, rows_of, schedule_barrier, tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
+    rows_of, schedule_barrier, tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
+from pallas_kernels.register_operands import register_operand
 
 TILE = 64  # query rows per compute warpgroup
 WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply

@@ -35,7 +35,7 @@ their queries in :mod:`pallas_kernels.operand_order` (``sage_quantize_q``, ``sag
 P̂ᵀ's and dŜᵀ's registers are the operands as they are (``operand_order.register_operand``; the fused
 kernel 3.5% faster at B16 H10/5 S2048 D64 causal, 6% at B8 H32 S2048 D64, 7% at B4 H32 S4096 D128 on the
 H200, benchmarks/NOTES.md, thirty-second session); otherwise (and in the dQ kernel)
-``_mosaic.register_operand`` relays them out by two lane shuffles per 4 values. Registers rather
+``register_operands.register_operand`` relays them out by two lane shuffles per 4 values. Registers rather
 than SMEM: fwd+bwd 7% less time at B4 H32 S4096 D128 on the H200, causal too (fourteenth session);
 at head dim 64, where SMEM had measured 1–3% faster, registers are 2–3.5% faster since the per-step
 scale reads were cut (B8 H32 S2048, B16 H10/5 S2048 causal; ``REGISTER_P_MIN_HEAD_DIM``,
@@ -76,14 +76,16 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
     WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, group_tile,
-    guarded_step, key_step_specs, int8_operand_in_smem, launch, mask_scores, matmul, matmuls, pl, plgpu,
-    query_block_keys, register_operand, row_vector, rows_of, scalar, tile_absmax, pad_rows, tile_transforms, tma_rows,
+    guarded_step, key_step_specs, launch, mask_scores, matmul, matmuls, pl, plgpu,
+    query_block_keys, row_vector, rows_of, scalar, pad_rows, tile_transforms, tma_rows,
     transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.reduce_add import (
     REDUCE_COLS, early_stage_wait, reduce_add_accumulator, reduce_add_matmul, reduce_add_product, reduce_add_slot,
     reduce_add_stage, reduce_add_total,
 )
+from pallas_kernels.register_operands import int8_operand_in_smem, register_operand
+from pallas_kernels.warp_reduce import tile_absmax
 from pallas_kernels.configs import SageFwdConfig
 
 LOG2E = math.log2(math.e)
@@ -99,7 +101,7 @@ STAGES_D64 = 3
 #: non-causal at B8 H32 S2048, where dQ keeps its own wait; benchmarks/NOTES.md, twelfth session)
 DQ_WITH_DKDV_CAUSAL = True
 #: the smallest head dim at which P̂ᵀ (dV's A operand) and dŜ (dK's and the dQ kernel's) are taken straight
-#: from registers (``_mosaic.register_operand``) instead of through SMEM (see the module docstring)
+#: from registers (``register_operands.register_operand``) instead of through SMEM (see the module docstring)
 REGISTER_P_MIN_HEAD_DIM = 64
 REGISTER_DS_MIN_HEAD_DIM = 64
 #: the dK/dV kernel's Q̂ᵀ and dÔᵀ (the B operands of dK += dŜᵀQ̂, dV += P̂ᵀdÔ) with their queries in
@@ -133,7 +135,7 @@ PERMUTED_STAGE_MAX_HEAD_DIM = 64
 KV_OPERANDS_KERNEL = True
 #: the fused dK/dV/dQ kernel is compiled without Pallas's automatic barriers (``_mosaic.compiler_params(
 #: manual_barriers=True)``): its step already orders every rewrite of an SMEM tile by barriers of its own (the dQ
-#: stage's free, each ``commit_smem``, the one inside ``_mosaic._warp_absmax``), so Pallas's bar.sync on both sides
+#: stage's free, each ``commit_smem``, the one inside ``warp_reduce._warp_absmax``), so Pallas's bar.sync on both sides
 #: of the float32 dQ stage's store (head dim 128, where that store is a plain one) and before each of the memory
 #: warpgroup's TMA loads only wait (:func:`manual_barriers`). On the H200 (two repeats, benchmarks/NOTES.md,
 #: fifty-fourth session) the kernel 1.761 / 1.761 → 1.742 / 1.742 ms at B8 H32 S2048 D64, 0.621 / 0.618 → 0.613 /
@@ -145,7 +147,7 @@ MANUAL_BARRIERS_MAX_HEAD_DIM = 64
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
     """Whether P̂ᵀ and dŜ (the INT8 A operands of dV, dK and the dQ kernel's dŜK̂) need SMEM tiles: not
-    where ``_mosaic.register_operand`` takes them from registers (from ``REGISTER_*_MIN_HEAD_DIM``,
+    where ``register_operands.register_operand`` takes them from registers (from ``REGISTER_*_MIN_HEAD_DIM``,
     compiled, with the relayout available), so those kernels do not allocate them."""
     return (int8_operand_in_smem(interpret, head_dim >= REGISTER_P_MIN_HEAD_DIM),
             int8_operand_in_smem(interpret, head_dim >= REGISTER_DS_MIN_HEAD_DIM))
@@ -217,7 +219,7 @@ def manual_barriers(head_dim: int, *, fused_dq: bool, interpret: bool) -> bool:
 
     * the transposed dŜ (``stmatrix``, never behind one of Pallas's barriers) is last read by the previous step's
       dQ product, which every warp waits for before that step's last ``commit_smem``;
-    * the tile maximum's four words (``_mosaic.tile_absmax``) are read before the step's ``commit_smem``;
+    * the tile maximum's four words (``warp_reduce.tile_absmax``) are read before the step's ``commit_smem``;
     * the float32 dQ stage is rewritten after its free (``cp.async.bulk.wait_group.read`` and a barrier) and
       published by ``commit_smem``;
     * the epilogue writes dK and dV into the Ṽ tile after ``wait_smem_to_gmem`` (a barrier) and commits them.

@@ -14,8 +14,8 @@ two-stage TMA pipeline; compute warpgroups each own 64 query rows: two per CTA a
 products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ or
 V̂ᵀ); P̂ is the A operand straight from registers, no SMEM round trip and no warpgroup barrier:
 V̂ᵀ's keys come in :mod:`pallas_kernels.operand_order` (written so by ``sage_quantize_kv``), so P̂'s registers are
-the operand as they are (``operand_order.register_operand``; without it, ``_mosaic.register_operand`` relays P̂
-out by two lane shuffles per 4 values). That cut the hot loop from 1044 to 996 instructions per thread and step
+the operand as they are (``operand_order.register_operand``; without it, ``register_operands.register_operand``
+relays P̂ out by two lane shuffles per 4 values). That cut the hot loop from 1044 to 996 instructions per thread and step
 and the forward kernel by 1.5% at B16 H10/5 S2048 D64 causal, 5.5% at B8 H32 S2048 D64, 2.8% at B4 H32 S4096 D128
 on the H200 (benchmarks/NOTES.md, thirty-second session). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, the heaviest query blocks launch
@@ -46,11 +46,13 @@ from lowbit_jax.formats import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     PingPong, WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
-    int8_operand_in_smem, key_step_specs, launch, mask_scores, matmul, needed_step, pad_rows, pl, plgpu,
-    query_block_keys, query_ctas, query_warpgroups, register_operand, row_vector, rows_of, scalar, schedule_barrier,
-    transposed_step_spec, trim_rows, warp_any_above, wg_tiles, wgmma_zeros,
+    key_step_specs, launch, mask_scores, matmul, needed_step, pad_rows, pl, plgpu,
+    query_block_keys, query_ctas, query_warpgroups, row_vector, rows_of, scalar, schedule_barrier,
+    transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
+from pallas_kernels.register_operands import int8_operand_in_smem, register_operand
+from pallas_kernels.warp_reduce import warp_any_above
 
 TILE = 64  # query rows per compute warpgroup
 WGS = 2  # compute warpgroups per CTA where THREE_WGS does not apply
@@ -103,7 +105,7 @@ SKIP_EMPTY_STEPS = True
 HEAVY_FIRST = True
 #: FlashAttention-4's conditional rescaling: O's accumulator and l stay relative to a reference max that may
 #: trail the running row max by up to :data:`LAZY_RESCALE_BITS` (base 2), and are rescaled (one multiply per O
-#: element) only in the steps where some row of a warp gets a tile max further above it (``_mosaic.warp_any_above``,
+#: element) only in the steps where some row of a warp gets a tile max further above it (``warp_reduce.warp_any_above``,
 #: a ``vote.sync`` per warp; interpreted, per warpgroup). The values are those of the per-step rescaling up to
 #: float32 rounding: P̂'s codes are relative to the tile's own max either way, and its scale β/127 with
 #: β = exp2(m_tile − m_ref) ≤ 2^8 carries the same factor that O's rescaling would; the LSE is m_ref + log2 l.
@@ -149,7 +151,7 @@ def _skipped_step(carry):
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, q_smem2, qs_smem2, vs_smem2,
                 *scratch, items, group, block_k, head_dim, sq_len, sk_len, causal, offset, scalar_scales, operand, wgs,
                 interpret):
-    """``scratch``: [P̂ (only where it goes through SMEM: ``_mosaic.int8_operand_in_smem``)], O, the LSE,
+    """``scratch``: [P̂ (only where it goes through SMEM: ``register_operands.int8_operand_in_smem``)], O, the LSE,
     the barriers, the ping-pong barrier. ``operand``: V̂ᵀ's keys are in :mod:`pallas_kernels.operand_order`."""
     p_smem2, o_smem2, lse_smem2, barriers, sched = (
         scratch if int8_operand_in_smem(interpret) else (None, *scratch))

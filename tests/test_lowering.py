@@ -397,15 +397,17 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
 
 def _int8_register_operand_kernel(k: int, n: int):
     """(a (64, k), e (k, k), b (n, k)) int8 → int32 (a·eᵀ)·bᵀ, where a·eᵀ is an INT32 ``wgmma`` result (the
-    accumulator's layout) cast to int8 and fed to the second ``wgmma`` from registers (``_mosaic.register_operand``)."""
+    accumulator's layout) cast to int8 and fed to the second ``wgmma`` from registers
+    (``register_operands.register_operand``)."""
     from pallas_kernels import _mosaic as mos
+    from pallas_kernels.register_operands import register_operand
 
     def body(a_ref, e_ref, b_ref, o_ref, a_s, e_s, b_s, o_s, bar):
         for i, (src, dst) in enumerate(((a_ref, a_s), (e_ref, e_s), (b_ref, b_s))):
             mos.plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
             mos.plgpu.barrier_wait(bar.at[i])
         t8 = mos.matmul((64, k), jnp.int32, a_s, e_s.T).astype(jnp.int8)
-        o_s[...] = mos.matmul((64, n), jnp.int32, mos.register_operand(t8, None, False), b_s.T)
+        o_s[...] = mos.matmul((64, n), jnp.int32, register_operand(t8, None, False), b_s.T)
         mos.copy_out(((o_s, o_ref),))
 
     i8 = jnp.int8
@@ -419,15 +421,16 @@ def _int8_register_operand_kernel(k: int, n: int):
 @pytest.mark.parametrize("k,n", [(64, 64), (128, 64), (64, 128)])
 def test_int8_register_operand_relayout(monkeypatch, k, n):
     """An INT8 tile in the accumulator's layout reaches ``wgmma`` as a register operand through
-    ``_mosaic._wgmma_to_8bit`` (the relayout jax 0.11.2 lacks): it lowers for an H200 and takes that path;
+    ``register_operands._wgmma_to_8bit`` (the relayout jax 0.11.2 lacks): it lowers for an H200 and takes that path;
     on a Hopper GPU the product is also compared exactly with numpy (a column permutation, then a matmul)."""
     import numpy as np
 
     from pallas_kernels import _mosaic as mos
+    from pallas_kernels import register_operands
 
     calls = []
-    relayout = mos._wgmma_to_8bit
-    monkeypatch.setattr(mos, "_wgmma_to_8bit", lambda x: calls.append(x.shape) or relayout(x))
+    relayout = register_operands._wgmma_to_8bit
+    monkeypatch.setattr(register_operands, "_wgmma_to_8bit", lambda x: calls.append(x.shape) or relayout(x))
     rng = np.random.default_rng(k + n)
     a = rng.integers(-127, 128, (64, k)).astype(np.int8)
     perm = rng.permutation(k)
@@ -526,13 +529,13 @@ def test_sage_backward_drops_pallas_barriers_at_head_dim_64(monkeypatch, d, caus
 
 
 def test_8bit_layouts_are_the_ones_the_relayout_assumes():
-    """``_mosaic._wgmma_to_8bit`` hard-codes where each lane's bytes sit in the two layouts (jax 0.11.2): lane
+    """``register_operands._wgmma_to_8bit`` hard-codes where each lane's bytes sit in the two layouts (jax 0.11.2): lane
     4·r + c holds columns 2c, 2c+1 of each 8-column group (WGMMA) and 4c…4c+3 of each 16-column group
     (WGMMA_8BIT), rows alike. On the pinned jax they match and the relayout is installed; a jax that lays them
     out otherwise must leave it uninstalled (the kernels then keep those operands in SMEM)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    from pallas_kernels import _mosaic as mos
+    from pallas_kernels import register_operands as mos
 
     assert (fa.WGMMA_LAYOUT, fa.WGMMA_LAYOUT_8BIT) == mos._expected_8bit_layouts(fa)
     assert fa.WGMMA_LAYOUT.registers_shape((64, 64))[:2] == (1, 8)  # the register index the relayout walks
@@ -546,7 +549,7 @@ def test_relayout_is_not_installed_over_other_layouts(monkeypatch):
     from jax.experimental.mosaic.gpu import constraints
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    from pallas_kernels import _mosaic as mos
+    from pallas_kernels import register_operands as mos
 
     unpatched = fa.FragmentedArray.to_layout._lowbit_original
     monkeypatch.setattr(fa.FragmentedArray, "to_layout", unpatched)

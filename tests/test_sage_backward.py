@@ -290,11 +290,11 @@ def test_mosaic_int8_operand_tiles_only_where_used():
     """Compiled, at head dims 64 and 128, P̂ᵀ and dŜ are ``wgmma`` operands from registers, so the SageBwd
     kernels allocate no SMEM tiles for them (lowered in tests/test_lowering.py); interpreted they go through
     SMEM (the interpreter tests above run that path)."""
-    from pallas_kernels import _mosaic, sage_bwd_mosaic
+    from pallas_kernels import register_operands, sage_bwd_mosaic
 
     for d in (64, 128):
         assert sage_bwd_mosaic._smem_operands(d, True) == (True, True)
-        assert sage_bwd_mosaic._smem_operands(d, False) == (not _mosaic.RELAYOUT_8BIT,) * 2
+        assert sage_bwd_mosaic._smem_operands(d, False) == (not register_operands.RELAYOUT_8BIT,) * 2
 
 
 def test_mosaic_backend_selection():

@@ -1,6 +1,6 @@
-"""``_mosaic.tile_absmax``: max |x| of a WGMMA tile as a scalar every thread of the warpgroup holds
+"""``warp_reduce.tile_absmax``: max |x| of a WGMMA tile as a scalar every thread of the warpgroup holds
 (SageBwd's per-tile dS scale). Interpreted it is the row maxima re-read along the lanes; compiled with
-``_mosaic.WARP_TILE_MAX`` one ``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the
+``warp_reduce.WARP_TILE_MAX`` one ``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the
 GPU runs: the compiled test below lowers for an H200 anywhere and compares with numpy on a Hopper GPU, two
 warpgroups reducing different tiles at once (each with its own scratch row, as the kernels do)."""
 
@@ -12,7 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _mosaic
+from pallas_kernels import _mosaic, warp_reduce
 
 WGS = 2
 
@@ -28,7 +28,7 @@ def _tile_max_kernel(interpret: bool, scratch_rows: int = 64):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[2 * wg + i])
             plgpu.barrier_wait(bar.at[2 * wg + i])
         t = _mosaic.matmul((64, 64), jnp.float32, a_s.at[wg], e_s.at[wg].T)
-        m = _mosaic.tile_absmax(t, red_s.at[wg], interpret)
+        m = warp_reduce.tile_absmax(t, red_s.at[wg], interpret)
         o_s[wg] = jnp.maximum(t * 0.0, m)  # every entry m (m > 0; t finite)
         _mosaic.copy_out(((o_s.at[wg], o_ref.at[wg]),))
 
@@ -70,8 +70,8 @@ def test_tile_max_compiled(monkeypatch):
     from benchmarks import common
 
     calls = []
-    real = _mosaic._warp_absmax
-    monkeypatch.setattr(_mosaic, "_warp_absmax", lambda *a: calls.append(1) or real(*a))
+    real = warp_reduce._warp_absmax
+    monkeypatch.setattr(warp_reduce, "_warp_absmax", lambda *a: calls.append(1) or real(*a))
     kernel = _tile_max_kernel(False)
     a, e = _inputs(0, (0, 0))
     jax.clear_caches()

@@ -1,4 +1,4 @@
-"""``_mosaic.warp_any_above``: whether a row vector holds a value above a threshold, as the predicate of a
+"""``warp_reduce.warp_any_above``: whether a row vector holds a value above a threshold, as the predicate of a
 ``lax.cond`` (the SageAttention forward's conditional rescaling). Compiled it is one ``vote.sync.any`` per warp,
 so the branch is uniform within a warp (rows 16w … 16w + 15 of a 64-row tile) and may differ between warps;
 interpreted it covers the whole tile. The compiled test lowers for an H200 anywhere and runs on a Hopper GPU."""
@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _mosaic
+from pallas_kernels import _mosaic, warp_reduce
 
 THRESHOLD = 8.0
 
@@ -26,7 +26,7 @@ def _vote_kernel(interpret: bool):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
             plgpu.barrier_wait(bar.at[i])
         t = _mosaic.matmul((64, 64), jnp.float32, a_s, e_s.T)
-        above = _mosaic.warp_any_above(jnp.max(t, axis=1), THRESHOLD, interpret)
+        above = warp_reduce.warp_any_above(jnp.max(t, axis=1), THRESHOLD, interpret)
         o_s[...] = jax.lax.cond(above, lambda x: x + 1.0, lambda x: x, t)
         _mosaic.copy_out(((o_s, o_ref),))
 
@@ -79,8 +79,8 @@ def test_warp_vote_compiled(monkeypatch):
     from benchmarks import common
 
     calls = []
-    real = _mosaic._warp_vote_above
-    monkeypatch.setattr(_mosaic, "_warp_vote_above", lambda *a: calls.append(1) or real(*a))
+    real = warp_reduce._warp_vote_above
+    monkeypatch.setattr(warp_reduce, "_warp_vote_above", lambda *a: calls.append(1) or real(*a))
     kernel = _vote_kernel(False)
     a, e = _inputs(0, ())
     jax.clear_caches()
@@ -95,4 +95,4 @@ def test_warp_vote_compiled(monkeypatch):
 
 def test_warp_any_above_takes_a_row_vector():
     with pytest.raises(ValueError, match=r"a \(rows,\) row vector"):
-        _mosaic.warp_any_above(jnp.zeros((4, 4)), THRESHOLD, True)
+        warp_reduce.warp_any_above(jnp.zeros((4, 4)), THRESHOLD, True)

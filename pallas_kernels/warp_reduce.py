@@ -1,0 +1,130 @@
+"""Reductions across a warpgroup's registers in the Mosaic GPU kernels, warp by warp.
+
+:func:`tile_absmax`: the maximum |x| of a WGMMA-layout tile as a scalar every thread of the warpgroup holds (the
+per-tile INT8 scale of SageBwd's dS), compiled as one ``redux.sync`` per warp and four words through the warpgroup's
+own SMEM scratch. :func:`warp_any_above`: whether any row of a warp's rows is above a threshold, as one
+``vote.sync`` (the SageAttention forward's conditional rescaling). Both are inline Mosaic GPU where compiled and
+plain jax.numpy in the interpreter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import stmatrix
+from pallas_kernels._mosaic import col_vector, plgpu, warpgroup_barrier
+
+#: :func:`tile_absmax` compiled: each warp's maximum by one ``redux.sync`` and four SMEM words
+#: (:func:`_warp_absmax`), instead of 64 row maxima through SMEM re-read along the lanes
+WARP_TILE_MAX = True
+
+
+def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
+    """max |x| of a (rows, cols) float32 WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
+    ``scratch``: this warpgroup's own (rows,) float32 SMEM ref (rows a multiple of 4, as allocated: 16-byte
+    aligned). Consecutive calls on one ``scratch`` need, between them, a point that every warp passes only after
+    every warp's loads (in the kernels: the SMEM commit of the step's operands, or a ``wgmma`` on the result,
+    which starts once all four warps have issued it).
+
+    Mosaic GPU reduces across warps through one SMEM scratch area shared by all
+    warpgroups of a CTA, which races when two compute warpgroups reduce at once
+    (measured: wrong dS scales on the H200), so the cross-warp step goes through ``scratch``,
+    which only this warpgroup reads; a plain warpgroup barrier orders it (``_mosaic.warpgroup_barrier``).
+    Compiled with :data:`WARP_TILE_MAX`: :func:`_warp_absmax`. Otherwise (and interpreted) the row maxima are
+    written to ``scratch`` and re-read along the lanes, so the last reduction stays inside each warp.
+    """
+    if x.ndim != 2 or scratch.shape != (x.shape[0],) or x.shape[0] % 4:
+        raise ValueError(f"tile_absmax takes a (rows, cols) tile and a (rows,) scratch, rows a multiple of 4; got "
+                         f"{x.shape} and {scratch.shape}")
+    x = jnp.abs(x)
+    if WARP_TILE_MAX and not interpret:
+        return _warp_absmax(x, scratch)
+    scratch[...] = jnp.max(x, axis=1)
+    warpgroup_barrier(interpret)  # every row max is written
+    return jnp.max(col_vector(scratch))
+
+
+def _thread_values(arr) -> list:
+    """In inline Mosaic GPU: this thread's scalar values of the fragmented array ``arr``, register by register."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import vector
+
+    return [vector.extract(r, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+            for r in arr.registers.flat for i in range(ir.VectorType(r.type).shape[0])]
+
+
+def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
+    """:func:`tile_absmax` of ``x`` = |tile| in inline Mosaic GPU: each thread's maximum of its values (a balanced
+    tree of ``max.NaN.f32``), the warp's by one ``redux.sync.max.u32`` on the float bits (order-preserving for
+    non-negative floats, NaN above +inf), one word per warp into ``scratch[0:4]``, the warpgroup's named barrier,
+    one 16-byte load of the four words and their maximum. Stores, barrier and load are in one inline block, in
+    program order."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental import mosaic
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.float32, layout=plgpu.Layout.WG_SPLAT(())))
+    def _max(ctx, arr, smem):
+        del ctx
+        f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        const = lambda v: arith.constant(i32, v)  # noqa: E731
+        fmax = lambda a, b: llvm.inline_asm(f32, [a, b], "max.NaN.f32 $0, $1, $2;", "=f,f,f")  # noqa: E731
+        values = _thread_values(arr)
+        while len(values) > 1:
+            values = [fmax(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) // 2 * 2:]
+        warp_max = mgpu_utils.redux(arith.bitcast(i32, values[0]), const(0xFFFFFFFF),
+                                    mgpu_utils.ReductionKind.UMAX)
+        warp, _ = stmatrix.warp_and_lane()
+        base = mgpu_utils.memref_ptr(smem)
+        llvm.store(warp_max, mgpu_utils.getelementptr(base, [(warp << 2).value], i8), alignment=4)
+        mgpu_utils.warpgroup_barrier()  # every warp's word is written
+        words = llvm.load(ir.VectorType.get((4,), i32), base, alignment=16)
+        pick = lambda i: vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))  # noqa: E731
+        total = arith.maxui(arith.maxui(pick(0), pick(1)), arith.maxui(pick(2), pick(3)))
+        return mosaic.gpu.FragmentedArray.splat(arith.bitcast(f32, total), (), is_signed=None)
+
+    return _max(plgpu.layout_cast(x, plgpu.Layout.WGMMA), scratch)
+
+
+def warp_any_above(x: jax.Array, threshold: float, interpret: bool) -> jax.Array:
+    """Whether any row value of a (rows,) WGMMA row vector (``Layout.WGMMA.reduce(1)``) exceeds ``threshold``, as a
+    bool scalar for ``lax.cond``: compiled, over the rows of this thread's *warp* (16 of a 64-row tile; one
+    ``vote.sync.any`` — so the branch is uniform within each warp, and may differ between the warps of a
+    warpgroup: only for branches that touch nothing but the warp's own rows' registers); interpreted, over all
+    rows (uniform across the warpgroup). NaN counts as not above."""
+    if x.ndim != 1:
+        raise ValueError(f"warp_any_above takes a (rows,) row vector, got shape {x.shape}")
+    if interpret:
+        return jnp.any(x > threshold)
+    return _warp_vote_above(x, threshold) != 0
+
+
+def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
+    """:func:`warp_any_above` compiled: int32 1 where a row of this thread's warp is above ``threshold``, else 0."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental import mosaic
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(())))
+    def _vote(ctx, arr):
+        del ctx
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        values = _thread_values(arr)
+        top = values[0]
+        for v in values[1:]:  # max.f32 drops a NaN operand: a NaN row does not hide another row's value
+            top = llvm.inline_asm(f32, [top, v], "max.f32 $0, $1, $2;", "=f,f,f")
+        limit = arith.constant(f32, float(threshold))
+        any_above = llvm.inline_asm(
+            i32, [top, limit],
+            "{ .reg .pred p, q; setp.gt.f32 p, $1, $2; vote.sync.any.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; }",
+            "=r,f,f", has_side_effects=True)
+        return mosaic.gpu.FragmentedArray.splat(any_above, (), is_signed=True)
+
+    return _vote(plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)))
+
+
+__all__ = ["WARP_TILE_MAX", "tile_absmax", "warp_any_above"]
