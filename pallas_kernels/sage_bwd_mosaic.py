@@ -143,6 +143,15 @@ KV_OPERANDS_KERNEL = True
 #: 2.984 / 2.987 → 3.011 / 3.040 causal, so up to :data:`MANUAL_BARRIERS_MAX_HEAD_DIM`
 MANUAL_BARRIERS = True
 MANUAL_BARRIERS_MAX_HEAD_DIM = 64
+#: probe, not yet timed: causal, mask the scores before their scale (Q and K scales, a positive factor: −inf stays
+#: −inf, every other value is the same product), so the scale's multiply and the exponent's subtraction of the LSE
+#: meet after the mask's branch and ptxas can contract them into one FFMA, as it does in the non-causal kernels.
+#: The SASS census of the fused kernel at B16 H10/5 S2048 D64 causal (forty-sixth session) had 32 ``FMUL`` (s·c)
+#: and 32 ``FADD`` (− L) per thread and step there, before the branch and after it; this would make them 32 ``FFMA``
+#: and take one dependent instruction off the chain from S to the exponentials. Interpreted, XLA's CPU code contracts
+#: them too: P moves by float32 rounding, which flips an INT8 code of P̂ or dŜ here and there (gradients within
+#: rel-L1 2e-6); ``benchmarks/NOTES.md``, fifty-eighth session, has the command that times it.
+MASK_RAW_SCORES = False
 
 
 def _smem_operands(head_dim: int, interpret: bool) -> tuple[bool, bool]:
@@ -354,15 +363,19 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             st, dpt = matmuls((shape, shape), (jnp.int32, jnp.float32), ((k_smem, q_smem.T), (vd_smem, do_smem.T)),
                               fused=fused)
             st = st.astype(jnp.float32)
+            g, t = head_and_tile(idx[0])  # the step's query head of the group and query tile
+            mask = functools.partial(mask_scores, key_start=cta_keys + wg * TILE, query_start=t * TILE, causal=True,
+                                     offset=offset, transposed=True,
+                                     key_of_column=key_pairs.key_of_row if pairs else None)
+            if causal and MASK_RAW_SCORES:
+                st = mask(st)
             if per_block:  # one K scale per key tile, one Q scale per query tile: a scalar each
                 q0, k0 = scalar(qs_smem), scalar(ks_smem2.at[wg])
                 st = st * (k0 * q0)  # base-2 scores Sᵀ
             else:
                 st = st * rows_of(row_vector(ks_smem2.at[wg]), shape) * cols_of(qs, shape)
-            g, t = head_and_tile(idx[0])  # the step's query head of the group and query tile
-            if causal:
-                st = mask_scores(st, cta_keys + wg * TILE, t * TILE, causal=True, offset=offset, transposed=True,
-                                 key_of_column=key_pairs.key_of_row if pairs else None)
+            if causal and not MASK_RAW_SCORES:
+                st = mask(st)
             pt = jnp.exp2(st - cols_of(col_vector(lse_smem), shape))
             # P̂ per key row of the tile for dV += P̂ᵀdÔ (dO one scale per query tile, stored repeated per row)
             p8, p_scale = int8.quantize_unit(pt, 1, truncating_convert=True, broadcast=lambda v: rows_of(v, shape))
@@ -474,13 +487,17 @@ def _dq_kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, ks_ref, kt_ref,
         s, dp = matmuls((shape, shape), (jnp.int32, jnp.float32),
                         ((q_smem, k_smem.T), (do_smem, vd_smem.T)), fused=fused)
         s = s.astype(jnp.float32)
+        mask = functools.partial(mask_scores, key_start=idx[0] * TILE, query_start=cta_queries + wg * TILE,
+                                 causal=True, offset=offset)
+        if causal and MASK_RAW_SCORES:  # (see MASK_RAW_SCORES)
+            s = mask(s)
         if per_block:  # one Q scale per query tile, one K scale per key tile: a scalar each
             k0 = scalar(ks_smem)
             s = s * (scalar(qs_smem2.at[wg]) * k0)
         else:
             s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(ks, shape)
-        if causal:
-            s = mask_scores(s, idx[0] * TILE, cta_queries + wg * TILE, causal=True, offset=offset)
+        if causal and not MASK_RAW_SCORES:
+            s = mask(s)
         p = jnp.exp2(s - rows_of(row_vector(lse_smem2.at[wg]), shape))
         ds = p * (dp - rows_of(row_vector(delta_smem2.at[wg]), shape))
         if per_block:

@@ -511,6 +511,29 @@ def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
     assert barriers == [False] * (2 if manual else 1), barriers
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("on", [False, True])
+def test_sage_backward_masks_raw_scores_lowers(monkeypatch, d, on):
+    """``sage_bwd_mosaic.MASK_RAW_SCORES`` (probe, off): the fused causal dK/dV/dQ kernel lowers for an H200 either
+    way, and its step masks Sᵀ before it reads the Q and K scales exactly when the switch is on (the order of the
+    step's ``mask_scores`` and ``scalar`` calls while it is traced). Values: ``test_sage_backward``'s
+    ``test_mosaic_backward_masks_raw_scores_same_gradients``."""
+    from benchmarks.common import lower_mosaic_fwd_bwd
+    from pallas_kernels import sage_bwd_mosaic
+
+    events = []
+    for name in ("mask_scores", "scalar"):
+        real = getattr(sage_bwd_mosaic, name)
+        monkeypatch.setattr(sage_bwd_mosaic, name, lambda *a, _n=name, _f=real, **kw: events.append(_n) or _f(*a, **kw))
+    monkeypatch.setattr(sage_bwd_mosaic, "MASK_RAW_SCORES", on)
+    jax.clear_caches()
+    lower_mosaic_fwd_bwd("sage", d, True, dq_kernel="fused", seq=256)
+    jax.clear_caches()
+    assert events.count("mask_scores") == 1, events  # one traced step
+    first_scale = events.index("scalar")
+    assert (events.index("mask_scores") < first_scale) == on, events
+
+
 @pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False)])
 def test_sage_backward_drops_pallas_barriers_at_head_dim_64(monkeypatch, d, causal):
     """``sage_bwd_mosaic.manual_barriers``: the fused dK/dV/dQ kernel is compiled without Pallas's automatic

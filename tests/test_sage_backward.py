@@ -456,6 +456,41 @@ def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
     np.testing.assert_array_equal(wrong[3], got[False][3])  # dV untouched: only the dK accumulator was spoiled
 
 
+@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
+                                  (1, 256, 384, 2, 1, 128, "per_token")])
+def test_mosaic_backward_masks_raw_scores_same_gradients(case, monkeypatch):
+    """Causal: with ``MASK_RAW_SCORES`` (probe) the kernels mask S before its Q/K scale, so that the scale and the
+    exponent's − L can contract into one fused multiply-add. Interpreted, XLA's CPU code contracts them too: P
+    moves by float32 rounding, which flips an INT8 code of P̂ or dŜ here and there, so the gradients agree to
+    rel-L1 ≤ 1e-5 with ≤ 0.1% of their elements apart (measured ≤ 2e-6 and ≤ 0.06%; the fused dK/dV/dQ kernel at
+    D64 ragged GQA and D128; per-token scales: the dK/dV and dQ kernels). That the switch really
+    moves the mask: with a mask value of −10⁴ instead of −inf (harmless after the scale, where exp2 of it is 0; not
+    before it, where the scale shrinks it to about −10⁴·c) the gradients change, and only with the switch on."""
+    from pallas_kernels import sage_bwd_mosaic
+
+    b, sq, sk, hq, hkv, d, gran = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 7, k_outlier=3.0)
+    do = cotangent(q)
+    options = dict(causal=True, qk_granularity=gran, config=MOSAIC)
+    got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "MASK_RAW_SCORES", q, k, v, do, **options)
+    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
+        assert np.isfinite(a).all(), name
+        rel_l1 = np.abs(a - r).sum() / np.abs(r).sum()
+        assert rel_l1 <= 1e-5 and np.mean(a != r) <= 1e-3, (name, rel_l1, np.mean(a != r))
+
+    real_mask = sage_bwd_mosaic.mask_scores
+
+    def finite_mask(scores, *args, **kw):  # −10⁴ where the real mask puts −inf
+        return jnp.maximum(real_mask(scores, *args, **kw), -1e4)
+
+    monkeypatch.setattr(sage_bwd_mosaic, "mask_scores", finite_mask)
+    shallow = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "MASK_RAW_SCORES", q, k, v, do, **options)
+    for name, after_scale, committed in zip(("o", "dq", "dk", "dv"), shallow[False], got[False]):
+        np.testing.assert_array_equal(after_scale, committed, err_msg=name)
+    dv_on, dv_ok = shallow[True][3], got[True][3]
+    assert np.abs(dv_on - dv_ok).sum() > 1e-3 * np.abs(dv_ok).sum()  # dV: the masked keys got weight
+
+
 @pytest.mark.parametrize("sk_pad, v_operand_order, dtype", [(128, True, jnp.bfloat16), (192, False, jnp.float16),
                                                              (64, True, jnp.float16)])
 def test_kv_operands_kernel_matches_xla_transposes(sk_pad, v_operand_order, dtype):
