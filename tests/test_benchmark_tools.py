@@ -596,3 +596,27 @@ def test_qat_table_takes_rows_rounds_and_carries_its_checks(monkeypatch, tmp_pat
     assert out["throughput"] == [{"timed": True}] and "--rounds 7" in out["command"]
     with pytest.raises(ValueError, match="five integers"):
         qat.parse_shape("8,32,2048")
+
+
+def test_first_call_script_names_existing_switches_and_methods():
+    """benchmarks/probes/first_call.sh (the next device call, written ahead): every ``--variant`` it times names
+    switches that exist (a renamed or removed one would make variants.py refuse the step on the GPU), and the
+    methods it asks of qat.py are qat.py's."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from benchmarks import qat, variants
+
+    text = Path(__file__).resolve().parents[1].joinpath("benchmarks/probes/first_call.sh").read_text()
+    shell_vars = dict(re.findall(r"^(\w+)=(\S+)$", text, flags=re.M))
+    words = shlex.split(re.sub(r"\$(\w+)", lambda m: shell_vars.get(m.group(1), m.group(0)),
+                               text.replace("\\\n", " ")), comments=True)
+    specs = [words[i + 1] for i, w in enumerate(words) if w == "--variant"]
+    assert len(specs) == 4 and specs[0] == "committed=", specs
+    for spec in specs:
+        _, assignments = variants.parse_variant(spec)
+        variants.apply(assignments, only_check=True, method="qat")
+    start = words.index("--methods")
+    asked = words[start + 1:start + 3]
+    assert set(asked) <= set(qat.method_fns(64, False, None)), asked
