@@ -70,10 +70,9 @@ class SageFwdConfig:
         may live) — one per key for dK = dSᵀQ̂, one per query row for dQ = dŜK̂: finer,
         and a reduction inside each warp instead of across the warpgroup, but no fused dQ
         (one dŜ cannot serve both products). Measured on the H200 against the defaults
-        (benchmarks/RESULTS.md, 2026-11-30 14:51): fwd+bwd 4–8% faster causal at D128 (303 vs
-        290 TFLOP/s at B4 H32 S4096, 349 vs 324 at B1 S16384), 12–16% slower non-causal (314
-        vs 357 at B4 S4096, where the default fuses dQ), and dQ/dK rel-L2 0.022 instead of
-        0.050 vs exact.
+        (benchmarks/RESULTS.md, 2026-12-04 14:33, since the fused dQ is the default at D128 causal too):
+        fwd+bwd 9–18% slower (421 vs 473 TFLOP/s at B4 H32 S4096 D128, 366 vs 415 causal, 280
+        vs 343 at B8 H32 S2048 D64), and dQ/dK rel-L2 0.022 instead of 0.050 vs exact.
       dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales,
         per-tile dS scales (``sage_bwd_mosaic.supports_fused_dq``) and dQ's dS tiles equal to dK's
         (``dq_block_k == bwd_block_k``: one dŜ serves both products), it also reduce-adds each

@@ -44,7 +44,7 @@ class TrainConfig:
     max_len: int | None = None  # the model's longest sequence (default: the preset's)
     implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
     naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
-    ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (faster, more accurate)
+    ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (more accurate, slower)
     fuse_qk_prologue: bool = True  # sage, qat_fp4: QK-norm and RoPE inside their quantize kernels (same values)
     corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
     max_corpus_mb: int = 64
