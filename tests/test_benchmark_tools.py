@@ -598,25 +598,30 @@ def test_qat_table_takes_rows_rounds_and_carries_its_checks(monkeypatch, tmp_pat
         qat.parse_shape("8,32,2048")
 
 
-def test_first_call_script_names_existing_switches_and_methods():
-    """benchmarks/probes/first_call.sh (the next device call, written ahead): every ``--variant`` it times names
-    switches that exist (a renamed or removed one would make variants.py refuse the step on the GPU), and the
-    methods it asks of qat.py are qat.py's."""
+def test_next_calls_script_names_existing_switches_and_methods():
+    """benchmarks/probes/next_calls.sh (the next device calls, written ahead): every ``--variant`` it times names
+    switches that exist for its ``--method`` (a renamed or removed one would make variants.py refuse the step on the
+    GPU), and the methods it asks of qat.py are qat.py's."""
     import re
     import shlex
     from pathlib import Path
 
     from benchmarks import qat, variants
 
-    text = Path(__file__).resolve().parents[1].joinpath("benchmarks/probes/first_call.sh").read_text()
+    text = Path(__file__).resolve().parents[1].joinpath("benchmarks/probes/next_calls.sh").read_text()
     shell_vars = dict(re.findall(r"^(\w+)=(\S+)$", text, flags=re.M))
     words = shlex.split(re.sub(r"\$(\w+)", lambda m: shell_vars.get(m.group(1), m.group(0)),
                                text.replace("\\\n", " ")), comments=True)
-    specs = [words[i + 1] for i, w in enumerate(words) if w == "--variant"]
-    assert len(specs) == 4 and specs[0] == "committed=", specs
-    for spec in specs:
-        _, assignments = variants.parse_variant(spec)
-        variants.apply(assignments, only_check=True, method="qat")
+    checked, method = [], None
+    for i, word in enumerate(words):
+        if word == "--method":
+            method = words[i + 1]
+        elif word == "--variant":
+            _, assignments = variants.parse_variant(words[i + 1])
+            variants.apply(assignments, only_check=True, method=method)
+            checked.append((method, words[i + 1].split("=")[0]))
+    assert checked == [("qat", "committed"), ("qat", "lop3"), ("qat", "gmax"), ("qat", "lanes"),
+                       ("sage", "committed"), ("sage", "raw")], checked
     start = words.index("--methods")
     asked = words[start + 1:start + 3]
     assert set(asked) <= set(qat.method_fns(64, False, None)), asked
