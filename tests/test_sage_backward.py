@@ -429,8 +429,20 @@ def _assert_same_gradients(got: dict) -> None:
             np.testing.assert_array_equal(a, r, err_msg=name)
 
 
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
-                                  (1, 256, 384, 2, 1, 128, "per_token")])
+#: causal backward cases (B, Sq, Sk, Hq, Hkv, D, granularity): the fused dK/dV/dQ kernel at D64 ragged GQA and at
+#: D128, and per-token scales (the dK/dV and dQ kernels) at ragged MQA
+CAUSAL_CASES = [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
+                (1, 256, 384, 2, 1, 128, "per_token")]
+
+
+def _causal_inputs(case: tuple, seed: int) -> tuple:
+    """q, k, v (K with channel outliers), dO and the causal Mosaic options of a :data:`CAUSAL_CASES` entry."""
+    b, sq, sk, hq, hkv, d, gran = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + seed, k_outlier=3.0)
+    return q, k, v, cotangent(q), dict(causal=True, qk_granularity=gran, config=MOSAIC)
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES)
 def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
     """Causal: a dK/dV warpgroup skips the query tiles that see none of its keys (``SKIP_EMPTY_STEPS``). The
     gradients equal the kernel's that runs those steps (the interpreter sums the fused dQ in a fixed order), with
@@ -438,11 +450,7 @@ def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
     skip: a skipped step that returned a wrong dK accumulator changes dK."""
     from pallas_kernels import sage_bwd_mosaic
 
-    b, sq, sk, hq, hkv, d, gran = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 1, k_outlier=3.0)
-    do = cotangent(q)
-
-    options = dict(causal=True, qk_granularity=gran, config=MOSAIC)
+    q, k, v, do, options = _causal_inputs(case, 1)
     got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, do, **options)
     for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
         assert np.isfinite(a).all(), name
@@ -456,8 +464,7 @@ def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
     np.testing.assert_array_equal(wrong[3], got[False][3])  # dV untouched: only the dK accumulator was spoiled
 
 
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
-                                  (1, 256, 384, 2, 1, 128, "per_token")])
+@pytest.mark.parametrize("case", CAUSAL_CASES)
 def test_mosaic_backward_masks_raw_scores_same_gradients(case, monkeypatch):
     """Causal: with ``MASK_RAW_SCORES`` (probe) the kernels mask S before its Q/K scale, so that the scale and the
     exponent's − L can contract into one fused multiply-add. Interpreted, XLA's CPU code contracts them too: P
@@ -468,10 +475,7 @@ def test_mosaic_backward_masks_raw_scores_same_gradients(case, monkeypatch):
     before it, where the scale shrinks it to about −10⁴·c) the gradients change, and only with the switch on."""
     from pallas_kernels import sage_bwd_mosaic
 
-    b, sq, sk, hq, hkv, d, gran = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + 7, k_outlier=3.0)
-    do = cotangent(q)
-    options = dict(causal=True, qk_granularity=gran, config=MOSAIC)
+    q, k, v, do, options = _causal_inputs(case, 7)
     got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "MASK_RAW_SCORES", q, k, v, do, **options)
     for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
         assert np.isfinite(a).all(), name
