@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.common import (
-    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn, time_rounds,
-    write_json,
+    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn,
+    time_rounds, write_json,
 )
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)

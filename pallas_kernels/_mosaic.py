@@ -95,8 +95,8 @@ def warpgroup_barrier(interpret: bool) -> None:
     which only TMA and ``wgmma`` readers need. Until the fifty-third session this built its inline block without
     calling it and so emitted nothing: the nineteenth session's gain from it in ``warp_reduce.tile_absmax``
     (fwd+bwd 1.7% at B8 H32 S2048 D64) was that of dropping the commit's fence and barrier, the order kept by the
-    barrier Pallas puts after every store to SMEM (benchmarks/NOTES.md). The interpreter, which has no inline Mosaic GPU,
-    commits instead."""
+    barrier Pallas puts after every store to SMEM (benchmarks/NOTES.md). The interpreter, which has no inline Mosaic
+    GPU, commits instead."""
     if interpret:
         plgpu.commit_smem()
         return

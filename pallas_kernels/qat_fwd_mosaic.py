@@ -207,7 +207,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, items, group, block_k, head_dim, sq_
             l_new = l_prev * rescale + jnp.sum(p, axis=1)
             dt = v_smem.dtype
             pq = lane_groups.fake_quant_p(p, interpret, dtype=dt, fma=EXPLICIT_FMA, lop3=PACKED_LOP3,
-                                            fast_scale=FAST_SCALE, amax=None if g is None else exp_of(g))
+                                          fast_scale=FAST_SCALE, amax=None if g is None else exp_of(g))
             p16 = p.astype(dt) if with_aux else None
             acc, acc2 = acc * alpha, (acc2 * alpha if with_aux else None)
             pq, p16, acc, acc2, l_new = pp.values(pq, p16, acc, acc2, l_new)

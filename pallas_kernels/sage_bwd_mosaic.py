@@ -76,17 +76,16 @@ from lowbit_jax.formats.sage_tiles import dequantize_v_t
 from pallas_kernels import dq_stage, key_pairs, operand_order
 from pallas_kernels._mosaic import (
     WorkItems, col_vector, cols_of, compute_pipeline, copy_in, copy_out, first_query_tile, grid_position, group_tile,
-    guarded_step, key_step_specs, launch, mask_scores, matmul, matmuls, pl, plgpu,
-    query_block_keys, row_vector, rows_of, scalar, pad_rows, tile_transforms, tma_rows,
-    transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    guarded_step, key_step_specs, launch, mask_scores, matmul, matmuls, pad_rows, pl, plgpu, query_block_keys,
+    row_vector, rows_of, scalar, tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
+from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.reduce_add import (
     REDUCE_COLS, early_stage_wait, reduce_add_accumulator, reduce_add_matmul, reduce_add_product, reduce_add_slot,
     reduce_add_stage, reduce_add_total,
 )
 from pallas_kernels.register_operands import int8_operand_in_smem, register_operand
 from pallas_kernels.warp_reduce import tile_absmax
-from pallas_kernels.configs import SageFwdConfig
 
 LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile

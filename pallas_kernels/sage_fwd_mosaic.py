@@ -15,8 +15,8 @@ products are INT8 ``wgmma`` with K-major operands (B = a transposed view of K̂ 
 V̂ᵀ); P̂ is the A operand straight from registers, no SMEM round trip and no warpgroup barrier:
 V̂ᵀ's keys come in :mod:`pallas_kernels.operand_order` (written so by ``sage_quantize_kv``), so P̂'s registers are
 the operand as they are (``operand_order.register_operand``; without it, ``register_operands.register_operand``
-relays P̂ out by two lane shuffles per 4 values). That cut the hot loop from 1044 to 996 instructions per thread and step
-and the forward kernel by 1.5% at B16 H10/5 S2048 D64 causal, 5.5% at B8 H32 S2048 D64, 2.8% at B4 H32 S4096 D128
+relays P̂ out by two lane shuffles per 4 values). That cut the hot loop from 1044 to 996 instructions per thread and
+step and the forward kernel by 1.5% at B16 H10/5 S2048 D64 causal, 5.5% at B8 H32 S2048 D64, 2.8% at B4 H32 S4096 D128
 on the H200 (benchmarks/NOTES.md, thirty-second session). Causal (bottom-right aligned,
 Sq ≤ Sk): the pipeline stops after the last key tile the block's last row sees, the heaviest query blocks launch
 first (:data:`HEAVY_FIRST`), and

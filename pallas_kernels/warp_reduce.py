@@ -82,7 +82,10 @@ def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
         llvm.store(warp_max, mgpu_utils.getelementptr(base, [(warp << 2).value], i8), alignment=4)
         mgpu_utils.warpgroup_barrier()  # every warp's word is written
         words = llvm.load(ir.VectorType.get((4,), i32), base, alignment=16)
-        pick = lambda i: vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))  # noqa: E731
+
+        def pick(i):
+            return vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+
         total = arith.maxui(arith.maxui(pick(0), pick(1)), arith.maxui(pick(2), pick(3)))
         return mosaic.gpu.FragmentedArray.splat(arith.bitcast(f32, total), (), is_signed=None)
 

@@ -616,34 +616,50 @@ def test_the_qk_prologue_lowers_to_triton(method, d, norm):
         assert triton_named(text, name), name
 
 
+def _inline_asm_spy(monkeypatch) -> list[str]:
+    """A spy on MLIR's ``llvm.inline_asm`` (what every inline PTX block of the Mosaic kernels goes through): the list
+    it returns gets each call's assembly text."""
+    from jax._src.lib.mlir.dialects import llvm
+
+    asm, real_asm = [], llvm.inline_asm
+
+    def spy_asm(result, operands, text, *args, **kw):
+        asm.append(text)
+        return real_asm(result, operands, text, *args, **kw)
+
+    monkeypatch.setattr(llvm, "inline_asm", spy_asm)
+    return asm
+
+
+def _qat_lowering_asm(asm: list[str], d: int, causal: bool) -> list[str]:
+    """The inline assembly of one Attn-QAT fwd+bwd (fused dQ, every kernel on Mosaic GPU) lowered for an H200, read
+    from ``asm`` (:func:`_inline_asm_spy`'s list, cleared first)."""
+    from benchmarks.common import lower_mosaic_fwd_bwd
+
+    asm.clear()
+    jax.clear_caches()
+    lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
+    jax.clear_caches()
+    return list(asm)
+
+
 @pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
 def test_qat_forward_rounds_fq_p_with_packed_fma(monkeypatch, d, causal):
     """``qat_fwd_mosaic.EXPLICIT_FMA``: the Attn-QAT forward's FQ(P) takes e2m1 rounding's two magic-number steps as
     ``lane_groups.packed_fma`` (inline PTX ``fma.rn.bf16x2`` per register, factors ±64 for bf16), the backward's
     (``qat_bwd_mosaic.EXPLICIT_FMA`` off) does not. Checked on the lowering for an H200 (calls in kernel order and the
     inline assembly the calls emit); that the fma form gives the same values is ``test_nvfp4_format``'s."""
-    from jax._src.lib.mlir.dialects import llvm
-
-    from benchmarks.common import lower_mosaic_fwd_bwd
     from pallas_kernels import lane_groups, qat_bwd_mosaic, qat_fwd_mosaic
 
     assert qat_fwd_mosaic.EXPLICIT_FMA and not qat_bwd_mosaic.EXPLICIT_FMA
-    factors, asm = [], []
-    real_fma, real_asm = lane_groups.packed_fma, llvm.inline_asm
+    factors, real_fma = [], lane_groups.packed_fma
 
     def spy_fma(a, k, c):
         factors.append(k)
         return real_fma(a, k, c)
 
-    def spy_asm(result, operands, text, *args, **kw):
-        asm.append(text)
-        return real_asm(result, operands, text, *args, **kw)
-
     monkeypatch.setattr(lane_groups, "packed_fma", spy_fma)
-    monkeypatch.setattr(llvm, "inline_asm", spy_asm)
-    jax.clear_caches()
-    lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
-    jax.clear_caches()
+    asm = _qat_lowering_asm(_inline_asm_spy(monkeypatch), d, causal)
     assert factors == [64.0, -64.0], factors  # t = m + 96·floor2, then t − 96·floor2: the forward only
     # each call one fma per bf16x2 register of its (64, block_k) tile: 64·block_k / 128 threads / 2 per register
     block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
@@ -661,23 +677,14 @@ def test_qat_forward_group_max_from_scores_lowers(monkeypatch, d, causal):
     ``ex2.approx`` per score register value of its (64, block_k) tile before common-subexpression elimination (the
     exponentials of S's group maxima, one per group once merged). Its values: ``test_qat``'s
     ``test_mosaic_forward_group_max_from_scores_same_values``."""
-    from jax._src.lib.mlir.dialects import llvm
-
-    from benchmarks.common import lower_mosaic_fwd_bwd
     from pallas_kernels import qat_fwd_mosaic
 
     assert not qat_fwd_mosaic.GROUP_MAX_FROM_S
-    asm, real_asm = [], llvm.inline_asm
-    monkeypatch.setattr(llvm, "inline_asm", lambda r, ops, text, *a, **kw: asm.append(text) or real_asm(r, ops, text,
-                                                                                                       *a, **kw))
+    asm = _inline_asm_spy(monkeypatch)
 
     def exponentials(from_s: bool) -> int:
         monkeypatch.setattr(qat_fwd_mosaic, "GROUP_MAX_FROM_S", from_s)
-        asm.clear()
-        jax.clear_caches()
-        lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
-        jax.clear_caches()
-        return sum(text.startswith("ex2.approx") for text in asm)
+        return sum(text.startswith("ex2.approx") for text in _qat_lowering_asm(asm, d, causal))
 
     block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
     assert exponentials(True) - exponentials(False) == 64 * block_k // 128
@@ -687,24 +694,16 @@ def test_e4m3_lanewise_conversion_replaces_the_pairwise_one(monkeypatch):
     """``lane_groups.E4M3_LANEWISE`` (probe, off): FQ(P)'s e4m3 rounding in the forward (``FAST_SCALE``) is one inline
     block per value (cvt to e4m3 and back to float32) instead of Mosaic GPU's pairwise ``astype`` conversions, as many
     blocks as the pairwise path converts values. Compiled values: ``benchmarks/nvfp4_scale_check.py``."""
-    from jax._src.lib.mlir.dialects import llvm
-
-    from benchmarks.common import lower_mosaic_fwd_bwd
     from pallas_kernels import lane_groups
 
     assert not lane_groups.E4M3_LANEWISE
-    asm, real_asm = [], llvm.inline_asm
-    monkeypatch.setattr(llvm, "inline_asm", lambda r, ops, text, *a, **kw: asm.append(text) or real_asm(r, ops, text,
-                                                                                                       *a, **kw))
+    asm = _inline_asm_spy(monkeypatch)
 
     def conversions(lanewise: bool) -> tuple[int, int]:
         monkeypatch.setattr(lane_groups, "E4M3_LANEWISE", lanewise)
-        asm.clear()
-        jax.clear_caches()
-        lower_mosaic_fwd_bwd("qat", 64, False, dq_kernel="fused", seq=256)
-        jax.clear_caches()
-        return (sum(text == lane_groups._E4M3_ROUND_PTX for text in asm),
-                sum("cvt.rn.satfinite.e4m3x2.f32 result_pair" in text for text in asm))
+        texts = _qat_lowering_asm(asm, 64, False)
+        return (sum(text == lane_groups._E4M3_ROUND_PTX for text in texts),
+                sum("cvt.rn.satfinite.e4m3x2.f32 result_pair" in text for text in texts))
 
     pairwise, lanewise = conversions(False), conversions(True)
     assert pairwise[0] == 0 and pairwise[1] > 0
@@ -738,29 +737,17 @@ def test_qat_fq_p_switches_emit_their_instructions_per_kernel(monkeypatch, switc
     its (64, block_k) P tile), and the committed settings are the measured ones (FAST_SCALE in the forward only;
     PACKED_LOP3 not yet timed, off). That the values are the same is ``test_nvfp4_format``'s (and
     ``benchmarks/nvfp4_scale_check.py``'s, compiled)."""
-    from jax._src.lib.mlir.dialects import llvm
-
-    from benchmarks.common import lower_mosaic_fwd_bwd
     from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
 
     committed = {"FAST_SCALE": (True, False), "PACKED_LOP3": (False, False)}[switch]
     assert (getattr(qat_fwd_mosaic, switch), getattr(qat_bwd_mosaic, switch)) == committed
-    asm, real_asm = [], llvm.inline_asm
-
-    def spy_asm(result, operands, text, *args, **kw):
-        asm.append(text)
-        return real_asm(result, operands, text, *args, **kw)
-
-    monkeypatch.setattr(llvm, "inline_asm", spy_asm)
+    asm = _inline_asm_spy(monkeypatch)
 
     def counts(fwd: bool, bwd: bool) -> list[int]:
         monkeypatch.setattr(qat_fwd_mosaic, switch, fwd)
         monkeypatch.setattr(qat_bwd_mosaic, switch, bwd)
-        asm.clear()
-        jax.clear_caches()
-        lower_mosaic_fwd_bwd("qat", 64, False, dq_kernel="fused", seq=256)
-        jax.clear_caches()
-        return [sum(ptx in text for text in asm) for ptx in FQ_SWITCH_PTX[switch]]
+        texts = _qat_lowering_asm(asm, 64, False)
+        return [sum(ptx in text for text in texts) for ptx in FQ_SWITCH_PTX[switch]]
 
     fwd, bwd, neither = counts(True, False), counts(False, True), counts(False, False)
     assert min(fwd) > 0 and min(bwd) > 0 and max(neither) == 0, (fwd, bwd, neither)
