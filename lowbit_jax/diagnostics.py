@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit_jax._x32 import x32
 from lowbit_jax import _checks
 from lowbit_jax.formats import smoothing
 from lowbit_jax.qat import kv_in_key_order, qat_attention, qat_forward, resolve_qat_options
@@ -47,6 +48,7 @@ def _exact_intermediates(q, k, v, do, *, causal, scale):
     return {"O": o, "D": delta, "P": p, "dP": dp, "dS": ds, "dQ": dq, "dK": dk, "dV": dv}
 
 
+@x32
 def attention_error_report(
     q: jax.Array,
     k: jax.Array,

@@ -25,6 +25,7 @@ from typing import Literal
 
 import jax
 
+from lowbit_jax._x32 import x32
 from lowbit_jax import _checks, prologue_grad
 from lowbit_jax.formats import qk_prologue, smoothing
 from lowbit_jax.formats.qk_prologue import QKPrologue
@@ -58,6 +59,7 @@ class QatOptions:
     seq_k: int
 
 
+@x32
 def qat_attention(
     q: jax.Array,
     k: jax.Array,
@@ -218,6 +220,7 @@ def _qat_fwd(q, k, v, prologue, opts: QatOptions):
     return o, (operands, o if opts.naive_backward else o_aux, lse, m, prologue_grad.residuals(q, k, prologue))
 
 
+@x32
 def _qat_bwd(opts: QatOptions, residuals, do):
     *residuals, pre = residuals
     dq, dk, dv = _qat_operand_grads(opts, residuals, do)

@@ -50,7 +50,7 @@ def reference_attention(
         mask = causal_mask(shape.seq_q, shape.seq_k)
         s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # rows that see no key; a NaN or +inf row max stays (and shows)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l == 0.0, 1.0, l)

@@ -46,6 +46,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lowbit_jax._x32 import x32
 from lowbit_jax import _checks, prologue_grad
 from lowbit_jax.formats import int8
 from lowbit_jax.formats import qk_prologue, sage_tiles
@@ -92,6 +93,7 @@ class SageOptions:
 # ----------------------------------------------------------------------------- public API
 
 
+@x32
 def sage_attention(
     q: jax.Array,
     k: jax.Array,
@@ -150,6 +152,7 @@ def sage_attention(
     return _sage_attention(q, k, v, prologue, opts)
 
 
+@x32
 def sage_forward(
     q: jax.Array,
     k: jax.Array,
@@ -335,6 +338,7 @@ def _sage_attention_fwd(q, k, v, prologue, opts: SageOptions):
     return o, (ops, o, lse, prologue_grad.residuals(q, k, prologue))  # the prologue's backward needs its inputs
 
 
+@x32
 def _sage_attention_bwd(opts: SageOptions, residuals, do):
     ops, o, lse, pre = residuals
     dq, dk, dv = _backward(ops, o, lse, do, opts=opts)

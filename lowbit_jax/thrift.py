@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit_jax._x32 import x32
 from lowbit_jax import _checks
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.qat_reference import mma_dtype, padded
@@ -158,6 +159,7 @@ def _select_kernel(q_mean: jax.Array, k_mean: jax.Array, first_block, opts: Thri
         interpret=opts.interpret)
 
 
+@x32
 def thrift_select(q: jax.Array, k: jax.Array, *, causal: bool = False, budget: float = 0.05,
                   implementation: Literal["pallas", "xla"] | None = None, interpret: bool = False,
                   config: ThriftConfig | None = None) -> jax.Array:
@@ -182,6 +184,7 @@ def thrift_select(q: jax.Array, k: jax.Array, *, causal: bool = False, budget: f
 # ----------------------------------------------------------------------------- prefill
 
 
+@x32
 def thrift_attention(
     q: jax.Array,
     k: jax.Array,
@@ -311,6 +314,7 @@ def _thrift_fwd(q, k, v, opts: ThriftOptions):
     return thrift_forward(q, k, v, opts=opts), (q, k, v)
 
 
+@x32
 def _thrift_bwd(opts: ThriftOptions, residuals, do):
     q, k, v = residuals
     exact = functools.partial(reference_attention, causal=opts.causal, scale=opts.scale)
@@ -332,6 +336,7 @@ def _decode_layout(rows: int) -> tuple[int, int]:
     return padded(rows, 64), 64
 
 
+@x32
 def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, scale: float | None = None,
                   implementation: Literal["pallas", "xla"] | None = None, interpret: bool = False,
                   config: ThriftConfig | None = None) -> jax.Array:
@@ -348,11 +353,17 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
       config: ``block`` must equal ``cache.block``; ``decode_splits`` (key ranges) is part of the numerics.
     Returns:
       (B, T, Hq, D) in q's dtype.
+    Raises:
+      ValueError / TypeError on bad shapes or options, and, outside ``jit``, when the cache holds fewer than T
+      tokens (an empty cache included: append the new tokens first). Under ``jit``, where the length is traced,
+      such a call and one on an overflowed cache (:attr:`ThriftKVCache.overflowed`) return NaN everywhere.
     """
     if not isinstance(cache, ThriftKVCache):
         raise TypeError(f"cache must be a ThriftKVCache, got {type(cache).__name__}")
     _checks.check_array("q", q)
     b, t, hq, d = q.shape
+    if t < 1:
+        raise ValueError(f"q must hold at least one new token, got shape {tuple(q.shape)}")
     if (b, d) != (cache.k.shape[0], cache.head_dim):
         raise ValueError(f"q's batch and head_dim {(b, d)} must match the cache's {(cache.k.shape[0], cache.head_dim)}")
     if hq % cache.num_kv_heads:
@@ -368,12 +379,23 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
     config = _check_config(config)
     if config.block != cache.block:
         raise ValueError(f"config.block ({config.block}) must equal the cache's block ({cache.block})")
+    if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) < t:
+        raise ValueError(f"thrift_decode of {t} new token(s) on a cache holding {int(cache.length)}: append the new "
+                         f"tokens' k and v to the cache first (ThriftKVCache.append)")
     return _decode(q, cache, budget=budget, scale=scale, implementation=impl, interpret=interpret, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "scale", "implementation", "interpret", "config"))
 def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
             config: ThriftConfig):
+    o = _decode_values(q, cache, budget=budget, scale=scale, implementation=implementation, interpret=interpret,
+                       config=config)
+    usable = (cache.length >= q.shape[1]) & ~cache.overflow  # traced: NaN instead of values from a bad state
+    return jnp.where(usable, o, jnp.nan).astype(o.dtype)
+
+
+def _decode_values(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
+                   config: ThriftConfig):
     if implementation != "pallas":
         sel = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=config.block)
         return decode_reference(q, cache.k, cache.v, cache.k4, cache.k4_scale, cache.v4, cache.v4_scale, sel,

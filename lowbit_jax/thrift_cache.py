@@ -11,7 +11,14 @@ One pytree (``jax.tree_util`` dataclass), updated functionally under ``jit``:
   ``v4_scale``: float8_e4m3fn (B, Hkv, S_max/16, D);
 * ``k_mean``: float32 (B, Hkv, S_max/block, D) — the mean of each complete key block (the decode
   selection's k̄; blocks not yet complete hold partial values that nothing reads);
-* ``length``: int32 scalar, tokens filled.
+* ``length``: int32 scalar, tokens filled;
+* ``overflow``: bool scalar, set once an append under ``jit`` did not fit (see :meth:`ThriftKVCache.append`).
+
+Misuse is refused: outside ``jit`` (where ``length`` is a concrete value) an append past ``max_len`` raises
+``ValueError``, and so does :func:`lowbit_jax.thrift_decode` on a cache holding fewer tokens than it is asked to
+decode. Under ``jit`` the lengths are traced, so the same cases are defined instead of raised: an append that does
+not fit writes nothing, leaves ``length`` as it was and sets ``overflow``; a decode on an overflowed cache, or with
+fewer cached tokens than new ones, returns NaN for every output (the model's NaN guard and ``jnp.isfinite`` see it).
 
 4-bit bytes per value: 0.5625, so the cache is 28% larger than a 16-bit one alone; a decode step reads
 0.5625 bytes per K and V value of an unselected block instead of 2. Positions at and after ``length`` are
@@ -27,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit_jax._x32 import x32
 from lowbit_jax.formats import nvfp4
 from lowbit_jax.thrift_reference import check_key_blocks
 
@@ -52,9 +60,11 @@ class ThriftKVCache:
     v4_scale: jax.Array
     k_mean: jax.Array
     length: jax.Array
+    overflow: jax.Array
     block: int = dataclasses.field(default=64, metadata=dict(static=True))
 
     @classmethod
+    @x32
     def create(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *, dtype=jnp.bfloat16,
                block: int = 64) -> "ThriftKVCache":
         """An empty cache (zeros, length 0).
@@ -80,7 +90,8 @@ class ThriftKVCache:
             k=jnp.zeros((b, s, h, d), dtype), v=jnp.zeros((b, s, h, d), dtype),
             k4=jnp.zeros((b, h, s, d // 2), jnp.uint8), k4_scale=jnp.ones((b, h, s, d // nvfp4.GROUP), e4m3),
             v4=jnp.zeros((b, h, s // 2, d), jnp.uint8), v4_scale=jnp.ones((b, h, s // nvfp4.GROUP, d), e4m3),
-            k_mean=jnp.zeros((b, h, s // block, d), jnp.float32), length=jnp.zeros((), jnp.int32), block=block)
+            k_mean=jnp.zeros((b, h, s // block, d), jnp.float32), length=jnp.zeros((), jnp.int32),
+            overflow=jnp.zeros((), jnp.bool_), block=block)
 
     @property
     def max_len(self) -> int:
@@ -100,14 +111,15 @@ class ThriftKVCache:
         return {"16bit": size(self.k, self.v), "4bit": size(self.k4, self.k4_scale, self.v4, self.v4_scale),
                 "k_mean": size(self.k_mean)}
 
+    @x32
     def append(self, k_new: jax.Array, v_new: jax.Array) -> "ThriftKVCache":
         """Write T new tokens at ``length`` into every part of the cache; returns the new cache.
 
         Args:
-          k_new, v_new: (B, T, Hkv, D), T ≤ max_len. Appending past ``max_len`` is not detected under jit
-            (the write would clamp): callers bound the length (the model checks ``max_len``).
+          k_new, v_new: (B, T, Hkv, D), 1 ≤ T ≤ max_len, in any float dtype (cast to the cache's).
         Returns:
-          The cache with ``length + T`` tokens.
+          The cache with ``length + T`` tokens. Past ``max_len``: ``ValueError`` outside ``jit``; under ``jit``
+          nothing is written and ``overflow`` is set (see the module docstring).
         """
         for name, x in (("k_new", k_new), ("v_new", v_new)):
             if not hasattr(x, "shape") or x.ndim != 4:
@@ -122,17 +134,33 @@ class ThriftKVCache:
         t = k_new.shape[1]
         if not 1 <= t <= self.max_len:
             raise ValueError(f"appending {t} tokens to a cache of max_len {self.max_len}")
+        if not isinstance(self.length, jax.core.Tracer) and int(self.length) + t > self.max_len:
+            raise ValueError(f"appending {t} tokens to a cache holding {int(self.length)} of max_len {self.max_len}: "
+                             f"it would overflow (create the cache with a larger max_len)")
         return _append(self, k_new, v_new)
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """bool scalar: an append under ``jit`` did not fit (nothing of it was written)."""
+        return self.overflow
 
     def _append(self, k_new: jax.Array, v_new: jax.Array) -> "ThriftKVCache":
         t = k_new.shape[1]
         start = self.length
-        k = jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), (0, start, 0, 0))
-        v = jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), (0, start, 0, 0))
+        fits = start + t <= self.max_len
+
+        def put(x, update, index):
+            """``x`` with ``update`` at ``index``, or ``x`` unchanged if the append does not fit (the old values
+            written back: a select of the update's size, not of the cache's)."""
+            old = jax.lax.dynamic_slice(x, index, update.shape)
+            return jax.lax.dynamic_update_slice(x, jnp.where(fits, update.astype(x.dtype), old), index)
+
+        k = put(self.k, k_new, (0, start, 0, 0))
+        v = put(self.v, v_new, (0, start, 0, 0))
         # K: per token, groups of 16 along D
         k_codes, k_scale = nvfp4.encode_last(jnp.swapaxes(k_new.astype(k.dtype).astype(jnp.float32), 1, 2))
-        k4 = jax.lax.dynamic_update_slice(self.k4, nvfp4.pack_halves(k_codes), (0, 0, start, 0))
-        k4_scale = jax.lax.dynamic_update_slice(self.k4_scale, k_scale.astype(self.k4_scale.dtype), (0, 0, start, 0))
+        k4 = put(self.k4, nvfp4.pack_halves(k_codes), (0, 0, start, 0))
+        k4_scale = put(self.k4_scale, k_scale, (0, 0, start, 0))
         # V (groups of 16 tokens) and the block means: re-derived for the whole blocks the new tokens touch
         blk = self.block
         width = min(self.max_len, (-(-t // blk) + 1) * blk)
@@ -143,14 +171,14 @@ class ThriftKVCache:
         b, h, d, _ = v_codes.shape
         packed = nvfp4.pack_halves(v_codes.reshape(b, h, d, width // blk, blk))  # (B, Hkv, D, W/blk, blk/2)
         packed = jnp.transpose(packed, (0, 1, 3, 4, 2)).reshape(b, h, width // 2, d)
-        v4 = jax.lax.dynamic_update_slice(self.v4, packed, (0, 0, w0 // 2, 0))
-        v4_scale = jax.lax.dynamic_update_slice(self.v4_scale, jnp.swapaxes(v_scale, 2, 3).astype(self.v4_scale.dtype),
-                                                (0, 0, w0 // nvfp4.GROUP, 0))
+        v4 = put(self.v4, packed, (0, 0, w0 // 2, 0))
+        v4_scale = put(self.v4_scale, jnp.swapaxes(v_scale, 2, 3), (0, 0, w0 // nvfp4.GROUP, 0))
         kw = window(k).reshape(b, width // blk, blk, h, d)
         means = jnp.swapaxes(jnp.mean(kw, axis=2), 1, 2)  # (B, Hkv, W/blk, D)
-        k_mean = jax.lax.dynamic_update_slice(self.k_mean, means, (0, 0, w0 // blk, 0))
+        k_mean = put(self.k_mean, means, (0, 0, w0 // blk, 0))
         return dataclasses.replace(self, k=k, v=v, k4=k4, k4_scale=k4_scale, v4=v4, v4_scale=v4_scale,
-                                   k_mean=k_mean, length=start + t)
+                                   k_mean=k_mean, length=jnp.where(fits, start + t, start),
+                                   overflow=self.overflow | ~fits)
 
 
 _append = jax.jit(ThriftKVCache._append)  # one compiled update per (cache, T) shape, also when called eagerly

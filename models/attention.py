@@ -167,12 +167,28 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start
     return _xla_cached_attention(q, k_cache, v_cache, start)
 
 
+def _check_room(length: jax.Array, t: int, max_len: int) -> None:
+    """Outside ``jit`` (a concrete length): ``ValueError`` if T more tokens do not fit the cache."""
+    if not isinstance(length, jax.core.Tracer) and int(length) + t > max_len:
+        raise ValueError(f"{t} new token(s) after {int(length)} cached overflow the KV cache's {max_len} slots "
+                         f"(the model's max_len)")
+
+
 def _append_16bit(cache: dict, k: jax.Array, v: jax.Array) -> dict:
-    """The 16-bit cache dict with T new tokens' k, v (B, T, Hkv, D) written at its length."""
-    at = (0, cache["length"], 0, 0)
-    return {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
-            "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at),
-            "length": cache["length"] + k.shape[1]}
+    """The 16-bit cache dict with T new tokens' k, v (B, T, Hkv, D) written at its length. If they do not fit
+    (possible only under ``jit``, where the length is traced) nothing is written, the length stays and
+    ``overflow`` is set, as :meth:`lowbit_jax.ThriftKVCache.append` does."""
+    t, start = k.shape[1], cache["length"]
+    _check_room(start, t, cache["k"].shape[1])
+    fits = start + t <= cache["k"].shape[1]
+    at = (0, start, 0, 0)
+
+    def put(x, update):  # the old values written back when it does not fit: a select of the update's size
+        return jax.lax.dynamic_update_slice(
+            x, jnp.where(fits, update.astype(x.dtype), jax.lax.dynamic_slice(x, at, update.shape)), at)
+
+    return {"k": put(cache["k"], k), "v": put(cache["v"], v), "length": jnp.where(fits, start + t, start),
+            "overflow": cache["overflow"] | ~fits}
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
@@ -288,7 +304,8 @@ class Attention(nnx.Module):
             return lb.ThriftKVCache.create(batch, max_len, self.num_kv_heads, self.head_dim, dtype=dtype,
                                            block=config.block)
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32),
+                "overflow": jnp.zeros((), jnp.bool_)}
 
     def _check_causal(self):
         if not self.causal:
@@ -336,6 +353,9 @@ class Attention(nnx.Module):
         call takes (:data:`lowbit_jax.thrift.MAX_DECODE_ROWS` query rows: a long chunk after cached tokens) go
         through in consecutive chunks, each appended and then attended, as that many shorter decode calls would.
         Every other method attends in 16-bit over the cache (:func:`cached_attention`).
+
+        Tokens that do not fit the cache raise ``ValueError`` outside ``jit``; under ``jit`` nothing is written
+        past ``max_len``: the cache's ``overflow`` flag is set and the output is NaN.
         """
         self._check_causal()
         b, t, _ = x.shape
@@ -352,4 +372,5 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, start + jnp.arange(t))
         cache = _append_16bit(cache, k, v)
         o = cached_attention(q, cache["k"], cache["v"], start)
+        o = jnp.where(cache["overflow"], jnp.nan, o).astype(o.dtype)  # traced overflow: NaN, not stale values
         return self.o_proj(o.reshape(b, t, -1)), cache

@@ -263,7 +263,7 @@ def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth, pro):
     if smooth:  # padding rows give 0: the prologue maps a zero row to zeros
         qk_prologue_kernels.store_parts(ksum_ref,
                                         _parts(k, lambda t: jnp.sum(t.astype(jnp.float32), axis=0, keepdims=True)))
-    vmax_ref[...] = jnp.max(jnp.abs(load_rows(v_ref, valid).astype(jnp.float32)), axis=0, keepdims=True)
+    vmax_ref[...] = jnp.max(int8.magnitude(load_rows(v_ref, valid).astype(jnp.float32)), axis=0, keepdims=True)
 
 
 @functools.partial(jax.jit, static_argnames=("smooth_k", "chunk", "num_warps", "interpret"))

@@ -63,9 +63,9 @@ def test_element_rounding_exhaustive_grid_and_ties(jit):
                                          [0.0, 2.0**-9, 3 * 2.0**-10, 1.0625, 1.9375, 240.0]]))
     want = s.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray(s))), want)
-    big = np.array([448.0, 449.0, 463.9, 464.0, 500.0, 1e30, np.inf], np.float32)  # saturate at 448
+    big = np.array([448.0, 449.0, 463.9, 464.0, 500.0, 1e30], np.float32)  # finite: saturate at 448
     np.testing.assert_array_equal(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray(big))), np.full(big.shape, 448.0))
-    assert np.isnan(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray([np.nan], jnp.float32)))).all()
+    assert np.isnan(np.asarray(wrap(nvfp4.e4m3_round)(jnp.asarray([np.nan, np.inf], jnp.float32)))).all()
     assert np.isnan(np.asarray(wrap(nvfp4.e2m1_round)(jnp.asarray([np.nan], jnp.float32)))).all()
 
 
@@ -106,9 +106,7 @@ def test_non_finite_input():
     x[1, 5] = np.inf
     x[2, 7] = -np.inf
     out = np.asarray(nvfp4.dequantize(nvfp4.quantize(jnp.asarray(x))))
-    assert np.all(np.isnan(out[0]))  # NaN poisons its group
-    assert out[1, 5] == 6 * 448.0 and out[2, 7] == -6 * 448.0  # inf saturates
-    assert np.all(np.isfinite(out[1:]))
+    assert np.all(np.isnan(out))  # NaN and ±inf each make their group's scale NaN: the whole group shows it
 
 
 def test_fake_quant_value_and_straight_through_gradient():
@@ -180,7 +178,8 @@ def test_fake_quant_columns_keeps_non_finite_rules_and_checks_shape():
     x[0, 3], x[1, 20] = np.nan, np.inf
     got = np.asarray(nvfp4.fake_quant_columns(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.asarray(nvfp4.fake_quant_last(jnp.asarray(x))))
-    assert np.isnan(got[0, :16]).all() and got[1, 20] == 6 * 448
+    assert np.isnan(got[0, :16]).all() and np.isnan(got[1, 16:]).all()
+    assert np.isfinite(got[0, 16:]).all() and np.isfinite(got[1, :16]).all()
     with pytest.raises(ValueError, match="multiple of 16 columns"):
         nvfp4.fake_quant_columns(jnp.ones((4, 24)))
 

@@ -8,7 +8,6 @@ longer context, which is where a long-context method such as ThriftAttention can
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,7 +19,8 @@ import optax
 from flax import nnx
 
 from models import TransformerLM
-from train.checkpoint import read_config, resolve_dir
+from train.checkpoint import CheckpointError, read_config, resolve_dir
+from train.cli import EXIT_BAD_INPUT, Parser, interruptible, number
 from train.data import load_corpus, train_val_split
 from train.generate import add_serving_args, load_model, serving_options
 
@@ -72,26 +72,30 @@ def summarize(losses: np.ndarray, buckets: int = 4) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m train.evaluate --from RUN ...``: print the validation loss; returns the exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="checkpoint", required=True, help="run directory or its checkpoints/")
+    parser = Parser(prog="python -m train.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="checkpoint", required=True, metavar="RUN",
+                        help="the training run (its directory or its checkpoints/)")
     add_serving_args(parser)
-    parser.add_argument("--seq", type=int, default=None, help="window length (default: the run's --seq)")
-    parser.add_argument("--windows", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=4, help="windows per forward call")
-    parser.add_argument("--buckets", type=int, default=4, help="position buckets of the per-position loss")
+    parser.add_argument("--seq", type=number(int, minimum=1), default=None,
+                        help="window length in bytes, >= 1 (default: the run's --seq)")
+    parser.add_argument("--windows", type=number(int, minimum=1), default=16,
+                        help="validation windows to score (default: %(default)s)")
+    parser.add_argument("--batch", type=number(int, minimum=1), default=4,
+                        help="windows per forward call (default: %(default)s)")
+    parser.add_argument("--buckets", type=number(int, minimum=1), default=4,
+                        help="position buckets of the per-position loss (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     try:
         options = serving_options(args)
-        if args.buckets < 1:
-            raise ValueError(f"--buckets must be >= 1, got {args.buckets}")
-        seq = args.seq or read_config(resolve_dir(args.checkpoint))["train"]["seq"]
+        seq = args.seq if args.seq is not None else read_config(resolve_dir(args.checkpoint))["train"]["seq"]
         windows = validation_windows(args.checkpoint, seq, args.windows)
-        model = load_model(args.checkpoint, method=args.method, attention_options=options)
+        model = load_model(args.checkpoint, method=args.method, attention_options=options,
+                           warn=lambda line: print(line, file=sys.stderr))
         result = summarize(token_losses(model, windows, batch=args.batch), args.buckets)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "window_loss"}))
     else:
@@ -102,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main))

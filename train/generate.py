@@ -16,20 +16,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowbit_jax.thrift import check_budget
-from models import ModelConfig, TransformerLM
-from train.checkpoint import read_config, resolve_dir
+from models import METHODS, ModelConfig, TransformerLM
+from train.checkpoint import CheckpointError, read_config, resolve_dir
+from train.cli import EXIT_BAD_INPUT, Parser, interruptible, number
+from train.config import TrainConfig
 from train.data import ByteTokenizer
-from train.loop import TrainConfig, load_params, make_optimizer
+from train.loop import load_params, make_optimizer
 
 
-def load_model(checkpoint: str, *, method: str | None = None, attention_options: dict | None = None) -> TransformerLM:
-    """A TransformerLM with the parameters of a training checkpoint directory.
+def load_model(checkpoint: str, *, method: str | None = None, attention_options: dict | None = None,
+               warn=print) -> TransformerLM:
+    """A TransformerLM with the parameters of a training checkpoint directory (its newest intact step; a
+    damaged newer one gets one ``warn`` line).
 
     Args:
       checkpoint: a run directory or its checkpoints/ folder.
       method: serve with this attention method instead of the trained one (the parameters are the same).
       attention_options: keyword options of the attention function (e.g. ``{"budget": 0.1}`` for thrift).
+    Raises:
+      FileNotFoundError: no checkpoint. CheckpointError: none is intact.
     """
     path = resolve_dir(checkpoint)
     saved = read_config(path)
@@ -38,7 +43,7 @@ def load_model(checkpoint: str, *, method: str | None = None, attention_options:
     graphdef, params = nnx.split(model)
     tx, _ = make_optimizer(TrainConfig(**saved["train"]))
     opt_like = tx.init(params)
-    return nnx.merge(graphdef, load_params(str(path), params, opt_like))
+    return nnx.merge(graphdef, load_params(str(path), params, opt_like, warn=warn))
 
 
 def with_method(model: TransformerLM, method: str, attention_options: dict | None = None) -> TransformerLM:
@@ -51,8 +56,10 @@ def with_method(model: TransformerLM, method: str, attention_options: dict | Non
 
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
     """``--method`` (serve with another attention method) and ``--budget`` (its ThriftAttention budget)."""
-    parser.add_argument("--method", default=None, help="attention method to serve with (default: the trained one)")
-    parser.add_argument("--budget", type=float, default=None, help="thrift: fraction of block pairs in 16-bit")
+    parser.add_argument("--method", default=None, choices=METHODS,
+                        help="attention method to serve with (default: the one the run trained with)")
+    parser.add_argument("--budget", type=number(float, minimum=0.0, maximum=1.0), default=None,
+                        help="thrift: the fraction of block pairs in 16-bit, in [0, 1] (default 0.05)")
 
 
 def serving_options(args: argparse.Namespace) -> dict | None:
@@ -61,12 +68,24 @@ def serving_options(args: argparse.Namespace) -> dict | None:
         return None
     if (args.method or "") != "thrift":
         raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
-    return {"budget": check_budget(args.budget)}
+    return {"budget": args.budget}
 
 
 def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature: float = 0.8, top_k: int = 40,
              seed: int = 0) -> str:
-    """Continue ``prompt`` by ``num_tokens`` bytes (temperature 0: greedy)."""
+    """Continue ``prompt`` by ``num_tokens`` bytes.
+
+    Args:
+      temperature: ≥ 0; 0 is greedy (argmax).
+      top_k: sample among the ``top_k`` most likely bytes; 0 samples among all.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter), got {top_k!r}")
+    top_k = min(top_k, model.cfg.vocab_size)
     tokens = ByteTokenizer.encode(prompt)
     if len(tokens) == 0:
         raise ValueError("prompt must not be empty")
@@ -76,10 +95,12 @@ def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature:
     graphdef, params = nnx.split(model)
 
     def pick(logits, key):
-        if temperature <= 0:
+        if temperature == 0:
             return jnp.argmax(logits, -1)
-        top = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        return jax.random.categorical(key, jnp.where(logits < top, -jnp.inf, logits) / temperature, -1)
+        if top_k:
+            top = jax.lax.top_k(logits, top_k)[0][:, -1:]
+            logits = jnp.where(logits < top, -jnp.inf, logits)
+        return jax.random.categorical(key, logits / temperature, -1)
 
     @functools.partial(jax.jit, donate_argnums=(2,))  # the caches update in place, not copied per token
     def step(params, tok, cache, key):
@@ -103,24 +124,30 @@ def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m train.generate --from RUN [--prompt TEXT] ...``: print a sample; returns the exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="checkpoint", required=True, help="run directory or its checkpoints/")
-    parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = Parser(prog="python -m train.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="checkpoint", required=True, metavar="RUN",
+                        help="the training run (its directory or its checkpoints/)")
+    parser.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    parser.add_argument("--tokens", type=number(int, minimum=1), default=200,
+                        help="bytes to generate, >= 1 (default: %(default)s)")
+    parser.add_argument("--temperature", type=number(float, minimum=0.0), default=0.8,
+                        help="sampling temperature, >= 0; 0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=number(int, minimum=0), default=40,
+                        help="sample among the k most likely bytes; 0 among all (default: %(default)s)")
+    parser.add_argument("--seed", type=number(int, minimum=0), default=0, help="sampling seed (default: 0)")
     add_serving_args(parser)
     args = parser.parse_args(argv)
     try:
-        model = load_model(args.checkpoint, method=args.method, attention_options=serving_options(args))
+        options = serving_options(args)
+        model = load_model(args.checkpoint, method=args.method, attention_options=options,
+                           warn=lambda line: print(line, file=sys.stderr))
         print(generate(model, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                        seed=args.seed))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main))

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 import lowbit_jax as lb
 from models import TransformerLM, model_config
-from pallas_kernels.configs import DS_SCALES
 from train.checkpoint import SUBDIR, Checkpoints, read_config, resolve_dir
+from train.config import TrainConfig, check_same_architecture
 from train.data import PackedBatches, load_corpus, train_val_split
 from train.metrics import MetricsLog, plot_losses
 from train.parallel import DATA_AXIS, batch_sharding, data_parallel, init_distributed, make_mesh
@@ -30,57 +30,13 @@ class TrainingDiverged(RuntimeError):
     """A step produced a non-finite loss or gradient; the last good checkpoint is kept."""
 
 
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything a run needs; the CLI flags are these fields (``--tokens-per-step`` etc.)."""
+class TrainingInterrupted(RuntimeError):
+    """Ctrl-C (KeyboardInterrupt) during training: ``step`` steps were done, ``checkpoint`` is the last saved step
+    (None: none yet). Nothing half-written is left: Orbax commits a step by renaming it when complete."""
 
-    out: str = "runs/pretrain"
-    preset: str = "tiny"
-    method: str = "sage"
-    qk_norm: bool = True
-    smooth_k: bool = True
-    dtype: str = "bfloat16"  # compute dtype of the model (parameters stay float32)
-    remat: str = "none"  # per block: none | block (recompute the block in the backward) | dots (keep matmul outputs)
-    max_len: int | None = None  # the model's longest sequence (default: the preset's)
-    implementation: str | None = None  # attention implementation: pallas | xla | None (auto)
-    naive_backward: bool = False  # qat_fp4 only: the mismatched 16-bit backward (ablation)
-    ds_scale: str = "tile"  # sage only: INT8 dS scales per "tile" (SPEC) or per "row" (more accurate, slower)
-    fuse_qk_prologue: bool = True  # sage, qat_fp4: QK-norm and RoPE inside their quantize kernels (same values)
-    corpus: str | None = None  # None: the built-in corpus (the interpreter's standard library)
-    max_corpus_mb: int = 64
-    steps: int = 200
-    batch: int = 16  # sequences per micro-step, over all devices
-    seq: int = 128
-    accum: int = 1  # gradient accumulation micro-steps
-    tokens_per_step: int | None = None  # if set: accum = tokens_per_step / (batch · seq), exactly
-    lr: float = 3e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    ckpt_every: int = 100
-    seed: int = 0
-    devices: int | None = None  # data-parallel devices (default: all)
-    init_from: str | None = None  # QAT: start from this checkpoint directory's params
-    stop_after: int | None = None  # stop (with a checkpoint) after this many steps of this invocation
-    coordinator: str | None = None  # multi-host: jax.distributed coordinator address
-    num_processes: int | None = None
-    process_id: int | None = None
-
-    def resolved(self) -> "TrainConfig":
-        cfg = dataclasses.replace(self)
-        if cfg.tokens_per_step is not None:
-            per_micro = cfg.batch * cfg.seq
-            if cfg.tokens_per_step % per_micro:
-                raise ValueError(f"tokens_per_step ({cfg.tokens_per_step}) must be a multiple of batch × seq "
-                                 f"({per_micro})")
-            cfg.accum = cfg.tokens_per_step // per_micro
-        for name in ("steps", "batch", "seq", "accum", "eval_every", "eval_batches", "ckpt_every"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-        return cfg
+    def __init__(self, step: int, checkpoint: int | None):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpoint = step, checkpoint
 
 
 def _loss_fn(graphdef, params, tokens):
@@ -107,9 +63,6 @@ def build(cfg: TrainConfig) -> dict:
       ``train_step(params, opt_state, batch (accum, global batch, seq + 1) int32) -> (params, opt_state,
       {"loss", "grad_norm"})`` (jitted, data parallel over ``mesh``) and ``eval_fn(params, batch) -> loss``.
     """
-    if cfg.method == "thrift":
-        raise ValueError("method 'thrift' is training-free (inference only): train with dense, sage or qat_fp4, "
-                         "then sample with `python -m train.generate --from RUN --method thrift`")
     longest = {} if cfg.max_len is None else {"max_len": cfg.max_len}
     mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
                         remat=cfg.remat, fuse_qk_prologue=cfg.fuse_qk_prologue, **longest)
@@ -121,14 +74,8 @@ def build(cfg: TrainConfig) -> dict:
         raise ValueError(f"batch ({cfg.batch}) must be divisible by the number of devices ({mesh.size})")
     options = {} if cfg.implementation is None else {"implementation": cfg.implementation}
     if cfg.naive_backward:
-        if cfg.method != "qat_fp4":
-            raise ValueError(f"naive_backward is an Attn-QAT ablation: it needs method='qat_fp4', got {cfg.method!r}")
         options["naive_backward"] = True
-    if cfg.ds_scale not in DS_SCALES:
-        raise ValueError(f"ds_scale must be one of {DS_SCALES}, got {cfg.ds_scale!r}")
     if cfg.ds_scale != "tile":
-        if cfg.method != "sage":
-            raise ValueError(f"ds_scale is a SageBwd option: it needs method='sage', got {cfg.method!r}")
         head_dim = mcfg.dim // mcfg.num_heads
         options["config"] = dataclasses.replace(lb.sage_fwd_config(head_dim, True), ds_scale=cfg.ds_scale)
     if cfg.implementation == "pallas" and jax.default_backend() == "cpu":
@@ -156,14 +103,45 @@ def build(cfg: TrainConfig) -> dict:
                 train_step=data_parallel(step_fn, mesh), eval_fn=eval_fn)
 
 
+def _architecture_source(cfg: TrainConfig) -> tuple[dict, str] | None:
+    """The saved model config a run must match, and where it is from: its own checkpoints (resuming) or
+    ``init_from``'s; None for a fresh run."""
+    for source in (Path(cfg.out) / SUBDIR, cfg.init_from):
+        if source is None or not Path(source).exists():
+            continue
+        try:
+            return read_config(source)["model"], str(source)
+        except FileNotFoundError:
+            if source == cfg.init_from:
+                raise
+    if cfg.init_from is not None:
+        read_config(cfg.init_from)  # FileNotFoundError naming it
+    return None
+
+
+def _model_config_dict(cfg: TrainConfig) -> dict:
+    longest = {} if cfg.max_len is None else {"max_len": cfg.max_len}
+    return dataclasses.asdict(model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, **longest))
+
+
 def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     """Run (or resume) training; returns a summary dict.
 
+    Resuming takes the newest intact checkpoint: a damaged step is reported in one line, moved to
+    ``<out>/checkpoints-damaged/`` and training goes on from the step before it.
+
     Raises:
-      TrainingDiverged: a non-finite loss or gradient norm (nothing is saved for
-        that step; the last good checkpoint stays).
+      ConfigError: a field that makes no sense, or a model that does not match the checkpoint it resumes or
+        starts from (before anything is built).
+      CheckpointError: checkpoints exist but none is intact.
+      TrainingDiverged: a non-finite loss or gradient norm (nothing is saved for that step; the last good
+        checkpoint stays).
+      TrainingInterrupted: Ctrl-C; the last checkpoint stays.
     """
     cfg = cfg.resolved()
+    saved = _architecture_source(cfg)
+    if saved is not None:
+        check_same_architecture(saved[0], _model_config_dict(cfg), saved[1])
     init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
     lead = jax.process_index() == 0  # several processes: all train and checkpoint, process 0 alone reports
     if not lead:
@@ -182,14 +160,16 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     ckpts = Checkpoints(out / SUBDIR)
     saved_config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(b["model_config"])}
     start = 0
-    if ckpts.latest_step() is not None:
-        state, _ = ckpts.restore(None, {"params": params, "opt_state": opt_state})
-        params, opt_state, start = state["params"], state["opt_state"], ckpts.latest_step()
+    restored = ckpts.restore_intact({"params": params, "opt_state": opt_state}, warn=log, move_damaged=lead)
+    if restored is not None:
+        start, state, _ = restored
+        params, opt_state = state["params"], state["opt_state"]
         log(f"resumed from {ckpts.directory} at step {start}")
     elif cfg.init_from:
-        params = load_params(cfg.init_from, params, opt_state)
+        params = load_params(cfg.init_from, params, opt_state, warn=log)
         log(f"initialised parameters from {cfg.init_from}")
     metrics = MetricsLog(out / "metrics.jsonl", append=start > 0, writer=lead)
+    metrics.truncate(start)  # steps after the checkpoint are trained again: their old records go
     shard = batch_sharding(b["mesh"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     log(f"model {cfg.preset} ({n_params / 1e6:.2f}M params, attention {cfg.method}), "
@@ -209,34 +189,39 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
         log(f"run already at step {start} of {cfg.steps}: nothing to train (use a new --out or more --steps)")
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train", disable=None if lead else True)
     t_last = time.perf_counter()
-    for step in bar:
-        batch = jax.device_put(data.batch(step), shard)
-        params, opt_state, m = b["train_step"](params, opt_state, batch)
-        loss, gnorm = float(m["loss"]), float(m["grad_norm"])
-        if not (math.isfinite(loss) and math.isfinite(gnorm)):
-            good = ckpts.latest_step()
-            ckpts.close()
-            raise TrainingDiverged(
-                f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step + 1} "
-                f"(loss {loss}, grad norm {gnorm}); stopping. Last good checkpoint: "
-                f"{'none' if good is None else f'step {good} in {ckpts.directory}'}")
-        now = time.perf_counter()
-        tok_s = data.tokens_per_step / (now - t_last)
-        t_last = now
-        last_loss = loss
-        record = {"step": step + 1, "loss": loss, "grad_norm": gnorm, "lr": float(b["schedule"](step)),
-                  "tokens_per_s": tok_s}
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            val_loss = evaluate()
-            record.update(val_loss=val_loss, val_bits_per_byte=val_loss / math.log(2))
-            log(f"step {step + 1}: train loss {loss:.4f}, val loss {val_loss:.4f} "
-                f"({val_loss / math.log(2):.3f} bits/byte), {tok_s:,.0f} tokens/s")
-        metrics.write(record)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
-        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:
-            ckpts.save(step + 1, {"params": params, "opt_state": opt_state}, saved_config)
-    bar.close()
-    ckpts.close()
+    done = start
+    try:
+        for step in bar:
+            batch = jax.device_put(data.batch(step), shard)
+            params, opt_state, m = b["train_step"](params, opt_state, batch)
+            loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                good = ckpts.latest_step()
+                raise TrainingDiverged(
+                    f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step + 1} "
+                    f"(loss {loss}, grad norm {gnorm}); stopping. Last good checkpoint: "
+                    f"{'none' if good is None else f'step {good} in {ckpts.directory}'}")
+            now = time.perf_counter()
+            tok_s = data.tokens_per_step / (now - t_last)
+            t_last = now
+            last_loss = loss
+            done = step + 1
+            record = {"step": step + 1, "loss": loss, "grad_norm": gnorm, "lr": float(b["schedule"](step)),
+                      "tokens_per_s": tok_s}
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                val_loss = evaluate()
+                record.update(val_loss=val_loss, val_bits_per_byte=val_loss / math.log(2))
+                log(f"step {step + 1}: train loss {loss:.4f}, val loss {val_loss:.4f} "
+                    f"({val_loss / math.log(2):.3f} bits/byte), {tok_s:,.0f} tokens/s")
+            metrics.write(record)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+            if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:
+                ckpts.save(step + 1, {"params": params, "opt_state": opt_state}, saved_config)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(done, ckpts.latest_step()) from None
+    finally:
+        bar.close()
+        ckpts.close()
     plot = out / "loss.png"
     summary = {"step": end, "loss": last_loss, "val_loss": val_loss, "tokens_per_s": tok_s,
                "checkpoint": str(ckpts.directory), "plot": str(plot), "params": n_params}
@@ -246,13 +231,21 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     return summary
 
 
-def load_params(checkpoint_dir: str, like_params: nnx.State, like_opt_state: optax.OptState) -> nnx.State:
-    """Parameters from a training checkpoint (``<out>`` or ``<out>/checkpoints``), shaped like ``like_params``."""
+def load_params(checkpoint_dir: str, like_params: nnx.State, like_opt_state: optax.OptState,
+                warn: Callable[[str], None] = print) -> nnx.State:
+    """Parameters from the newest intact checkpoint of a run (``<out>`` or ``<out>/checkpoints``), shaped like
+    ``like_params``; a damaged newer step gets one ``warn`` line and is skipped.
+
+    Raises:
+      FileNotFoundError: no checkpoint there. CheckpointError: none is intact.
+    """
     path = resolve_dir(checkpoint_dir)
     read_config(path)  # a clear error when there is no checkpoint
     mgr = Checkpoints(path)
     try:
-        state, _ = mgr.restore(None, {"params": like_params, "opt_state": like_opt_state})
+        restored = mgr.restore_intact({"params": like_params, "opt_state": like_opt_state}, warn=warn)
     finally:
         mgr.close()
-    return state["params"]
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    return restored[1]["params"]

@@ -24,10 +24,25 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def truncate(self, step: int) -> None:
+        """Drop the records after ``step`` (a resumed run trains those steps again), by an atomic rewrite."""
+        if not self.writer or not self.path.exists():
+            return
+        keep = [r for r in self.read() if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp.replace(self.path)
+
     def read(self) -> list[dict]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in self.path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line cut short by a kill mid-write
+                continue
+        return records
 
 
 def plot_losses(records: list[dict], path: Path, title: str) -> Path:

@@ -8,7 +8,9 @@ re-derives them.
 
 Conventions (shared/SPEC.md, "Quantizers"):
 
-* scale ``s = amax|x| / 127`` over the group (``amax == 0`` gives ``s = 1``);
+* scale ``s = amax|x| / 127`` over the group (``amax == 0`` gives ``s = 1``); a group holding NaN or
+  ±inf gets a non-finite scale (:func:`magnitude`, :func:`scale_from_amax`), so every value dequantized
+  with it is non-finite too: bad input stays visible instead of being rounded away;
 * codes ``= round_half_away_from_zero(x / s)`` clipped to ``[-127, 127]``;
 * the reciprocal ``127 / amax`` is computed once per group and multiplied, so a
   kernel never divides per element.
@@ -37,16 +39,24 @@ MAGIC = 12582912.0
 MAGIC_BITS = 0x4B400000
 
 
+def magnitude(x: jax.Array) -> jax.Array:
+    """``|x|`` with NaN mapped to +inf, the input of a group maximum: the maximum is then +inf exactly when the
+    group holds a non-finite value, whichever NaN rule the backend's ``max`` follows (Triton's drops NaN)."""
+    a = jnp.abs(x)
+    return jnp.where(jnp.isnan(a), jnp.inf, a)
+
+
 def scale_from_amax(amax: jax.Array) -> jax.Array:
-    """Dequantization scale ``amax / 127``, with ``amax == 0`` mapped to 1.
+    """Dequantization scale ``amax / 127``, with ``amax == 0`` mapped to 1 and a non-finite amax kept
+    non-finite (so the group's dequantized values are too).
 
     Args:
-      amax: any shape, float32, non-negative.
+      amax: any shape, float32, non-negative or NaN.
     Returns:
       float32 array of amax's shape.
     """
     amax = amax.astype(jnp.float32)
-    return jnp.where(amax > 0.0, amax * (1.0 / QMAX), 1.0)
+    return jnp.where(amax == 0.0, 1.0, amax * (1.0 / QMAX))
 
 
 def _half_away(y: jax.Array) -> jax.Array:
@@ -117,13 +127,13 @@ def _group_scale(xf: jax.Array, axes: int | Sequence[int],
                  broadcast: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
     """``amax/127`` of each group of float32 ``xf`` (the elements sharing the indices outside ``axes``),
     with ``axes`` kept as size-1 dims unless ``broadcast`` (see :func:`quantize`)."""
-    return scale_from_amax(jnp.max(jnp.abs(xf), axis=axes, keepdims=broadcast is None))
+    return scale_from_amax(jnp.max(magnitude(xf), axis=axes, keepdims=broadcast is None))
 
 
 def reciprocal_or_zero(x: jax.Array) -> jax.Array:
-    """``1 / x`` where ``x > 0``, else 0 (for non-negative x: empty rows, all-zero groups)."""
-    positive = x > 0.0
-    return jnp.where(positive, 1.0 / jnp.where(positive, x, 1.0), 0.0)
+    """``1 / x``, and 0 where ``x == 0`` (for non-negative x: empty rows, all-zero groups); NaN stays NaN."""
+    zero = x == 0.0
+    return jnp.where(zero, 0.0, 1.0 / jnp.where(zero, 1.0, x))
 
 
 def dequantize(codes: jax.Array, scale: jax.Array) -> jax.Array:

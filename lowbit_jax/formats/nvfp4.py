@@ -13,11 +13,10 @@ The element functions (:func:`e4m3_round`, :func:`e2m1_round`,
 :func:`e2m1_code`, :func:`e2m1_decode`) use only shifts, compares, selects,
 bitcasts and the magic-number rounding, so kernels can call them on tiles.
 
-Non-finite input (decided here, tested in tests/test_nvfp4_format.py):
-* NaN anywhere in a group makes that group's scale NaN, so the whole group
-  dequantizes to NaN (the error stays visible instead of being rounded away);
-* ±inf saturates: the group scale clamps to 448 (e4m3's largest finite value)
-  and the infinite element to ±6·448; finite scales above 448 clamp likewise.
+Non-finite input: NaN or ±inf anywhere in a group makes that group's scale NaN
+(e4m3fn has no infinity), so the whole group dequantizes to NaN and the error
+stays visible instead of being rounded away. Finite scales above 448 (e4m3's
+largest finite value) saturate to 448.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ GROUP = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 _E4M3_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal, with the step of [2**-6, 2**-5): 2**-9
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _exponent_floor(x: jax.Array) -> jax.Array:
@@ -60,9 +60,9 @@ def _round_with_magic(x: jax.Array, magic: jax.Array) -> jax.Array:
 
 
 def e4m3_round(x: jax.Array, *, assume_finite: bool = False) -> jax.Array:
-    """Round non-negative float32 to the nearest e4m3fn value (ties to even), saturating at 448.
+    """Round non-negative float32 to the nearest e4m3fn value (ties to even), saturating finite values at 448.
 
-    NaN stays NaN; +inf becomes 448. ``assume_finite=True`` (the caller guarantees
+    NaN and +inf give NaN (e4m3fn's only non-finite value). ``assume_finite=True`` (the caller guarantees
     finite input, e.g. softmax probabilities) skips that handling: the same values for
     finite x, and no ``is_finite``, which Pallas Mosaic GPU (jax 0.11.2) cannot lower.
     The grid step is 2**(e−3) for x in [2**e, 2**(e+1)), e ≥ −6, and 2**−9 below 2**−6
@@ -74,7 +74,7 @@ def e4m3_round(x: jax.Array, *, assume_finite: bool = False) -> jax.Array:
     out = jnp.minimum(_round_with_magic(clamped, magic), E4M3_MAX)
     if assume_finite:
         return out
-    return jnp.where(jnp.isnan(x), jnp.nan, out)  # +inf: clamped to 512, so 448 already
+    return jnp.where(x <= _FLOAT32_MAX, out, jnp.nan)  # NaN and +inf
 
 
 def e2m1_round(y: jax.Array) -> jax.Array:
@@ -125,11 +125,12 @@ def e4m3_decode_f16(bits: jax.Array) -> jax.Array:
 
     Bit placement only, as :func:`e2m1_decode_f16`: the sign to bit 15, the 4 exponent and 3 mantissa
     bits to fp16 bits 13..7. fp16's exponent bias (15) is e4m3's (7) plus 8, and fp16's subnormals
-    reproduce e4m3's (step 2**-9 · 2**-8) exactly. NaN patterns (0x7F, 0xFF) decode to finite values:
-    callers pass scales of finite data.
+    reproduce e4m3's (step 2**-9 · 2**-8) exactly. The NaN patterns (0x7F, 0xFF: the scale of a group
+    that held NaN or inf) decode to NaN.
     """
     b = bits.astype(jnp.int32)
     placed = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    placed = jnp.where((b & 0x7F) == 0x7F, 0x7E00, placed)  # fp16 NaN
     return jax.lax.bitcast_convert_type(placed.astype(jnp.int16), jnp.float16)
 
 
@@ -246,7 +247,8 @@ def quantize_groups(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Arr
     """
     xf = x.astype(jnp.float32)
     mag_in = xf if nonnegative else jnp.abs(xf)
-    sf = group_scale(jnp.max(mag_in, axis=-1, keepdims=True))
+    # NaN counted as +inf, whichever NaN rule the backend's max follows: a non-finite group gets a NaN scale
+    sf = group_scale(jnp.max(jnp.where(jnp.isnan(mag_in), jnp.inf, mag_in), axis=-1, keepdims=True))
     mag = e2m1_round(mag_in * (1.0 / sf))  # one reciprocal per group, as NVFP4 encoders do
     return (mag if nonnegative else jnp.where(xf < 0.0, -mag, mag)), sf
 
@@ -279,7 +281,7 @@ def _sixth(amax: jax.Array) -> jax.Array:
     q4 = jax.lax.bitcast_convert_type(bits + (2 << 23), jnp.float32)
     q2 = jax.lax.bitcast_convert_type(bits + (1 << 23), jnp.float32)
     r = (amax - q4) - q2
-    sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(amax, jnp.int32), 31)  # 0 for amax ≥ 0
+    sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(amax, jnp.int32), jnp.int32(31))  # 0 for amax ≥ 0
     return jax.lax.bitcast_convert_type(bits | sign, jnp.float32) + r * _INV6
 
 

@@ -89,9 +89,9 @@ def quantize_qk_tile(
             bmeans.append(masked_tile_mean(xf, valid))
             xf = xf - bmeans[-1]
         xfs.append(jnp.where(valid, xf, 0.0))
-    amax = jnp.max(jnp.abs(xfs[0]), axis=-1)  # (..., rows)
+    amax = jnp.max(int8.magnitude(xfs[0]), axis=-1)  # (..., rows); +inf for a row holding NaN or inf
     for xf in xfs[1:]:
-        amax = jnp.maximum(amax, jnp.max(jnp.abs(xf), axis=-1))
+        amax = jnp.maximum(amax, jnp.max(int8.magnitude(xf), axis=-1))
     if per_block:
         amax = jnp.broadcast_to(jnp.max(amax, axis=-1, keepdims=True), amax.shape)
     scale = int8.scale_from_amax(amax)
@@ -122,7 +122,7 @@ def v_channel_scale(v: jax.Array) -> jax.Array:
     Returns:
       float32 (B, Hkv, D).
     """
-    return int8.scale_from_amax(jnp.max(jnp.abs(v), axis=1))  # exact in v's dtype
+    return int8.scale_from_amax(jnp.max(int8.magnitude(v), axis=1))  # exact in v's dtype
 
 
 def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
