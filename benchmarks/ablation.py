@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.common import environment, time_fn, write_json
-from lowbit_jax.formats import nvfp4
+from pallas_kernels.numerics import nvfp4
 from pallas_kernels import qat_fwd, sage_bwd
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)

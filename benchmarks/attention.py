@@ -39,7 +39,7 @@ FULL_SHAPES = [(4, 32, s, 128, c) for s in (1024, 2048, 4096, 8192, 16384) for c
     (4, 32, 4096, 64, True),
 ]
 QUICK_SHAPES = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True)]
-# (block_q, block_k, warps, stages); the quick run of 2026-11-29 also tried 128x128 w4, 128x64 w4, 64x128 s4 (all slower)
+# (block_q, block_k, warps, stages)
 SWEEP_D128 = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 256, 4, 2), (128, 256, 8, 2)]
 SWEEP_D64 = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
 XLA_SCORE_BYTES_LIMIT = 60e9

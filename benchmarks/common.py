@@ -14,60 +14,6 @@ from pathlib import Path
 import jax
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-#: the GPU the kernels are lowered for on a machine without one (tests/test_lowering.py, smem_report.py)
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-
-
-def lower_for_h200(fn: Callable, *specs) -> jax.stages.Lowered:
-    """``jax.jit(fn)`` lowered for an abstract H200 (CUDA), on any machine: no GPU needed."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
-
-
-def lower_mosaic_fwd_bwd(method: str, head_dim: int, causal: bool, *, dq_kernel: str | None = None,
-                         seq: int = 512) -> jax.stages.Lowered:
-    """One jitted fwd+bwd (gradients of a scalar loss w.r.t. q, k, v) of ``method`` ("sage" or "qat") with every
-    kernel on Mosaic GPU, lowered for an abstract H200 (:func:`lower_for_h200`): bf16 q (2, seq, 8, head_dim), k and
-    v with 2 heads, the library's H200 config for (head_dim, causal), ``dq_kernel`` replaced if given. Lowering runs
-    the Python half of Mosaic GPU's compiler, so a spy on it sees each kernel's lowering (benchmarks/smem_report.py,
-    benchmarks/probes/transfer_plans.py)."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    import lowbit_jax as lb
-    from lowbit_jax import qat as qat_mod
-    from lowbit_jax import sage as sage_mod
-
-    q = jax.ShapeDtypeStruct((2, seq, 8, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
-    zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)]
-    dq = {} if dq_kernel is None else dict(dq_kernel=dq_kernel)
-    # options resolved as for interpret mode (this machine may have no GPU), then compiled for the GPU
-    if method == "sage":
-        config = dataclasses.replace(lb.sage_fwd_config(head_dim, causal, "NVIDIA H200"), fwd_backend="mosaic",
-                                     dkdv_backend="mosaic", dq_backend="mosaic", **dq)
-        opts = sage_mod.resolve_options(*zeros, causal=causal, scale=None, smooth_k=True, smooth_q=False,
-                                        qk_granularity="per_block", implementation="pallas", interpret=True,
-                                        config=config)
-        attend = lambda q, k, v, opts: sage_mod._sage_attention(q, k, v, None, opts)  # noqa: E731
-    elif method == "qat":
-        config = dataclasses.replace(lb.qat_config(head_dim, causal, "NVIDIA H200"), fwd_backend="mosaic",
-                                     bwd_backend="mosaic", **dq)
-        opts = qat_mod.resolve_qat_options(*zeros, causal=causal, naive_backward=False, implementation="pallas",
-                                           interpret=True, config=config)
-        attend = lambda q, k, v, opts: qat_mod._qat_attention(q, k, v, None, opts)  # noqa: E731
-    else:
-        raise ValueError(f"method must be 'sage' or 'qat', got {method!r}")
-    opts = dataclasses.replace(opts, interpret=False)
-
-    def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(attend(q, k, v, opts).astype(jnp.float32))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    return lower_for_h200(grads, q, kv, kv)
-
-
 def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
     """Forward FLOPs 4·B·H·Sq·Sk·D, halved if causal (fwd+bwd is 3.5× this)."""
     flops = 4.0 * b * h * sq * sk * d
@@ -110,14 +56,11 @@ def compiled_entries(methods: dict[str, dict[str, tuple[Callable, tuple]]], erro
     return timed
 
 
-#: interleaved timing rounds per row of the #3 and #4 tables (:func:`time_rounds`: every method once per round, the
-#: median kept), so that a drift of the device during a row moves cuDNN's column and ours alike (benchmarks/NOTES.md,
-#: fifty-fifth session: back-to-back tables had differed by 0.7% in the D64 ratio)
+#: interleaved timing rounds per row (:func:`time_rounds`: every method once per round, the median kept), so that a
+#: drift of the device during a row moves cuDNN's column and ours alike
 ROUNDS = 3
-#: untimed calls of an entry before its timed batch in each round of :func:`time_rounds` (the #3 and #4 tables). With
-#: one, our kernels' rounds on the H200 spread widely after the other methods' (Attn-QAT fwd+bwd at B8 H32 S2048 D64:
-#: 3.02–3.81 ms over five rounds; B4 H32 S4096 D128 fwd 2.33–2.97) while cuDNN's did not; with five, 2.965–2.987
-#: (benchmarks/NOTES.md, fifty-sixth session)
+#: untimed calls of an entry before its timed batch in each round of :func:`time_rounds`: with one, our kernels'
+#: rounds spread widely after another method's calls while cuDNN's did not; five settle them
 ROUND_WARMUP = 5
 
 

@@ -48,12 +48,9 @@ def render_attention(data: dict) -> list[str]:
         *_command_block(data),
         "TFLOP/s (TOP/s for INT8) count 4·B·H·S²·D, halved if causal, for every method; "
         "times are per call with calls queued back to back (device time). "
-        "`sage` is the whole op (the K-mean/V-amax pass + fused quantize kernels + attention kernel; the pass was "
-        "two XLA reductions before 2026-12-02 19:00, one Triton kernel, `sage_channel_stats`, since); "
-        "`kernel` is an attention kernel alone on pre-quantized operands: the one the whole op runs where the "
-        "row says `mosaic` (the Mosaic GPU forward, `fwd_backend` \"auto\" on Hopper), else the Triton kernel "
-        "(`sage_fwd.sage_attention_fwd`; the runs up to 2026-12-01 04:05 timed it whatever the op ran, so "
-        "there `sage` can exceed `kernel`); "
+        "`sage` is the whole op (the K-mean/V-amax pass + fused quantize kernels + attention kernel); "
+        "`kernel` is the attention kernel the op runs (`mosaic` in the tiles column: the Mosaic GPU forward), "
+        "alone on pre-quantized operands; "
         "`quant ms` the quantization alone. bf16 inputs, layout (B, S, H, D).",
         *_superseded(data),
         "",
@@ -117,10 +114,9 @@ def render_backward(data: dict) -> list[str]:
            "causal). bf16 inputs. Backward tiles: the config's defaults (dK/dV 64×64, 4 warps, 2 stages; dQ 64×64, 4 "
            "warps, 3 stages — what `--dq-tiles 64,4,3` asks for; sweeps below). `sage` is the library's defaults "
            "(`dkdv_backend`/`dq_backend` = auto: both backward kernels on Mosaic GPU where they apply, the table "
-           "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel (at D128 causal too "
-           "since 2026-11-30 19:59; before, separate there), the table \"dQ inside the dK/dV kernel\"; "
-           "`fwd_backend` = auto: the Mosaic forward at D128 since 2026-11-30 16:03 and at D64 since 2026-12-01, "
-           "Triton's at D64 before); `sage (Triton)` and `sage (Mosaic)` put both backward kernels on one backend "
+           "\"SageBwd kernel backends\" below; `dq_kernel` = auto: dQ fused into the dK/dV kernel, the table "
+           "\"dQ inside the dK/dV kernel\"; `fwd_backend` = auto: the Mosaic forward on Hopper); "
+           "`sage (Triton)` and `sage (Mosaic)` put both backward kernels on one backend "
            "with the Triton forward, `sage (all Mosaic)` the forward too; `dS per row` is the defaults with "
            "`ds_scale=\"row\"` (a dash: not run in that measurement).", "", *_rounds_note(data.get("throughput", [])),
            "| B | H | S | D | causal | sage ms | sage | sage (Triton) | sage (Mosaic) | sage (all Mosaic) | dS per row "
@@ -182,10 +178,6 @@ def render_backward(data: dict) -> list[str]:
                        + " / ".join(
                 f"{r[n]['kernel_vs_xla']['rel_l1']:.1e}" for n in ("dq", "dk", "dv")) + " | " + " / ".join(
                 f"{r[n]['kernel_vs_exact']['cos_sim']:.5f}" for n in ("dq", "dk", "dv")) + " |")
-        if any(r[n]["kernel_vs_xla"]["rel_l1"] > 1e-2 for r in data["gradient_checks"] if "error" not in r
-               for n in ("dq", "dk", "dv")):
-            out += ["", "A rel-L1 above 1e-2 here means kernel and reference disagree while the kernel stays close "
-                    "to exact: see NOTES.md (the xla reference's dV went wrong on the GPU in one case)."]
     return out + _superseded(data)
 
 
@@ -256,36 +248,12 @@ def render_qat(data: dict, sweep: dict | None) -> list[str]:
            "TFLOP/s count 4·B·H·S²·D (halved if causal), fwd+bwd 3.5× that, for every method. bf16 inputs. "
            "The H200 has no FP4 tensor cores: FP4 is emulated (fake-quantized values, bf16 MMAs), so the cost is "
            "the in-register quantization of P plus the extra O' product. `qat naive` = FP4 forward with the "
-           "mismatched 16-bit backward (ablation; on the Mosaic kernels from the 2026-11-29 run on, Triton before). "
-           "`qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU ones (`QatConfig(fwd_backend=\"mosaic\", "
-           "bwd_backend=\"mosaic\")`, what the default \"auto\" picks on Hopper) without and `mosaic+pp` with "
-           "the forward's ping-pong schedule (`QatConfig.pingpong`, the default from the 2026-11-29 20:30 run on). "
-           "Columns of methods the run did not time (`qat.py --methods`) are left out (the run of 2026-11-29 20:30 "
-           "with every column — Triton kernels 0.50–0.54× cuDNN fwd+bwd, Mosaic without ping-pong 0.54–0.65× — is "
-           "quoted in benchmarks/NOTES.md, sixteenth session). From 2026-11-30 the D128 causal backward fuses dQ "
-           "into the dK/dV kernel, split by columns between its warpgroups (`QatConfig.dq_kernel`). From 2026-12-02 "
-           "22:45 P̃ for bf16 operands is the bf16 quantizer in every kernel and in the reference "
-           "(`nvfp4.fake_quant_probabilities`: P rounded to bf16, quantized in packed bf16 arithmetic; fwd+bwd 7–10% "
-           "less device time, benchmarks/NOTES.md, fortieth session), and the Mosaic forward folds the softmax scale "
-           "into the exponent (the backward too at head dim 64: off in the 22:39 run, level at B8 H32 S2048 D64, "
-           "3.290 vs 3.287 ms busy). From 2026-12-04 03:17 the Mosaic columns and the accuracy rows run the "
-           "library's config for the H200 (`lb.qat_config`: 128-key forward tiles, `configs.TUNED_QAT`; the forward "
-           "kernel 11–13% faster, benchmarks/NOTES.md, fiftieth session), the Triton column `QatConfig`'s 64-key "
-           "tiles (128 made the Triton forward slower). From 2026-12-04 05:54 the O-only forward (the fwd columns: a "
-           "call not differentiated) at head dim 64, non-causal, runs three compute warpgroups without ping-pong "
-           "(`qat_fwd_mosaic.THREE_WGS`; its kernel 5–6% faster, benchmarks/NOTES.md, fifty-first session), so "
-           "`mosaic` and `mosaic+pp` are the same kernel in that row's fwd columns; the training forward (fwd+bwd) "
-           "keeps two. From 2026-12-04 08:51 the Mosaic backward computes FQ(P) after it has issued dK's (and the "
-           "fused dQ's) product and issues dV's after it, at head dim 128 and at 64 non-causal "
-           "(`qat_bwd_mosaic.p_last`; the kernel 5% faster at B4 H32 S4096 D128, 2.5% at B8 H32 S2048 D64, "
-           "benchmarks/NOTES.md, fifty-second session). From 2026-12-04 19:52 the Mosaic forward rounds FQ(P) to "
-           "e2m1 with two packed `fma.rn.bf16x2` per two elements (`qat_fwd_mosaic.EXPLICIT_FMA`; same values, its "
-           "kernel 1–2% faster, benchmarks/NOTES.md, fifty-sixth session). From the same run each row's methods are "
-           "timed in interleaved rounds (below); in the first such runs the fwd columns of our Mosaic kernels read 2–7% "
-           "lower at D128 than in the last back-to-back run (16:56; cuDNN's fwd column did not move, the fwd+bwd "
-           "columns barely). Those runs took one untimed call before each timed batch, after which our calls ran "
-           "slow and spread widely while cuDNN's did not; later runs take five (`common.ROUND_WARMUP`, noted above "
-           "their table; benchmarks/NOTES.md, fifty-sixth session).",
+           "mismatched 16-bit backward (ablation). `qat` runs the Triton kernels, `mosaic` the Pallas Mosaic GPU ones "
+           "(`QatConfig(fwd_backend=\"mosaic\", bwd_backend=\"mosaic\")`, what the default \"auto\" picks on "
+           "Hopper) without and `mosaic+pp` with the forward's ping-pong schedule (`QatConfig.pingpong`, the "
+           "default). The Mosaic columns and the accuracy rows run the library's config for the device "
+           "(`lb.qat_config`), the Triton column `QatConfig()`'s tiles. Columns of methods the run did not time "
+           "(`qat.py --methods`) are left out.",
            "", *_rounds_note(data.get("throughput", [])),
            *_qat_throughput_table(data.get("throughput", []))]
     if data.get("accuracy"):
@@ -336,10 +304,8 @@ def render_training(data: dict) -> list[str]:
            "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention."
            + " sage: the model hands q and k to `sage_attention` before QK-norm and RoPE (`lb.QKPrologue`: the "
              "norm and rotation inside its quantize kernels, their backward one Triton pass; "
-             "`ModelConfig.fuse_qk_prologue`, the default from 2026-12-03 18:19); qat_fp4 likewise to "
-             "`qat_attention`, the norm and rotation inside its fake-quantization kernel (the default from "
-             "2026-12-03 21:30), with 128-key forward tiles on the H200 from 2026-12-04 03:17 "
-             "(`pallas_kernels.configs.TUNED_QAT`)."
+             "`ModelConfig.fuse_qk_prologue`); qat_fp4 likewise to `qat_attention`, the norm and rotation inside "
+             "its fake-quantization kernel."
            + (" `METHOD~unfused`: the same model with QK-norm and RoPE computed by XLA (the rows of earlier runs)."
               if any("~unfused" in r["method"] for r in data["rows"]) else "")
            + (f" Median of {data['rounds']} interleaved windows of {data['steps_per_round']} steps; the ratio to "
@@ -369,10 +335,6 @@ def render_training(data: dict) -> list[str]:
                   if r["method"] == "dense"][0])]
     if data.get("note"):
         out += ["", data["note"]]
-    if not data.get("rounds"):
-        out += ["", "Back-to-back single windows are noisy on the lent H200: on 2026-11-29 the dense step measured "
-                "62.4–86.6 ms and sage/dense 0.70–0.88 across runs (benchmarks/NOTES.md, sixth session); "
-                "`training.py` now times interleaved rounds."]
     return out + _superseded(data)
 
 
@@ -419,13 +381,8 @@ def render_dq_kernel(data: dict) -> list[str]:
            "bf16, layout (B, S, H, D). `separate`: the dQ kernel recomputes S, P and dP; `fused`: the dK/dV kernel "
            "reduce-adds each step's dS·K into a float32 dQ with TMA. `sage separate` runs the library's default "
            "backends with the dQ kernel; `sage fused` runs the Mosaic dK/dV kernel (per-block Q/K scales, per-tile "
-           "dS). The library default (`dq_kernel=\"auto\"`) follows the tables measured when it was chosen: "
-           "SageBwd fused at D64 and at D128 non-causal (separate at D128 causal) until 2026-11-30 19:59, when it "
-           "became fused everywhere (benchmarks/NOTES.md, seventeenth session); Attn-QAT fuses at D64 and at "
-           "D128 causal (separate at D128 non-causal, where the two were level; fused there too from 2026-12-01 22:55, "
-           "when the keys in lane order made it 1.7% faster). At D128 Attn-QAT's fused dQ is split "
-           "by columns between the kernel's two warpgroups (`qat_bwd_mosaic.splits_dq_columns`; from 2026-11-30 "
-           "17:59 on; before, each warpgroup added all columns over its own keys).", "",
+           "dS). The library default (`dq_kernel=\"auto\"`) is fused everywhere; at D128 Attn-QAT's fused dQ is "
+           "split by columns between the kernel's two warpgroups (`qat_bwd_mosaic.splits_dq_columns`).", "",
            "| B | Hq/Hkv | S | D | causal | cuDNN bf16 | sage separate | sage fused | qat separate | qat fused |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -459,8 +416,7 @@ def render_breakdown(data: dict) -> list[str]:
            "Device time per kernel from a `jax.profiler` trace (`benchmarks/profiling.py`). busy = the union of "
            "kernel intervals, wall = host time; groups sum kernels by name (attention: the library's Pallas kernels "
            "and cuDNN's; matmul: cuBLAS/nvjet; other: XLA fusions). sage and qat run the library's defaults for the "
-           "device (`lb.sage_fwd_config`, `lb.qat_config`; the qat rows from 2026-12-04 06:00 on, 64-key "
-           "`QatConfig()` tiles before)."]
+           "device (`lb.sage_fwd_config`, `lb.qat_config`)."]
     tr = data.get("training")
     if tr:
         out += ["", f"Training step, preset {tr['preset']}, B{tr['batch']} S{tr['seq']}, {tr['steps']} steps per "
@@ -532,8 +488,8 @@ def render_thrift(data: dict) -> list[str]:
     if acc:
         r0 = acc[0]
         lines += [f"**Accuracy** (B{r0['b']} H{r0['hq']}/{r0['hkv']} S{r0['s']} D{r0['d']} causal, O vs exact fp32; "
-                  "gap recovered = (err(f=0) − err(f)) / (err(f=0) − err(f=1)), err = rel-L2; SPEC's anchor on real "
-                  "models: 89.1% at f = 0.05):", "",
+                  "gap recovered = (err(f=0) − err(f)) / (err(f=0) − err(f=1)), err = rel-L2; the paper's anchor on "
+                  "real models: 89.1% at f = 0.05):", "",
                   "| inputs | budget f | rel-L2 | cos-sim | gap recovered |", "| --- | --- | --- | --- | --- |"]
         for r in acc:
             gap = "–" if r["gap_recovered"] is None else f"{r['gap_recovered']:.1%}"
@@ -575,7 +531,7 @@ def render_thrift(data: dict) -> list[str]:
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in dec:
             shape = f"B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}"
-            vs_cudnn = r.get("vs_cudnn_bf16") or {}  # runs before 2026-12-01 18:30 had no cuDNN baseline
+            vs_cudnn = r.get("vs_cudnn_bf16") or {}
             for m, t in r["ms"].items():
                 lines.append(f"| {shape} | {m} | {t:.3f} | {r['vs_xla_bf16'].get(m, 0):.2f}× | "
                              + (f"{vs_cudnn[m]:.2f}× | " if m in vs_cudnn else "– | ")
@@ -622,8 +578,8 @@ def render_thrift_quality(data: dict) -> list[str]:
         f"Model: {trained}. Scored on {data['windows']} non-overlapping validation windows of {data['seq']} bytes with "
         "its own attention (dense, cuDNN) and with `method='thrift'` (the prefill kernels, every layer causal over "
         "the whole window). Δ: mean loss difference from dense ± its paired standard error over windows; gap "
-        f"recovered = (L(0) − L(f)) / (L(0) − L(1)), overall and in each of {n} equal spans of positions (SPEC's "
-        "model-level anchor: 89.1% at f = 0.05).", "",
+        f"recovered = (L(0) − L(f)) / (L(0) − L(1)), overall and in each of {n} equal spans of positions (the "
+        "paper's model-level anchor, docs/spec.md: 89.1% at f = 0.05).", "",
         "| variant | loss (nats/byte) | bits/byte | Δ vs dense | gap recovered | by position span: loss (gap "
         "recovered) |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -650,8 +606,8 @@ def render_serving(data: dict) -> list[str]:
         "step per generated token (one new token per sequence, greedy pick included), the caches donated; caches "
         "filled with the same random K/V; each figure the median of "
         f"{r0['rounds']} rounds of {r0['steps']} steps that time every method in turn. dense: the model's 16-bit "
-        "decode (`models.attention.cached_attention`: cuDNN over the filled length for one token; runs before "
-        "2026-12-01 18:10 timed XLA's attention over the whole masked cache); thrift f: `lowbit_jax.thrift_decode` "
+        "decode (`lowbit_jax.cached_attention`: cuDNN over the filled length for one token); thrift f: "
+        "`lowbit_jax.thrift_decode` "
         "(split-KV), f = 1 its 16-bit path alone (every complete block from the 16-bit cache).", "",
         "| batch | cache tokens | method | ms / step | tokens/s | vs dense |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -665,7 +621,7 @@ def render_serving_prefill(data: dict) -> list[str]:
     """A prompt through the KV cache (benchmarks/serving.py --prefill): the op by implementation, then the model."""
     lines = ["### A prompt through the KV cache: cuDNN vs XLA (benchmarks/serving.py --prefill)", ""] + _command_block(
         data) + [
-        "`models.attention.cached_attention` of T new bf16 tokens at `start` over a cache of S slots (the slots after "
+        "`lowbit_jax.cached_attention` of T new bf16 tokens at `start` over a cache of S slots (the slots after "
         "start + T hold garbage); cudnn: a prompt into an empty cache is cuDNN's causal attention over the first T "
         "slots; after cached tokens two cuDNN calls (over the cached keys, and causal over the new ones) merged by "
         "their float32 log-sum-exps; xla: "
@@ -697,6 +653,37 @@ def render_serving_prefill(data: dict) -> list[str]:
     return lines + [""]
 
 
+def render_headline(data: dict) -> list[str]:
+    """The README's table: each method against cuDNN's bf16 attention, and its accuracy (benchmarks/headline.py)."""
+    out = ["## Headline: each method vs cuDNN bf16", "", *_command_block(data),
+           "Ratio = cuDNN's time / ours (above 1: faster), both timed in the same interleaved rounds; fwd is the "
+           "whole op (quantization included), fwd+bwd one jitted `jax.vjp` + pullback. bf16 inputs, layout "
+           "(B, S, H, D).", ""]
+    if data.get("training"):
+        out += ["| B | H | S | D | causal | cuDNN fwd ms | sage fwd | qat fwd | cuDNN fwd+bwd ms | sage fwd+bwd "
+                "| qat fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in data["training"]:
+            b, h, s, d, causal = r["shape"]
+            ms = r["ms"]
+            out.append(f"| {b} | {h} | {s} | {d} | {causal} | {ms['cudnn_bf16 fwd']:.3f} | "
+                       f"{r['sage fwd ratio']:.2f}× | {r['qat fwd ratio']:.2f}× | {ms['cudnn_bf16 fwd+bwd']:.3f} | "
+                       f"{r['sage fwd+bwd ratio']:.2f}× | {r['qat fwd+bwd ratio']:.2f}× |")
+    if data.get("decode"):
+        out += ["", "ThriftAttention decode, one new token over a full cache (GQA 32/8, D128, f = 0.05) vs cuDNN's "
+                "bf16 decode over the same cache:", "", "| B | cache tokens | cuDNN ms | thrift ms | ratio |",
+                "|---|---|---|---|---|"]
+        for r in data["decode"]:
+            out.append(f"| {r['shape'][0]} | {r['shape'][1]} | {r['ms']['cudnn_bf16']:.3f} | "
+                       f"{r['ms']['thrift f=0.05']:.3f} | {r['ratio']:.2f}× |")
+    if data.get("accuracy"):
+        out += ["", "Cos-sim against exact float32 attention (B1 H8 S4096 D128; `k_outlier`: K plus a per-channel "
+                "offset 10× its std):", "", "| inputs | method | O | dQ | dK | dV |", "|---|---|---|---|---|---|"]
+        for r in data["accuracy"]:
+            out.append(f"| {r['inputs']} | {r['method']} | " + " | ".join(
+                f"{r[f'cos {n}']:.4f}" for n in ("O", "dQ", "dK", "dV")) + " |")
+    return out + [""]
+
+
 def _carried_mark(row: dict) -> str:
     """The dagger (' †') after a row carried from an earlier run (its ``carried_from``), else ''."""
     return " †" if row.get("carried_from") else ""
@@ -722,7 +709,10 @@ def _load(name: str) -> dict | None:
 
 def main() -> None:
     lines = ["# Benchmark results", "", "Generated by `benchmarks/render_results.py` from `benchmarks/results/*.json`; "
-             "do not edit by hand. Notes on what was tried and why: `benchmarks/NOTES.md`.", ""]
+             "do not edit by hand. What was tried and what it gained or lost: `docs/performance.md`.", ""]
+    headline = _load("headline")
+    if headline is not None:
+        lines += render_headline(headline)
     sections = [("attention", render_attention), ("attention_bwd", render_backward),
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),

@@ -10,14 +10,14 @@ What a server pays per generated token: ``TransformerLM.decode`` of one new toke
 every block's projections, attention over its cache, MLP, logits, the greedy pick of the next token), jitted
 with the caches donated so they are updated in place, as a serving loop would. Every method gets the same
 parameters (random: the speed does not depend on them) and caches holding the same random K/V of ``length``
-tokens. ``dense`` is the model's 16-bit decode (:func:`models.attention.cached_attention`: cuDNN over the
+tokens. ``dense`` is the model's 16-bit decode (:func:`lowbit_jax.cached_attention`: cuDNN over the
 filled length on a GPU);
 ``thrift f=…`` reads the selected blocks from the 16-bit cache and the rest from the 4-bit one
 (:func:`lowbit_jax.thrift_decode`). Each round times every method for ``--steps`` steps in turn; a method's
 figure is its median over ``--rounds`` rounds.
 
 ``--prefill`` times what comes before: a prompt through the cache. The op
-(:func:`models.attention.cached_attention`, cuDNN against XLA's masked attention, outputs against float32 and
+(:func:`lowbit_jax.cached_attention`, cuDNN against XLA's masked attention, outputs against float32 and
 each other, XLA temporaries) for a prompt into an empty cache and for a chunk after cached tokens; and the model's
 prompt by ``prefill``, by ``decode`` from empty caches and by the routes before (dense: XLA's; thrift:
 thrift_decode calls), beside its forward pass (:func:`prefill_model`).
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import lowbit_jax.dense
 import models.attention
 from benchmarks.common import environment, temp_mib, time_fn, write_json
 from models import TransformerLM, model_config
@@ -133,11 +134,11 @@ def prefill_op(b: int, t: int, start: int, slots: int, h: int, hkv: int, d: int,
     kc = jax.random.normal(ks[1], (b, slots, hkv, d), jnp.bfloat16)
     vc = jax.random.normal(ks[2], (b, slots, hkv, d), jnp.bfloat16)
     st = jnp.int32(start)
-    exact = models.attention.cached_attention(*(x.astype(jnp.float32) for x in (q, kc, vc)), st, implementation="xla")
+    exact = lowbit_jax.dense.cached_attention(*(x.astype(jnp.float32) for x in (q, kc, vc)), st, implementation="xla")
     row = dict(batch=b, tokens=t, start=start, slots=slots, heads=h, kv_heads=hkv, head_dim=d, ms={}, temp_mib={},
                rel_l2={}, outputs={})
     for impl in impls:
-        fn = jax.jit(lambda q, kc, vc, st, impl=impl: models.attention.cached_attention(q, kc, vc, st,
+        fn = jax.jit(lambda q, kc, vc, st, impl=impl: lowbit_jax.dense.cached_attention(q, kc, vc, st,
                                                                                         implementation=impl))
         out = fn(q, kc, vc, st).astype(jnp.float32)
         row["outputs"][impl] = out
@@ -166,7 +167,7 @@ def prefill_model(preset: str, batch: int, prompt: int, slots: int, *, budgets=(
     dense = TransformerLM(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(dense)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt), 0, 256)
-    original = models.attention.cached_attention
+    original = lowbit_jax.dense.cached_attention
     methods = {"dense": dense}
     methods.update({f"thrift f={f:g}": with_method(dense, "thrift", dict(budget=f, **(impl or {}))) for f in budgets})
     xla_route = mock.patch.object(models.attention, "cached_attention",

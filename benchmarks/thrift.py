@@ -11,7 +11,7 @@ Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D1
 * ``accuracy``: rel-L2 of O vs exact fp32 at S16384 causal for budgets 0 (uniform NVFP4), 0.05, 0.10, 0.25, 1
   (16-bit) on N(0,1) inputs and on "heavy-hitter" inputs (a few key blocks aligned with the queries, plus
   the first block: where attention concentrates), and the share of the FP4→16-bit gap each budget
-  recovers, ``(err_f0 − err_f) / (err_f0 − err_f1)`` (SPEC's anchors: 89.1% at 5% on real models);
+  recovers, ``(err_f0 − err_f) / (err_f0 − err_f1)`` (the paper's anchor, docs/spec.md: 89.1% at 5% on real models);
 * ``prefill``: the whole op (selection kernel, operand pass, prefill kernel) and its parts vs cuDNN bf16
   flash attention and JAX's Pallas-Triton ``mha`` (bf16), causal and not, per budget (4·B·H·S²·D FLOPs,
   halved if causal);
@@ -41,6 +41,7 @@ import numpy as np
 import lowbit_jax as lb
 from benchmarks.common import RESULTS_DIR, attention_flops, environment, temp_mib, time_fn, time_rounds, write_json
 from lowbit_jax import thrift as thrift_mod
+from lowbit_jax import thrift_backends
 from lowbit_jax.thrift_reference import decode_selection
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -259,7 +260,7 @@ def decode_sweep(log, smoke):
     for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
         q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
         for tokens, budget in DECODE_SWEEP[:1] if smoke else DECODE_SWEEP:
-            row_tile = thrift_mod._decode_layout(tokens * hq // hkv)[1]
+            row_tile = thrift_backends.decode_layout(tokens * hq // hkv)[1]
             for warps, stages in launches:
                 cfg = lb.ThriftConfig(decode_warps=warps, decode_stages=stages)
                 if smoke:
@@ -283,7 +284,7 @@ def prefill_parts(q, k, v, causal, budget, impl, iters):
     sel = jax.jit(lambda q, k: thrift_mod._selection(q, k, opts))
     ops = jax.jit(lambda k, v: thrift_mod.operands(k, v, opts))
     operands = ops(k, v)
-    order = thrift_mod.prefill_order(sel(q, k), opts)
+    order = thrift_backends.prefill_order(sel(q, k), opts)
     from pallas_kernels.thrift_prefill import thrift_prefill
     kern = functools.partial(thrift_prefill, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=causal, scale=opts.scale,
                              k=opts.topk, config=opts.config, interpret=opts.interpret)
@@ -365,10 +366,10 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
 
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     rows = t * (hq // cache.num_kv_heads)
-    r_pad, row_tile = thrift_mod._decode_layout(rows)
-    order, n_high = thrift_mod.decode_order(q, cache, budget=budget, block=cfg.block,
+    r_pad, row_tile = thrift_backends.decode_layout(rows)
+    order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block,
                                             interpret=impl.get("interpret", False))
-    args = thrift_mod.decode_kernel_args(q, cache, order, n_high, r_pad)
+    args = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
     fn = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile,
                            rows=rows, interpret=impl.get("interpret", False))
     return time_fn(fn, *args, warmup=1, iters=iters, batches=3)

@@ -10,7 +10,8 @@ The same checkpoint is scored on the same validation windows (the run's split, n
 ``method="dense"`` and with ``method="thrift"`` at each budget f: the prefill path, every layer's attention
 causal over the whole window. Reported per f: the loss (nats/byte, and bits/byte), its difference from dense
 with the paired standard error over windows, the loss per position bucket, and the share of the f = 0 → f = 1
-loss gap that f recovers, (L(0) − L(f)) / (L(0) − L(1)) — SPEC §3's model-level figure (89.1% at f = 0.05 on
+loss gap that f recovers, (L(0) − L(f)) / (L(0) − L(1)) — the paper's model-level figure (docs/spec.md) (89.1% at f =
+0.05 on
 the paper's long-context models), here on a small byte-level model trained on Python source (the built-in
 corpus or ``--corpus``).
 """

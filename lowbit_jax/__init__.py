@@ -3,21 +3,25 @@
 Public names only; see README.md.
 """
 
-# The formats go first: the Pallas kernels import them while this package initializes.
-from lowbit_jax import formats  # noqa: I001
-from lowbit_jax.formats import int8, nvfp4
-from lowbit_jax.formats.qk_prologue import QKPrologue, rope_tables
+from lowbit_jax import formats
+from pallas_kernels.numerics import int8, nvfp4
+from pallas_kernels.numerics.qk_prologue import QKPrologue, rope_tables
 from lowbit_jax.reference import cos_sim, error_metrics, reference_attention, rel_l1, rel_l2, rmse
 from lowbit_jax.sage import SageOptions, sage_attention, sage_forward
 from lowbit_jax.qat import qat_attention
+from lowbit_jax.thrift import MAX_DECODE_ROWS as THRIFT_DECODE_MAX_ROWS
 from lowbit_jax.thrift import thrift_attention, thrift_decode, thrift_select
+from lowbit_jax.dense import cached_attention, dense_attention
 from lowbit_jax.thrift_cache import ThriftKVCache
-from lowbit_jax import diagnostics  # noqa: E402  (after sage: it builds on it)
+from lowbit_jax import diagnostics
 from pallas_kernels.configs import QatConfig, SageFwdConfig, ThriftConfig, qat_config, sage_fwd_config
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "THRIFT_DECODE_MAX_ROWS",
+    "cached_attention",
+    "dense_attention",
     "QatConfig",
     "qat_attention",
     "qat_config",

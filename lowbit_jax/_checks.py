@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit_jax.formats.qk_prologue import QKPrologue
+from pallas_kernels.numerics.qk_prologue import QKPrologue
 from pallas_kernels._triton import on_gpu
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -110,7 +110,7 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_prologue(prologue, shape: AttentionShape) -> None:
-    """Accept a :class:`lowbit_jax.formats.qk_prologue.QKPrologue` fitting q (B, Sq, Hq, D) and k (B, Sk, Hkv, D),
+    """Accept a :class:`pallas_kernels.numerics.qk_prologue.QKPrologue` fitting q (B, Sq, Hq, D) and k (B, Sk, Hkv, D),
     or None; else TypeError/ValueError naming the field."""
     if prologue is None:
         return

@@ -16,8 +16,9 @@ import numpy as np
 
 from lowbit_jax._x32 import x32
 from lowbit_jax import _checks
-from lowbit_jax.formats import smoothing
-from lowbit_jax.qat import kv_in_key_order, qat_attention, qat_forward, resolve_qat_options
+from pallas_kernels.numerics import smoothing
+from lowbit_jax.qat import kv_lane_order, qat_attention, qat_forward, resolve_qat_options
+from lowbit_jax.qat_backends import kv_in_key_order
 from lowbit_jax.qat_reference import qat_backward_reference
 from lowbit_jax.reference import causal_mask, error_metrics, reference_attention
 from lowbit_jax.sage import _forward, resolve_options, sage_attention
@@ -118,7 +119,7 @@ def _qat_intermediates(q, k, v, do, ref_opts: dict) -> dict:
     if opts.smooth_k:
         k = smoothing.subtract_token_mean(k)
     o, o_aux, lse, m, (qf, kf, vf) = qat_forward(q, k, v, opts=opts, with_aux=True)
-    kf, vf = kv_in_key_order(kf, vf, opts, q.dtype)  # the reference takes keys in order
+    kf, vf = kv_in_key_order(kf, vf, kv_lane_order(opts, q.shape[-1], q.dtype))  # the reference takes keys in order
     _, inter = qat_backward_reference(qf, kf, vf, o if opts.naive_backward else o_aux, lse, m, do,
                                       sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal, scale=opts.scale,
                                       config=opts.config, naive=opts.naive_backward, intermediates=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import qk_prologue
-from lowbit_jax.formats.qk_prologue import QKPrologue
+from pallas_kernels.numerics import qk_prologue
+from pallas_kernels.numerics.qk_prologue import QKPrologue
 from pallas_kernels import qk_prologue as prologue_kernels
 
 

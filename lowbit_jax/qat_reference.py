@@ -1,7 +1,8 @@
 """Pure-JAX references of Attn-QAT with the kernels' exact fake quantization.
 
-shared/SPEC.md §2. The fake quantizer of Q, K, V is :func:`lowbit_jax.formats.nvfp4.fake_quant_last`; that of P
-is :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` — for bf16 operands P rounded to bf16 and quantized in
+docs/spec.md, Attn-QAT. The fake quantizer of Q, K, V is :func:`pallas_kernels.numerics.nvfp4.fake_quant_last`; that of
+P
+is :func:`pallas_kernels.numerics.nvfp4.fake_quant_probabilities` — for bf16 operands P rounded to bf16 and quantized in
 bf16 arithmetic (emulated here, native in the kernels, equal bit for bit), which halves its cost on the GPU.
 Three references:
 
@@ -20,11 +21,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import int8, nvfp4, sage_tiles
+from pallas_kernels.numerics import int8, nvfp4, sage_tiles
+from pallas_kernels.numerics.qat_rows import backward_rows, head_major
 from lowbit_jax.reference import causal_mask
 from pallas_kernels.configs import QatConfig
-from pallas_kernels.online_softmax import online_softmax_step
-from pallas_kernels.tile_ranges import visible
+from pallas_kernels.numerics.online_softmax import online_softmax_step
+from pallas_kernels.numerics.tile_ranges import visible
 
 LOG2E = math.log2(math.e)
 
@@ -35,13 +37,6 @@ def mma_dtype(dtype) -> jnp.dtype:
     Fake-quantized values (e2m1 · e4m3) are exact in both.
     """
     return jnp.dtype(jnp.float16) if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(jnp.bfloat16)
-
-
-def head_major(x: jax.Array, seq_pad: int, dtype=None) -> jax.Array:
-    """(B, S, H, D) → (B, H, seq_pad, D), zero rows appended."""
-    xt = jnp.swapaxes(x, 1, 2)
-    xt = jnp.pad(xt, ((0, 0), (0, 0), (0, seq_pad - x.shape[1]), (0, 0)))
-    return xt if dtype is None else xt.astype(dtype)
 
 
 def padded(n: int, multiple: int) -> int:
@@ -58,7 +53,8 @@ def fake_quant_operands(q, k, v, *, config: QatConfig) -> tuple[jax.Array, jax.A
       rows are zeros; pads are multiples of ``config.pad``.
     """
     dt = mma_dtype(q.dtype)
-    fq = lambda x: head_major(nvfp4.fake_quant_last(x.astype(jnp.float32)), padded(x.shape[1], config.pad), dt)  # noqa: E731
+    def fq(x):
+        return head_major(nvfp4.fake_quant_last(x.astype(jnp.float32)), padded(x.shape[1], config.pad), dt)
     return fq(q), fq(k), fq(v)
 
 
@@ -111,27 +107,6 @@ def qat_forward_reference(qf, kf, vf, *, sq_len: int, sk_len: int, causal: bool,
     lse = sage_tiles.base2_lse(m, l)
     out = lambda a: jnp.swapaxes(a * inv_l, 1, 2)[:, :sq_len].astype(out_dtype)  # noqa: E731
     return out(acc), (out(acc2) if with_aux else None), lse[:, :, :sq_len], m[:, :, :sq_len]
-
-
-def backward_rows(o_aux: jax.Array, lse: jax.Array, m: jax.Array, do: jax.Array, *, seq_pad: int, dtype,
-                  head_major_do: bool = True):
-    """The backward's per-row inputs (memory-bound; XLA fuses it), shared by the kernels and the reference.
-
-    Args:
-      o_aux: O' (or O) (B, Sq, Hq, D); lse, m: base-2 LSE and row max (B, Hq, Sq); do: (B, Sq, Hq, D).
-    Returns:
-      D = rowsum(dO ∘ o_aux), m with −inf → 0, 1/l = exp2(m − L) (0 for empty rows), each float32
-      (B, Hq, seq_pad) with zero padding — so P = exp2(S − m)·(1/l) — and dO head-major
-      (B, Hq, seq_pad, D) in ``dtype``; with ``head_major_do=False`` dO as it is, (B, seq_pad, Hq, D) (a kernel
-      that reads it by rows of one head: no transpose).
-    """
-    row_pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, seq_pad - x.shape[2])))  # noqa: E731
-    delta = jnp.swapaxes(jnp.sum(o_aux.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
-    m_ref = jnp.where(m == -jnp.inf, 0.0, m)
-    inv_l = jnp.where(lse == jnp.inf, 0.0, jnp.exp2(m_ref - lse))
-    do_out = head_major(do, seq_pad, dtype) if head_major_do else jnp.pad(
-        do, ((0, 0), (0, seq_pad - do.shape[1]), (0, 0), (0, 0))).astype(dtype)
-    return row_pad(delta), row_pad(m_ref), row_pad(inv_l), do_out
 
 
 def qat_backward_reference(qf, kf, vf, o_aux, lse, m, do, *, sq_len: int, sk_len: int, causal: bool, scale: float,

@@ -2,7 +2,7 @@
 
 ``reference_attention`` is plain softmax attention in float32 (or float64 when
 x64 is enabled), with the same layout, GQA and bottom-right causal convention as
-the library's methods. The metrics use the names of shared/SPEC.md.
+the library's methods. The metrics use the names of docs/spec.md.
 """
 
 from __future__ import annotations

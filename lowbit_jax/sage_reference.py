@@ -12,10 +12,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import int8, sage_tiles, smoothing
-from lowbit_jax.formats.sage_tiles import SageOperands
+from pallas_kernels.numerics import int8, sage_tiles, smoothing
+from pallas_kernels.numerics.sage_tiles import SageOperands
 from pallas_kernels.configs import SageFwdConfig
-from pallas_kernels.tile_ranges import visible
+from pallas_kernels.numerics.tile_ranges import visible
 
 LOG2E = math.log2(math.e)
 
@@ -136,10 +136,9 @@ def _int8_product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """Exact product of INT8 codes as float32 (integer sums < 2**24 are exact in fp32).
 
     Computed on float32 operands at HIGHEST precision rather than as an
-    int8×int8→int32 dot: on the H200 (jax 0.11.2) XLA returned a wrong dV from
-    the int8 form in one GQA/causal case (cos-sim 0.14 vs exact) while the
-    Pallas kernel matched the CPU reference to 1e-7 (benchmarks/NOTES.md). Not
-    yet re-measured on the GPU with this form.
+    int8×int8→int32 dot: XLA on the GPU (jax 0.11.2) returned a wrong dV from
+    the int8 form in a GQA/causal case, while the Pallas kernel matched the CPU
+    reference.
     """
     return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 

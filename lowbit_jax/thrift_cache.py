@@ -1,10 +1,11 @@
-"""ThriftAttention's KV cache: the 16-bit K/V, their NVFP4 copies and the per-block key means (SPEC §3.5).
+"""ThriftAttention's KV cache: the 16-bit K/V, their NVFP4 copies and the per-block key means (docs/spec.md,
+ThriftAttention).
 
 One pytree (``jax.tree_util`` dataclass), updated functionally under ``jit``:
 
 * ``k``, ``v``: (B, S_max, Hkv, D) in the model's 16-bit dtype, the layout of the attention inputs;
 * ``k4``: uint8 (B, Hkv, S_max, D/2) — each token's e2m1 codes in groups of 16 along D, packed by
-  :func:`lowbit_jax.formats.nvfp4.pack_halves` (channel i with channel i + D/2); ``k4_scale``:
+  :func:`pallas_kernels.numerics.nvfp4.pack_halves` (channel i with channel i + D/2); ``k4_scale``:
   float8_e4m3fn (B, Hkv, S_max, D/16);
 * ``v4``: uint8 (B, Hkv, S_max/2, D) — V in groups of 16 tokens per channel (the P·V product contracts
   over tokens), each ``block`` of tokens packed by halves (token t with t + block/2) into block/2 rows;
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit_jax._x32 import x32
-from lowbit_jax.formats import nvfp4
+from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import check_key_blocks
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

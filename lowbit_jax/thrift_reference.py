@@ -1,8 +1,8 @@
 """Pure-JAX references of ThriftAttention with the kernels' exact quantization and block order.
 
-shared/SPEC.md §3. The kernels (:mod:`pallas_kernels.thrift_select`, :mod:`pallas_kernels.thrift_prefill`,
+docs/spec.md, ThriftAttention. The kernels (:mod:`pallas_kernels.thrift_select`, :mod:`pallas_kernels.thrift_prefill`,
 :mod:`pallas_kernels.thrift_decode`) and these twins share the quantizers of
-:mod:`lowbit_jax.formats.nvfp4` and the selection rule below:
+:mod:`pallas_kernels.numerics.nvfp4` and the selection rule below:
 
 * **Blocks.** ``config.block`` queries and keys (64 by default). q̄ and k̄ are the float32 means of each
   block's real rows (:func:`block_means`).
@@ -19,7 +19,7 @@ shared/SPEC.md §3. The kernels (:mod:`pallas_kernels.thrift_select`, :mod:`pall
   16-bit operands (bf16; fp16 for fp16 inputs) and fp32 accumulation. 4-bit blocks: Q̃ = φ(Q) and
   K̃ = φ(K) (NVFP4, groups of 16 along D), Ṽ = φ(V) (groups of 16 tokens per channel, aligned to
   absolute positions), S = Q̃K̃ᵀ·c, and O += FQ(P)·Ṽ with FQ(P) NVFP4 per group of 16 keys by its own
-  amax (SPEC's "per-group amax" scheme), P = exp2(S − m) taken relative to the running row max. l sums
+  amax (the spec's "per-group amax" scheme), P = exp2(S − m) taken relative to the running row max. l sums
   the unquantized P of both paths. Rows that see no key give zeros.
 * **Decode** (:func:`decode_reference`): the new tokens are in the cache; scores are the max over the
   group's query heads (and query tokens) of q·k̄ of each *complete* key block; ``⌊f·n_complete + ½⌋``
@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit_jax.formats import int8, nvfp4
+from pallas_kernels.numerics import int8, nvfp4
 from lowbit_jax.qat_reference import head_major, mma_dtype
 from pallas_kernels.configs import ThriftConfig
-from pallas_kernels.online_softmax import online_softmax_step
-from pallas_kernels.tile_ranges import selectable_key_blocks, visible
+from pallas_kernels.numerics.online_softmax import online_softmax_step
+from pallas_kernels.numerics.tile_ranges import selectable_key_blocks, visible
 
 LOG2E = math.log2(math.e)
 
@@ -77,7 +77,7 @@ def valid_key_blocks(sq: int, sk: int, block: int, causal: bool) -> np.ndarray:
 
 
 def topk_count(budget: float, counts: np.ndarray, causal: bool) -> int:
-    """How many key blocks each query block takes in 16-bit (SPEC §3.1).
+    """How many key blocks each query block takes in 16-bit (docs/spec.md, ThriftAttention).
 
     Args:
       budget: f in [0, 1].

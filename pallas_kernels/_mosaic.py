@@ -19,6 +19,7 @@ for them (:mod:`pallas_kernels.register_operands`), the reductions across a warp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,12 +34,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 MEMORY_REGISTERS = 40
 
 
-#: probe switch: SMEM bytes reserved for cross-warp reductions in a kernel that reduces (None: Pallas's
-#: default, 2 KiB). No kernel here uses them: all lower with 0, and on the H200 0 gave the same gradients
-#: and level timings (benchmarks/NOTES.md, eighteenth session); kept at the default, since nothing gained.
-REDUCTION_SCRATCH_BYTES: int | None = None
-
-
 def compiler_params(*, manual_barriers: bool = False) -> plgpu.CompilerParams:
     """Mosaic GPU compiler parameters (fast approximate exp2/reciprocal).
 
@@ -46,8 +41,7 @@ def compiler_params(*, manual_barriers: bool = False) -> plgpu.CompilerParams:
     every store of a register tile to SMEM is ``bar.sync``, store, ``bar.sync``, and every GMEM → SMEM copy starts
     with one. A kernel that asks for this places the barriers its SMEM reuse needs itself (:func:`warpgroup_barrier`
     before overwriting a tile that other warps' ``wgmma`` read; :func:`plgpu.commit_smem` after writing one)."""
-    extra = {} if REDUCTION_SCRATCH_BYTES is None else dict(reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES)
-    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=manual_barriers, **extra)
+    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=manual_barriers)
 
 
 def interpret_params(interpret: bool):
@@ -92,11 +86,7 @@ def warpgroup_barrier(interpret: bool) -> None:
     """Wait until every thread of this warpgroup arrives (``bar.sync`` on the warpgroup's named barrier):
     SMEM written by the warpgroup is then visible to its own loads, and every warp is past what it did before.
     Unlike ``plgpu.commit_smem`` there is no async-proxy fence (SASS ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S``),
-    which only TMA and ``wgmma`` readers need. Until the fifty-third session this built its inline block without
-    calling it and so emitted nothing: the nineteenth session's gain from it in ``warp_reduce.tile_absmax``
-    (fwd+bwd 1.7% at B8 H32 S2048 D64) was that of dropping the commit's fence and barrier, the order kept by the
-    barrier Pallas puts after every store to SMEM (benchmarks/NOTES.md). The interpreter, which has no inline Mosaic
-    GPU, commits instead."""
+    which only TMA and ``wgmma`` readers need. The interpreter, which has no inline Mosaic GPU, commits instead."""
     if interpret:
         plgpu.commit_smem()
         return
@@ -115,15 +105,9 @@ def scalar(ref) -> jax.Array:
     """The one value of a 1-D SMEM vector whose entries are all equal (a per-tile scale stored repeated per
     row): one shared-memory load every thread makes (the same address: a broadcast).
 
-    The reduction this replaced (a column-vector load and a max: 8 LDS.64, 17 FMNMX and 2 SHFL per thread in
-    SASS) ran three times per step in the SageBwd dK/dV kernel; dropping it also freed registers (ptxas
-    spills at D128 causal 264 → 144 bytes) and made fwd+bwd 9% faster at B4 H32 S4096 D128 causal on the
-    H200, 5% non-causal, 4–6% at B16 H10/5 S2048 D64 causal (benchmarks/NOTES.md, nineteenth session)."""
+    Instead of a column-vector load and a max (8 LDS.64, 17 FMNMX and 2 SHFL per thread), which also cost
+    registers: in the SageBwd dK/dV kernel, three times per step, that made fwd+bwd 4–9% slower."""
     return ref[0]
-
-
-#: skip the element-wise mask on tiles that no key of which is masked (:func:`mask_scores`)
-SKIP_VISIBLE_TILES = True
 
 
 def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offset: int = 0,
@@ -150,7 +134,7 @@ def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offs
             visible = in_window if visible is None else visible & in_window
         return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
-    if not SKIP_VISIBLE_TILES or (sk_len is None and not causal):
+    if sk_len is None and not causal:
         return masked(scores)
     last_key = key_start + (scores.shape[key_dim] - 1)
     all_visible = None if sk_len is None else last_key < sk_len
@@ -160,22 +144,20 @@ def mask_scores(scores: jax.Array, key_start, query_start, *, causal: bool, offs
     return lax.cond(all_visible, lambda s: s, masked, scores)
 
 
-def grid_position(pos: dict | None = None) -> tuple:
-    """(batch, head, warpgroup) of this thread on a ("heads", <blocks>, "batch") grid with axis "wg"; ``pos``: the
-    work item's grid indices (:meth:`WorkItems.run`), else this CTA's."""
-    index = (lambda name: pos[name]) if pos is not None else lax.axis_index
-    return index("batch"), index("heads"), lax.axis_index("wg")
+def grid_position() -> tuple:
+    """(batch, head, warpgroup) of this thread on a ("heads", <blocks>, "batch") grid with axis "wg"."""
+    return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
 
 
 def query_block_keys(rows: int, sk_pad: int, block_k: int, *, sk_len: int, causal: bool, offset: int,
-                     heavy_first_of: int | None = None, block=None) -> tuple:
-    """For a CTA of ``rows`` query rows (grid axis "q", or ``block``: a work item's index along it) streaming
+                     heavy_first_of: int | None = None) -> tuple:
+    """For a CTA of ``rows`` query rows (grid axis "q") streaming
     ``block_k``-key tiles of a ``sk_pad``-key sequence: its first query row, how many key tiles it visits (all, or
     if causal, bottom-right aligned, up to the last one its last row sees) and whether its tiles
     need masking (causal, or padded keys). ``heavy_first_of`` (the number of query blocks):
     if causal, grid index 0 takes the last block, which sees the most keys (launched first,
     the longest CTAs do not trail the grid)."""
-    block = lax.axis_index("q") if block is None else block
+    block = lax.axis_index("q")
     if causal and heavy_first_of is not None:
         block = heavy_first_of - 1 - block
     start = block * rows
@@ -222,14 +204,22 @@ def trim_rows(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
     return x if x.shape[axis] == n else lax.slice_in_dim(x, 0, n, axis=axis)
 
 
-def query_warpgroups(head_dim: int, *, three: bool, max_head_dim: int, two: int = 2) -> int:
-    """Compute warpgroups per CTA of a forward kernel: 3 where its switch ``three`` is on and ``head_dim`` ≤
-    ``max_head_dim``, else ``two``; interpreted as compiled. (The Mosaic GPU interpreter runs each warpgroup as a
-    thread whose barrier waits hold a thread of XLA's CPU intra-op pool, max(cores, host devices) threads: with
-    four warpgroups and four host devices on a 2-core machine the pool ran out and the kernel deadlocked.
-    tests/conftest.py forces eight host devices; a script that interprets these kernels needs as many.
-    benchmarks/NOTES.md, thirty-sixth session.)"""
-    return 3 if three and head_dim <= max_head_dim else two
+@dataclasses.dataclass(frozen=True)
+class ForwardLaunch:
+    """The static parameters every Mosaic forward launch has: ``wgs`` compute warpgroups per CTA, the pipeline's
+    ``stages``, ``group`` query heads per kv head, ``block_k`` keys per step, the head dim, the real lengths, the
+    causal mask (``offset`` = Sk − Sq) and ``interpret``. Each kernel's params add their own fields."""
+
+    wgs: int
+    stages: int
+    group: int
+    block_k: int
+    head_dim: int
+    sq_len: int
+    sk_len: int
+    causal: bool
+    offset: int
+    interpret: bool
 
 
 class QueryRows(NamedTuple):
@@ -251,8 +241,8 @@ def query_ctas(sq_pad: int, sq_len: int, cta_rows: int, interpret: bool) -> Quer
     :func:`tma_rows` (Sq) rows and its stores (``o_ref.at[b, rows, h]``: the rows keep their own TMA dimension)
     are clipped. The row outputs (B, Hq, rows) get rows for whole CTAs: Mosaic GPU folds the indexed leading dims
     of ``ref.at[b, h, rows]`` into the TMA's row offset, so a store past Sq_pad is not clipped but lands in the
-    next head's first rows (measured on the H200: the three-warpgroup forwards' gradients went wrong;
-    benchmarks/NOTES.md, thirty-fifth session). The interpreter has no bounds: there Q (:func:`pad_rows`) and O
+    next head's first rows (on the GPU the three-warpgroup forwards' gradients went wrong). The interpreter has no
+    bounds: there Q (:func:`pad_rows`) and O
     get whole CTAs too. Every output is cut to Sq after (:func:`trim_rows`)."""
     n_ctas = -(-sq_pad // cta_rows)
     whole = n_ctas * cta_rows
@@ -275,116 +265,11 @@ def wg_tiles(wgs: int, rows: int, dtype, cols: int):
     return plgpu.SMEM((wgs, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
 
 
-#: probe switch: bytes of unused SMEM scratch every kernel :func:`launch` starts also allocates (0: none). It
-#: moves a kernel's SMEM, and so the SMEM/L1 split the driver picks for it, without changing its code
-#: (benchmarks/smem_report.py; benchmarks/NOTES.md, seventeenth session).
-EXTRA_SMEM_BYTES = 0
-
-
-#: probe switch, off: non-causal kernels whose pipeline length is a multiple of their stages run on a persistent grid
-#: (:class:`WorkItems`): one CTA per SM, each looping over work items as Mosaic GPU's pipeline of pipelines, its
-#: memory warpgroup loading the next item's first tiles while the compute warpgroups finish the current one. Same
-#: values (bit for bit interpreted; compiled rel-L1 vs the xla twin unchanged), but on the H200 (benchmarks/NOTES.md,
-#: forty-ninth session) ptxas spilled far more in the persistent backwards (Attn-QAT dK/dV/dQ 464 bytes against 64,
-#: SageBwd 868 against 68; not understood: a guess is the item loop around each pipeline's split of the warpgroups by
-#: role and its register-count changes), and the kernels got slower: Attn-QAT backward 5.99 → 8.87 ms at B4 H32
-#: S4096 D128, 24.1 → 36.3 at B1 H32 S16384 D128; its forward 2.92 → 2.98 and 11.70 → 12.37 (at B8 H32 S2048 D64
-#: 1.117 → 1.107); SageBwd 5.64 → 10.75 at B4 H32 S4096 D128. Looping each role under its own branch (both loops
-#: traced, the inner split folding away) spilled 1252 bytes. What it would take: a hand-written warp-specialised
-#: pipeline whose role split sits outside the item loop.
-PERSISTENT = False
-#: CTAs of a persistent launch in the interpreter (the CPU has no SMs): few, so that each runs several items
-INTERPRET_CTAS = 3
-#: SMs assumed where no GPU is attached (lowering for an abstract H200): an H100 SXM's or H200's
-DEFAULT_SMS = 132
-
-
-def sm_count() -> int:
-    """SMs of the default device if it is a GPU, else :data:`DEFAULT_SMS`."""
-    if jax.default_backend() in ("gpu", "cuda"):
-        return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SMS)
-    return DEFAULT_SMS
-
-
-class WorkItems(NamedTuple):
-    """The work items of a kernel launch: one per point of ``grid`` (axes ``names``, the first varying fastest,
-    as CUDA's x), and how they map onto CTAs.
-
-    ``ctas`` None: one CTA per item, the grid launched as it is. Otherwise a persistent launch of ``ctas`` CTAs
-    (grid axis "cta"); CTA c takes items c, c + ctas, c + 2·ctas, … in that order (at least two each), and its
-    items' pipelines share their SMEM buffers and barriers as one pipeline of pipelines (``pipeline_state`` START,
-    STEADY…, STOP): the memory warpgroup loads an item's first tiles while the compute warpgroups run the last
-    steps and the epilogue of the one before, and the CTA's launch and teardown are paid once.
-    """
-
-    grid: tuple[int, ...]
-    names: tuple[str, ...]
-    steps: int  # an item's pipeline length, all of its tiles (causal items may stop earlier)
-    stages: int  # the pipeline's SMEM stages
-    ctas: int | None = None
-
-    @classmethod
-    def plan(cls, grid: tuple[int, ...], names: tuple[str, ...], *, steps, stages: int, causal: bool,
-             interpret: bool) -> WorkItems:
-        """Persistent (:data:`PERSISTENT`) where Mosaic GPU's pipeline of pipelines applies — a static pipeline
-        length ``steps`` that is a multiple of ``stages``, so not causal (whose lengths vary by item) — and there
-        are at least two items per SM (:func:`sm_count`; :data:`INTERPRET_CTAS` interpreted); else one CTA per
-        item."""
-        n_items = int(np.prod(grid))
-        sms = INTERPRET_CTAS if interpret else sm_count()
-        persistent = (PERSISTENT and not causal and isinstance(steps, int) and steps % stages == 0
-                      and n_items >= 2 * sms)
-        return cls(tuple(grid), tuple(names), steps, stages, sms if persistent else None)
-
-    @property
-    def launch_grid(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The grid and its axis names that :func:`launch` starts."""
-        return (self.grid, self.names) if self.ctas is None else ((self.ctas,), ("cta",))
-
-    def run(self, body: Callable, in_specs=(), gmem_refs=(), *, compute_wgs: int = 2) -> None:
-        """In the kernel: ``body(pos, state, allocations)`` for each of this CTA's items, where ``pos`` maps each
-        grid axis name to the item's index. One CTA per item: ``state`` and ``allocations`` are None (the
-        pipeline allocates its own). Persistent: ``allocations`` are the SMEM buffers and barriers of a
-        :func:`compute_pipeline` of :attr:`steps` over ``in_specs`` (their block shapes, dtypes and transforms)
-        reading ``gmem_refs`` (one item's slices, for their shapes), made once and shared by every item; ``state``
-        is the item's ``plgpu.PipelinePipeline`` (static: the first and last items are traced apart from the loop
-        between)."""
-        if self.ctas is None:
-            body({name: lax.axis_index(name) for name in self.names}, None, None)
-            return
-        cta = lax.axis_index("cta")
-        count = lax.div(int(np.prod(self.grid)) - cta + (self.ctas - 1), self.ctas)  # ≥ 2 (:meth:`plan`)
-
-        def item(i, state, allocs):
-            index, pos = cta + i * self.ctas, {}
-            for name, size in zip(self.names, self.grid):
-                pos[name], index = lax.rem(index, size), lax.div(index, size)
-            body(pos, state, allocs)
-
-        def items(allocs):
-            item(0, plgpu.PipelinePipeline.START, allocs)
-
-            @pl.loop(1, count - 1)
-            def _steady(i):
-                item(i, plgpu.PipelinePipeline.STEADY, allocs)
-
-            item(count - 1, plgpu.PipelinePipeline.STOP, allocs)
-
-        allocations = compute_pipeline(None, None, in_specs, self.steps, compute_wgs=compute_wgs,
-                                       stages=self.stages).get_allocations(*gmem_refs)
-        pl.run_scoped(lambda **allocs: items(allocs), **allocations, collective_axes="wg")
-
-
 def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool,
            manual_barriers: bool = False):
     """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
-    is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous"). ``grid`` may be a
-    :class:`WorkItems` (``grid_names`` then None). ``manual_barriers``: as in :func:`compiler_params`."""
-    if isinstance(grid, WorkItems):
-        grid, grid_names = grid.launch_grid
-    if EXTRA_SMEM_BYTES:
-        scratch_types = [*scratch_types, plgpu.SMEM((EXTRA_SMEM_BYTES,), jnp.int8)]
-        kernel = (lambda body: lambda *refs: body(*refs[:-1]))(kernel)  # the padding is never touched
+    is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous").
+    ``manual_barriers``: as in :func:`compiler_params`."""
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
                         compiler_params=compiler_params(manual_barriers=manual_barriers),
                         num_threads=compute_wgs + 1, thread_name="wg",
@@ -490,11 +375,11 @@ def product_first(first: tuple, accs: tuple, operands: tuple, use_first, *, fuse
     interpreter) everything runs one product at a time, the first one first (same values). ``issued`` (optional)
     is called once every product is issued, before the first wait. Returns the accumulators. A kernel whose
     step waited for its dK/dV products before issuing its dQ product takes one tensor-core round trip fewer per
-    step (benchmarks/NOTES.md, forty-first session).
+    step.
 
     Float32 first products only: with an int32 (INT8) one, the SageAttention backward's dQ came out wrong on the
-    H200 (rel-L1 1.0 against the reference, and the kernel 33% slower) while the interpreter's was right; the
-    cause was not found (same session's notes).
+    GPU (rel-L1 1.0 against the reference, and the kernel 33% slower) while the interpreter's was right; the
+    cause was not found.
     """
     shape, dtype, terms = first
     if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
@@ -560,16 +445,15 @@ def schedule_barrier() -> plgpu.Barrier:
     return plgpu.Barrier(num_arrivals=2)
 
 
-def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 2, stages: int = 2, state=None):
+def compute_pipeline(step, compute, in_specs, steps: int, *, compute_wgs: int = 2, stages: int = 2):
     """A warp-specialised pipeline: one memory warpgroup streams ``in_specs`` tiles for
     ``steps`` steps into ``stages`` SMEM buffers; ``compute_wgs`` warpgroups run
     ``step(index, *tiles, *consumed_barriers, carry) -> carry`` (each must arrive on the
-    consumed barriers) inside ``compute(pipeline)`` (their prologue and epilogue). ``state``: a persistent work
-    item's ``plgpu.PipelinePipeline`` (:meth:`WorkItems.run`; call the result with its ``allocations=``)."""
+    consumed barriers) inside ``compute(pipeline)`` (their prologue and epilogue)."""
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(steps,), max_concurrent_steps=stages, num_compute_wgs=compute_wgs,
         memory_registers=MEMORY_REGISTERS, wg_axis="wg", manual_consumed_barriers=True,
-        compute_context=compute, in_specs=in_specs, pipeline_state=state)
+        compute_context=compute, in_specs=in_specs)
 
 
 def needed_step(step: jax.Array, q_start: jax.Array, *, block_k: int, sq_len: int, causal: bool, offset: int,
@@ -632,9 +516,9 @@ def on_hopper() -> bool:
 
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
            "col_vector", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
-           "first_query_tile", "tma_rows", "trim_rows", "query_warpgroups", "QueryRows", "query_ctas", "pad_rows",
+           "first_query_tile", "tma_rows", "trim_rows", "QueryRows", "query_ctas", "pad_rows",
            "wg_tiles", "launch", "wgmma_zeros", "matmul",
            "matmul_sum", "matmuls", "accumulate", "compute_pipeline",
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "on_hopper",
            "MEMORY_REGISTERS", "product_first",
-           "PingPong", "schedule_barrier", "WorkItems", "PERSISTENT", "sm_count", "group_tile"]
+           "PingPong", "schedule_barrier", "group_tile"]

@@ -15,6 +15,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.numerics import nvfp4
+
 # The Triton backend warns (DeprecationWarning, "jax-pallas-triton") on every
 # lowering; users of this library should not see it once per kernel call.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"jax\._src\.pallas.*")
@@ -46,7 +48,7 @@ def store_rows(ref, value: jax.Array, valid: jax.Array | None) -> None:
         plgpu.store(ref, value, mask=valid)
 
 
-#: The e2m1 → float16 bit placement of :func:`lowbit_jax.formats.nvfp4.e2m1_decode_f16` on two 16-bit lanes at
+#: The e2m1 → float16 bit placement of :func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16` on two 16-bit lanes at
 #: once: a lane holding a packed byte in its low 8 bits, shifted left by the first number, has that nibble's
 #: exponent and mantissa bits at fp16 bits 11..9 (mask ``E2M1_LANE_MAGNITUDE``); shifted by the second, its
 #: sign at bit 15 (mask ``E2M1_LANE_SIGN``). Keys: the byte's low and high nibble.
@@ -71,7 +73,7 @@ def _e2m1_unpack_asm(key: str) -> str:
 def e2m1_lanes_model(lanes: np.ndarray, key: str) -> np.ndarray:
     """numpy model of one placement of :func:`_e2m1_unpack_asm`: uint32 words whose 16-bit lanes hold a
     packed byte each (low 8 bits) → the words of two fp16 bit patterns (tests hold it to
-    :func:`lowbit_jax.formats.nvfp4.e2m1_decode_f16`)."""
+    :func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16`)."""
     mag, sign = E2M1_LANE_SHIFTS[key]
     w = lanes.astype(np.uint32)
     return ((w << np.uint32(mag)) & np.uint32(E2M1_LANE_MAGNITUDE)) | (
@@ -81,7 +83,7 @@ def e2m1_lanes_model(lanes: np.ndarray, key: str) -> np.ndarray:
 def e2m1_unpack_f16(packed: jax.Array, *, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """In-kernel decode of packed e2m1 bytes into float16 ``value · 2**-14``: (low nibbles, high nibbles).
 
-    The values of :func:`lowbit_jax.formats.nvfp4.e2m1_unpack` then ``e2m1_decode_f16`` on each half, bit for
+    The values of :func:`pallas_kernels.numerics.nvfp4.e2m1_unpack` then ``e2m1_decode_f16`` on each half, bit for
     bit. Compiled, four bytes at a time in inline PTX (per nibble half: a byte permute, then the bit placement on
     two 16-bit lanes per 32-bit operation: about 3 instructions a value instead of 6); interpreted (the CPU has no
     PTX), by those two functions.
@@ -93,8 +95,6 @@ def e2m1_unpack_f16(packed: jax.Array, *, interpret: bool) -> tuple[jax.Array, j
       two float16 (rows, cols) tiles.
     """
     if interpret:
-        from lowbit_jax.formats import nvfp4  # here: lowbit_jax imports this module while it initializes
-
         lo, hi = nvfp4.e2m1_unpack(packed)
         return nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)
     out = [jax.ShapeDtypeStruct(packed.shape, jnp.float16)]  # Pallas lowers single-result asm only

@@ -20,8 +20,8 @@ DQ_KERNELS = ("auto", "separate", "fused")
 
 
 def fuses_dq(dq_kernel: str) -> bool:
-    """``dq_kernel`` resolved: "fused" and "auto" fuse (on the H200 fused measured faster at every shape of
-    both methods), "separate" does not."""
+    """``dq_kernel`` resolved: "fused" and "auto" fuse (faster at every measured shape of both methods),
+    "separate" does not."""
     return dq_kernel in ("fused", "auto")
 
 
@@ -35,56 +35,35 @@ def _is_pow2(n: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SageFwdConfig:
-    """Tiles of the INT8 attention forward and of the fused quantize kernel.
+    """Tiles and backends of SageAttention (forward) and SageBwd (backward).
 
     Attributes:
       block_q: query rows per program (also the Q quantization block).
-      block_k: keys per inner step (also the K quantization block); ≥ 32 so the
-        INT8 P·V product has a K dimension the tensor cores like.
+      block_k: keys per inner step (also the K quantization block); ≥ 32 so the INT8 P·V product has a K
+        dimension the tensor cores like.
       num_warps, num_stages: Triton launch parameters of the attention kernel.
       quant_warps: warps of the memory-bound quantize kernels (Q's; the preprocess of the backward).
-      kv_quant_warps: warps of the K/V quantize kernel (``sage_quantize_kv``: two tiles, three INT8
-        outputs, two of them transposed); None: ``quant_warps``. The H200 entries take 8 at head dim
-        128 (0.237 → 0.189 ms at B4 H32 S4096, its 128 × 128 tiles per program) and 4 at 64 (8 was
-        0.0282 → 0.0292 ms at B16 H5 S2048; benchmarks/NOTES.md, thirty-seventh session).
-      bwd_block_q, bwd_block_k: tiles of the SageBwd kernels (dO and dS are
-        quantized per such tile); they must divide block_q / block_k so the
-        forward's per-block Q/K scales are constant on every backward tile.
+      kv_quant_warps: warps of the K/V quantize kernel (two tiles, three INT8 outputs, two of them
+        transposed); None: ``quant_warps``.
+      bwd_block_q, bwd_block_k: tiles of the SageBwd kernels (dO and dS are quantized per such tile); they must
+        divide block_q / block_k so the forward's per-block Q/K scales are constant on every backward tile.
       bwd_warps, bwd_stages: launch parameters of the backward kernels.
-      dq_block_k, dq_warps, dq_stages: the dQ kernel's key tile (dS is quantized per
-        (bwd_block_q × dq_block_k) tile for dQ; must divide block_k) and launch
-        parameters; default to the dK/dV kernel's.
-      dkdv_backend, dq_backend: the Pallas backend of the SageBwd dK/dV and dQ kernels:
-        "triton", "mosaic" (Mosaic GPU, warp-specialised ``wgmma``; sm_90 only, and only
-        for the calls :mod:`pallas_kernels.sage_bwd_mosaic` supports, else Triton) or
-        "auto": the faster pair measured on the H200 where supported (RESULTS.md, "SageBwd
-        kernel backends") — mosaic for both wherever it applies — and triton in interpret mode
-        and off Hopper. The numerics are the same.
-      fwd_backend: the forward kernel's backend: "triton", "mosaic"
-        (:mod:`pallas_kernels.sage_fwd_mosaic`, where it applies) or "auto" (default): Mosaic
-        on Hopper at head dims 64 and 128 (forward 3–10% faster than Triton's on the H200 at 128,
-        fwd+bwd 0–2% at 64), Triton in interpret mode and off Hopper. Same quantization.
-      ds_scale: granularity of the INT8 dS scales. "tile" (default, SPEC §1): one scale per
-        backward tile. "row" (an option): each kernel uses its own dS in one product only,
-        so the scale may follow that product's output rows (SPEC's rule on where a scale
-        may live) — one per key for dK = dSᵀQ̂, one per query row for dQ = dŜK̂: finer,
-        and a reduction inside each warp instead of across the warpgroup, but no fused dQ
-        (one dŜ cannot serve both products). Measured on the H200 against the defaults
-        (benchmarks/RESULTS.md, 2026-12-04 14:33, since the fused dQ is the default at D128 causal too):
-        fwd+bwd 9–18% slower (421 vs 473 TFLOP/s at B4 H32 S4096 D128, 366 vs 415 causal, 280
-        vs 343 at B8 H32 S2048 D64), and dQ/dK rel-L2 0.022 instead of 0.050 vs exact.
-      dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales,
-        per-tile dS scales (``sage_bwd_mosaic.supports_fused_dq``) and dQ's dS tiles equal to dK's
-        (``dq_block_k == bwd_block_k``: one dŜ serves both products), it also reduce-adds each
-        step's dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation
-        order then varies run to run) and ``dq_backend`` is unused; elsewhere, and with
-        "separate", the dQ kernel recomputes S, P and dP per query tile. "auto" (default):
-        fused wherever it applies, as "fused": at head dim 64 (fwd+bwd 3.97 vs 5.14 ms at B8 H32
-        S2048 on the H200), at 128 non-causal (10.68 vs 11.99 ms at B4 H32 S4096) and, since the
-        D128 dK/dV kernel stopped allocating SMEM tiles for the P̂ᵀ and dŜ it takes from registers,
-        at 128 causal too (6.43 vs 6.62 ms at B4 H32 S4096, 21.9 vs 23.5 at B1 S16384;
-        benchmarks/NOTES.md, seventeenth session). With the 2026-12-01 kernels: 9.56 vs 9.85 ms at
-        B4 H32 S4096 D128, 35.55 vs 35.80 at B1 S16384, level causal (5.55 vs 5.49; dq_kernel.py).
+      dq_block_k, dq_warps, dq_stages: the separate dQ kernel's key tile (dS is quantized per
+        (bwd_block_q × dq_block_k) tile for dQ; must divide block_k) and launch parameters; default to the
+        dK/dV kernel's.
+      fwd_backend, dkdv_backend, dq_backend: the Pallas backend of the forward, the dK/dV and the dQ kernel:
+        "triton", "mosaic" (Mosaic GPU, warp-specialised ``wgmma``; sm_90 only, and only for the calls it
+        covers, else Triton) or "auto" (default): Mosaic on Hopper wherever it applies (faster at every measured
+        shape), Triton in interpret mode and off Hopper. The numerics are the same.
+      ds_scale: granularity of the INT8 dS scales. "tile" (default, the paper's): one scale per backward tile.
+        "row": each kernel uses its own dS in one product only, so the scale may follow that product's output
+        rows — one per key for dK = dSᵀQ̂, one per query row for dQ = dŜK̂: more accurate (dQ/dK rel-L2 vs
+        exact about half the tile's) but slower (no fused dQ: one dŜ cannot serve both products).
+      dq_kernel: "fused": when the dK/dV kernel runs on Mosaic GPU with per-block Q/K scales, per-tile dS
+        scales and ``dq_block_k == bwd_block_k`` (one dŜ serves both products), it also reduce-adds each step's
+        dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation order then varies run
+        to run); elsewhere, and with "separate", the dQ kernel recomputes S, P and dP per query tile. "auto"
+        (default): fused wherever it applies (faster at every measured shape).
     """
 
     block_q: int = 64
@@ -95,7 +74,7 @@ class SageFwdConfig:
     kv_quant_warps: int | None = None  # default quant_warps
     bwd_block_q: int | None = None  # default min(64, block_q)
     bwd_block_k: int | None = None  # default min(64, block_k)
-    bwd_warps: int = 4  # H200 sweep 2026-11-29 (second session): 64x64 w4 s2 13.6 ms vs w8 27.0 ms
+    bwd_warps: int = 4
     bwd_stages: int = 2
     dq_block_k: int | None = None  # default bwd_block_k
     dq_warps: int | None = None  # default bwd_warps
@@ -146,10 +125,9 @@ class SageFwdConfig:
 
     def fuses_dq(self, head_dim: int, causal: bool) -> bool:
         """Whether a Mosaic dK/dV kernel should also compute dQ (``dq_kernel``; where it can:
-        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at every head dim, causal or not (measured
-        faster at each on the H200; ``head_dim`` and ``causal`` are kept for a device where it is not).
-        Never with ``dq_block_k != bwd_block_k``: the fused dQ takes dK's dŜ, which is dQ's only if both
-        products quantize dS on the same tiles."""
+        ``sage_bwd_mosaic.supports_fused_dq``). "auto" fuses at every head dim, causal or not. Never with
+        ``dq_block_k != bwd_block_k``: the fused dQ takes dK's dŜ, which is dQ's only if both products quantize
+        dS on the same tiles."""
         del head_dim, causal
         return self.dq_block_k == self.bwd_block_k and fuses_dq(self.dq_kernel)
 
@@ -168,13 +146,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Tuned on the device named in the key by benchmarks/attention.py (see RESULTS.md).
-# Key: (device_kind, head_dim, causal).
-# 2026-11-29 sweep (benchmarks/results/attention.json): 64x128 w4 s3 won at B4 H32 S4096 D128 and
-# B8 H32 S2048 D64, causal and not, over 128x128 w8 s2/s3, 64x64, 128x64, 64x256, 128x256.
-# Backward (benchmarks/results/attention_bwd_sweep.json, attention_bwd_dq_sweep.json, third session): dK/dV
-# 64x64 w4 s2; the dQ kernel 64 keys w4 s3 (12.99 ms vs 13.10 with s2; 128-key dQ tiles 15.5-17.5 ms).
-# The K/V quantize kernel: 8 warps at head dim 128, 4 at 64 (thirty-seventh session, kv_quant_warps).
+# Tuned on the device named in the key (benchmarks/attention.py, attention_bwd.py): 64 × 128 forward tiles with 4 warps
+# and 3 stages, 64 × 64 backward tiles, the dQ kernel with 3 stages; the K/V quantize kernel with 8 warps at head dim
+# 128 (its 128 × 128 tiles per program), 4 at 64. Key: (device_kind, head_dim, causal).
 _H200_BEST = SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3, dq_stages=3)
 TUNED_SAGE_FWD: dict[tuple[str, int, bool], SageFwdConfig] = {
     ("NVIDIA H200", d, c): dataclasses.replace(_H200_BEST, kv_quant_warps=8 if d == 128 else 4)
@@ -198,7 +172,7 @@ def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None)
     tuned = TUNED_SAGE_FWD.get((device_kind, head_dim, causal))
     if tuned is not None:
         return tuned
-    # Measured best on the H200 for D64 and D128 (above); also what DEVICE_NOTES found for D128.
+    # the tuned tiles (above) for the head dims that were measured
     if head_dim <= 128:
         return SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3, dq_stages=3)
     return SageFwdConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
@@ -206,48 +180,32 @@ def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None)
 
 @dataclasses.dataclass(frozen=True)
 class QatConfig:
-    """Tiles of the Attn-QAT (NVFP4 fake-quant) kernels.
+    """Tiles and backends of the Attn-QAT (NVFP4 fake-quant) kernels.
 
-    ``block_k`` is part of the forward's numerics: P̃ is fake-quantized per key
-    tile, normalized by the running row max at that tile (as the kernel does).
-    The backward's FQ(P) uses the final log-sum-exp and does not depend on tiles.
+    ``block_k`` is part of the forward's numerics: P̃ is fake-quantized per key tile, normalized by the running row
+    max at that tile (as the kernel does). The backward's FQ(P) uses the final log-sum-exp and does not depend on
+    tiles.
 
     Attributes:
       block_q, block_k: forward tiles (block_k a multiple of 16, the FP4 group).
       num_warps, num_stages: forward launch parameters.
       bwd_block_q, bwd_block_k, bwd_warps, bwd_stages: backward tiles/launch.
       quant_block, quant_warps: rows per program of the fused Q/K/V fake-quant kernel.
-      fwd_backend: the forward kernel's backend: "triton", "mosaic" (Pallas Mosaic GPU,
-        Hopper: ``pallas_kernels.qat_fwd_mosaic``; calls it does not cover run on Triton) or
-        "auto" (default): Mosaic on an sm_90 GPU unless interpreting, else Triton. On the
-        H200 the Mosaic kernels were faster at every benchmarked shape (fwd+bwd 333 vs 281
-        TFLOP/s at B4 H32 S4096 D128, 359 vs 297 at S16384; benchmarks/RESULTS.md).
-      bwd_backend: the same choice for the two backward kernels
-        (``pallas_kernels.qat_bwd_mosaic``).
-      pingpong: the Mosaic forward's two compute warpgroups take turns on the tensor cores
-        (FlashAttention-3's ping-pong, ``_mosaic.PingPong``): one's softmax/FQ(P) overlaps the
-        other's products. Scheduling only; the values are the same. On (default): up to 3% faster
-        on the H200 (fwd 327 vs 319 TFLOP/s at B4 H32 S4096 D128; one shape level).
-        The backward kernels do not take it (it made them slower: fwd+bwd 293 vs 329 TFLOP/s; again in
-        the fused backwards, benchmarks/NOTES.md fifty-first session). The forward that returns O only
-        (not differentiated) runs three warpgroups without it at head dim 64, non-causal
-        (``qat_fwd_mosaic.THREE_WGS``).
-        Interpreted calls run it too (with enough host devices: tests/conftest.py).
-      dq_kernel: how the Mosaic backward computes dQ: "separate" (a second kernel recomputing S, P
-        and dP per query tile; deterministic), "fused" (the dK/dV kernel also reduce-adds each
-        step's dS·K̃ into a float32 dQ with TMA, as FlashAttention-3 does — from head dim 128 split
-        by columns between its two warpgroups, ``qat_bwd_mosaic.splits_dq_columns``; dQ's summation
-        order varies run to run, and it takes a float32 (B, Sq, Hq, D) buffer) or "auto" (default):
-        fused everywhere. On the H200 fwd+bwd, fused vs separate: 3.99 vs 4.40 ms at B8 H32 S2048 D64;
-        6.12 vs 6.48 ms at B4 H32 S4096 D128 causal, 21.36 vs 23.26 at B1 H32 S16384 causal
-        (benchmarks/RESULTS.md, "dQ inside the dK/dV kernel"; NOTES.md, sixteenth session); non-causal
-        D128 level until the keys went into lane order (11.70 vs 11.57 ms at B4 S4096), then fused
-        10.70 / 10.74 vs 10.90 / 10.89 ms at B4 H32 S4096, 39.97 / 39.85 vs 40.70 / 40.52 at B1 S16384
-        (NOTES.md, thirtieth session).
+      fwd_backend: the forward kernel's backend: "triton", "mosaic" (Pallas Mosaic GPU, Hopper:
+        ``pallas_kernels.qat_fwd_mosaic``; calls it does not cover run on Triton) or "auto" (default): Mosaic on
+        an sm_90 GPU unless interpreting, else Triton.
+      bwd_backend: the same choice for the two backward kernels (``pallas_kernels.qat_bwd_mosaic``).
+      pingpong: the Mosaic forward's two compute warpgroups take turns on the tensor cores (FlashAttention-3's
+        ping-pong, ``_mosaic.PingPong``): one's softmax/FQ(P) overlaps the other's products. Scheduling only;
+        the values are the same. The backward kernels do not take it (it made them slower); the forward that
+        returns O only runs three warpgroups without it at head dim 64, non-causal.
+      dq_kernel: how the Mosaic backward computes dQ: "separate" (a second kernel recomputing S, P and dP per
+        query tile; deterministic), "fused" (the dK/dV kernel also reduce-adds each step's dS·K̃ into a float32
+        dQ with TMA, as FlashAttention-3 does — at head dim 128 split by columns between its two warpgroups;
+        dQ's summation order varies run to run, and it takes a float32 (B, Sq, Hq, D) buffer) or "auto"
+        (default): fused everywhere (faster at every measured shape).
     """
 
-    # H200 sweep 2026-11-29 (benchmarks/results/qat.json, B4 H32 S4096 D128): forward 64x64 w4 s3
-    # 5.0 ms beat 64x64 s2, 128x64, 64x128, 128x128; backward 64x64 w4 s2 beat 32/128-row tiles and 8 warps.
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -291,9 +249,8 @@ class QatConfig:
         return dataclasses.replace(self, fwd_backend=pick(self.fwd_backend), bwd_backend=pick(self.bwd_backend))
 
     def fuses_dq(self, head_dim: int, causal: bool) -> bool:
-        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``; "auto": at
-        every head dim, causal or not, where it measured faster on the H200; ``head_dim`` and ``causal``
-        are kept for a device where it is not)."""
+        """Whether the Mosaic backward computes dQ inside the dK/dV kernel (``dq_kernel``; "auto": at every head
+        dim, causal or not)."""
         del head_dim, causal
         return fuses_dq(self.dq_kernel)
 
@@ -314,22 +271,19 @@ class QatConfig:
                                    quant_block=fs(self.quant_block))
 
 
-# Attn-QAT on the H200: 128-key forward steps (benchmarks/variants.py, fiftieth session, NOTES.md). The Mosaic forward
-# kernel 2.91 → 2.53 ms at B4 H32 S4096 D128, 1.56 → 1.38 causal, 11.6 → 10.2 at B1 H32 S16384, 1.12 → 1.00 at B8 H32
-# S2048 D64 (fwd+bwd −3.2 to −3.8%; the backward does not depend on block_k). The Triton forward is slower with 128
-# keys (B4 H32 S4096 D128 4.0 → 5.1 ms), so QatConfig's default stays 64 (other devices, other head dims); on the
-# H200 the few D64/D128 calls the Mosaic kernels do not cover (causal Sq > Sk, float32 outputs) run the Triton forward
-# with these 128-key tiles. block_k is part of the numerics (P̃ relative to the running max of each key tile): on this
-# device both implementations ("pallas", "xla") resolve the same tuned config; accuracy vs exact attention is the
-# same for 64 and 128 (twelfth and twenty-second sessions).
+# Attn-QAT on the tuned device: 128-key forward steps (the Mosaic forward about 12% faster than with 64). The Triton
+# forward is slower with 128 keys, so QatConfig's default stays 64 (other devices); there the few calls the Mosaic
+# kernels do not cover run the Triton forward with these tiles. block_k is part of the numerics (P̃ relative to the
+# running max of each key tile), so both implementations ("pallas", "xla") resolve the same tuned config; accuracy
+# against exact attention is the same for 64 and 128.
 TUNED_QAT: dict[tuple[str, int, bool], QatConfig] = {
     ("NVIDIA H200", d, c): QatConfig(block_k=128) for d in (64, 128) for c in (False, True)
 }
 
 
 def qat_config(head_dim: int, causal: bool, device_kind: str | None = None) -> QatConfig:
-    """The Attn-QAT config for a head dim and masking: :data:`TUNED_QAT`'s where measured (the H200: 128-key
-    forward tiles), else :class:`QatConfig`'s defaults. ``lb.qat_attention`` without ``config`` takes it for the
+    """The Attn-QAT config for a head dim and masking: :data:`TUNED_QAT`'s where measured (128-key forward
+    tiles), else :class:`QatConfig`'s defaults. ``lb.qat_attention`` without ``config`` takes it for the
     default device, for every implementation, so "pallas" and "xla" quantize P̃ alike there.
 
     Args:
@@ -346,7 +300,7 @@ def qat_config(head_dim: int, causal: bool, device_kind: str | None = None) -> Q
 
 @dataclasses.dataclass(frozen=True)
 class ThriftConfig:
-    """Blocks and launch parameters of the ThriftAttention kernels (shared/SPEC.md §3).
+    """Blocks and launch parameters of the ThriftAttention kernels (docs/spec.md, ThriftAttention).
 
     ``block`` and ``decode_splits`` are part of the numerics: the selection scores blocks of ``block``
     queries and keys, FQ(P) is taken relative to the running row max at each key block, and the decode
@@ -355,7 +309,7 @@ class ThriftConfig:
 
     Attributes:
       block: queries and keys per selection block, also the prefill kernel's query and key tile (32, 64 or
-        128; SPEC default 64). The decode cache's blocks (and its 4-bit V packing, two halves of whole FP4
+        128; the paper's 64). The decode cache's blocks (and its 4-bit V packing, two halves of whole FP4
         groups) use it too.
       num_warps, num_stages: the prefill kernel's Triton launch parameters.
       quant_block, quant_warps: rows per program and warps of the operand pass (NVFP4-fake-quantized K, V,
@@ -364,9 +318,7 @@ class ThriftConfig:
       select_chunk: key blocks scored per step of the selection kernel (a power of two ≥ 16) for rows longer
         than ``select_whole``: their scores are recomputed in each of the 33 bisection passes.
       select_whole: rows of up to this many key blocks (rounded up to a power of two) are scored in one piece,
-        once, and kept in registers. H200, B1 H32/8 D128 causal, selection alone: S16384 (256 key blocks)
-        0.80 → 0.55 ms, S32768 (512) 3.07 → 2.23 ms, S65536 (1024) 11.44 → 10.54 ms; a 256-wide piece
-        recomputed (S32768) spilled: 53 ms.
+        once, and kept in registers (a quarter faster on long rows; wider pieces recomputed per pass spill).
       select_warps: warps of the selection kernel.
       prefill_chunk: query blocks per selection + prefill call of a long prefill (a power of two, a multiple of
         ``select_rows``): the selection and the block order live one chunk at a time, (chunk × key blocks)
@@ -387,8 +339,7 @@ class ThriftConfig:
     select_whole: int = 1024
     select_warps: int = 4
     prefill_chunk: int = 256
-    # H200, one new token over a full cache, f = 0.05, whole op (benchmarks/RESULTS.md, "ThriftAttention", 2026-12-01
-    # 18:11): (16, 4) 0.108 / 0.543 ms at B8 S8192 / B2 S131072, (32, 8) 0.114 / 0.317, (64, 16) 0.123 / 0.321
+    # (32, 8) splits: fewer were slower at 128k tokens, more slower at 8k (docs/performance.md)
     decode_splits: int = 32
     decode_splits_high: int = 8
     decode_warps: int | None = None
@@ -420,13 +371,10 @@ class ThriftConfig:
                 raise ValueError(f"ThriftConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
 
     def decode_launch(self, row_tile: int) -> tuple[int, int]:
-        """(warps, stages) of the decode kernel for ``row_tile`` query rows per program: the fields where set,
-        else the H200's best by rows (kernel alone, f = 0.05, B8 S8192 / B2 S131072, ms; NOTES, 24th session):
-        16 rows (one to four tokens of a group of 4) w2 s2 0.108 / 0.346 against w4 s2 0.120 / 0.501; 64 rows
-        (16 or more tokens) w4 s3 0.191 / 0.632 against w2 s2 0.462 / 1.543. Re-swept with the inline-PTX decode
-        (26th session): 16 rows w2 s2 0.093 / 0.290 against w4 s3 0.116 / 0.435; 64 rows w4 s3 0.189 / 0.586
-        against w2 s2 0.468 / 1.561. 32 rows were not measured and take the 64-row launch. Launch parameters are
-        not numerics."""
+        """(warps, stages) of the decode kernel for ``row_tile`` query rows per program: the fields where set, else
+        the measured best by rows: 2 warps and 2 stages for 16 rows (one to four tokens of a group of 4), 4 and 3
+        for more (16 rows with 4 warps were about 25% slower, 64 rows with 2 more than twice as slow). Launch
+        parameters are not numerics."""
         warps, stages = (2, 2) if row_tile <= 16 else (4, 3)
         return (warps if self.decode_warps is None else self.decode_warps,
                 stages if self.decode_stages is None else self.decode_stages)

@@ -15,13 +15,9 @@ row) keeps distinct, so no bank is hit twice; 8 ``STS.128`` per thread and step,
 stage as it is, so the GMEM accumulator holds every 64-column chunk in that order, and :func:`unpermute` (a
 reshape and a transpose, which XLA fuses into dQ's conversion to 16 bits) puts it back.
 
-Only compiled (the Mosaic GPU interpreter has no inline Mosaic GPU): :func:`in_use`; the caller chooses per
-kernel (``reduce_add.reduce_add_out(permuted=)``, ``reduce_add_total(permuted=)``). On the H200 (forty-fourth session,
-benchmarks/NOTES.md; kernel ms, two repeats): the fused SageBwd kernel 0.664 → 0.649 at B16 H10/5 S2048 D64 causal
-and 2.126 → 1.965 at B8 H32 S2048 D64, so it takes it at head dim 64 (``sage_bwd_mosaic.permutes_dq_stage``); at
-head dim 128 it was slower there (B4 H32 S4096 causal 2.95 → 4.09 ms). Attn-QAT's backward measured mixed then (−1%
-at the D64 causal and D128 shapes, +2.3% at B8 H32 S2048 D64); with its own warpgroup barriers (fifty-fourth session)
-its kernel is 1% faster with it at B8 H32 S2048 D64 and takes it at head dim 64 (``qat_bwd_mosaic.permutes_dq_stage``).
+Only compiled (the Mosaic GPU interpreter has no inline Mosaic GPU); the kernels take it at head dim 64, where it
+measured faster (``reduce_add.reduce_add_out(permuted=)``, ``reduce_add_total(permuted=)``; docs/performance.md):
+at 128 the extra registers made ptxas spill.
 """
 
 from __future__ import annotations
@@ -38,43 +34,20 @@ from pallas_kernels._mosaic import plgpu
 REDUCE_COLS = 64
 
 
-#: probe switch: swizzle (bytes) of the float32 dQ stage (``reduce_add.reduce_add_stage``). With 128 (a tiling of
-#: 8 × 32 floats, what ``_mosaic.tile_transforms`` gives a 64-column float32 tile) a half-warp's 8-byte stores of the
-#: WGMMA layout hit the same banks twice, so Mosaic GPU staggers them (``StaggeredTransferPlan``: a select per stored
-#: register, 32 per thread and step); with 32 (a tiling of 8 × 8 floats) its plain transfer is conflict-free, but
-#: the TMA reduce-add then copies the tile as eight 32-byte-wide boxes instead of two. On the H200 32 was slower
-#: (kernel ms: SageBwd 0.668 → 0.749 at B16 H10/5 S2048 D64 causal, 2.11 → 2.34 at B8 H32 S2048 D64, 5.94 → 9.25 at
-#: B4 H32 S4096 D128; Attn-QAT 0.613 → 0.718 and 1.92 → 2.12 at the D64 shapes). Attn-QAT's column-split dQ at
-#: D128 was the exception in kernel time (6.00 → 5.88 ms, causal 3.18 → 3.14) but not in wall time (fwd+bwd 9.58
-#: → 9.69 ms): benchmarks/NOTES.md, forty-third session.
-STAGE_SWIZZLE = 128
-
-
 def stage_transforms() -> tuple:
-    """SMEM tiling + swizzle of the float32 stage: :data:`STAGE_SWIZZLE` bytes, the tiling 8 rows × one swizzle
-    width."""
-    if STAGE_SWIZZLE not in (32, 64, 128):
-        raise ValueError(f"STAGE_SWIZZLE must be 32, 64 or 128 bytes, got {STAGE_SWIZZLE}")
-    return (plgpu.TilingTransform((8, STAGE_SWIZZLE // 4)), plgpu.SwizzleTransform(STAGE_SWIZZLE))
+    """SMEM tiling + swizzle of the float32 stage: a 128-byte swizzle, tiled 8 rows × 32 floats (a narrower
+    swizzle avoids the staggered stores but makes the TMA reduce-add copy eight boxes instead of two: slower)."""
+    return (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-#: the stage's permuted column order (:func:`store`, :func:`unpermute`) where compiled; False: Mosaic GPU's own
-#: (staggered) store of the natural order
-ENABLED = True
 #: byte strides of the (64, 64) float32 stage tiled (8, 32): (row tile, column tile, row)
 STRIDES = (2 * 8 * 128, 8 * 128, 128)
 
 
-def in_use(interpret: bool) -> bool:
-    """Whether the dQ stage holds the permuted column order: :data:`ENABLED`, compiled, and the stage's
-    committed 128-byte swizzle (:data:`STAGE_SWIZZLE`, a probe switch)."""
-    return ENABLED and not interpret and STAGE_SWIZZLE == 128
-
-
-def permutes(head_dim: int, max_head_dim: int, interpret: bool) -> bool:
-    """A kernel's rule for its fused dQ stage: the permuted column order up to ``max_head_dim`` (the largest head
-    dim at which that kernel measured faster with it), where :func:`in_use`."""
-    return head_dim <= max_head_dim and in_use(interpret)
+def permutes(head_dim: int, interpret: bool) -> bool:
+    """Whether a fused backward's dQ stage holds the permuted column order: compiled, at head dim 64 (one
+    64-column stage per warpgroup)."""
+    return head_dim <= REDUCE_COLS and not interpret
 
 
 def column_of(d):

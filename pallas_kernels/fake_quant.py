@@ -1,11 +1,11 @@
 """NVFP4 fake quantization (Attn-QAT's Q, K, V; ThriftAttention's K, V): fused, memory-bound passes.
 
 One pass per tensor (:func:`fp4_fake_quant_heads`), or Attn-QAT's K and V in one launch
-(:func:`fp4_fake_quant_kv`, :data:`PAIR_KV`).
+(:func:`fp4_fake_quant_kv`).
 
 Reads (B, S, H, D) rows, fake-quantizes each token in groups of 16 channels (or, for ThriftAttention's V,
 each channel in groups of 16 tokens) with
-:func:`lowbit_jax.formats.nvfp4.fake_quant_last` (the same function the
+:func:`pallas_kernels.numerics.nvfp4.fake_quant_last` (the same function the
 reference uses) and writes the values head-major and zero-padded,
 (B, H, S_pad, D), in the 16-bit operand dtype of the attention kernels (exact:
 e2m1 · e4m3 fits bf16 and fp16).
@@ -23,24 +23,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import nvfp4
-from lowbit_jax.formats.qk_prologue import QKPrologue
+from pallas_kernels.numerics import nvfp4
+from pallas_kernels.numerics.qk_prologue import QKPrologue
 from pallas_kernels import lane_groups
 from pallas_kernels import qk_prologue as qk_prologue_kernels
 from pallas_kernels._triton import compiler_params, pl, row_mask
 
 
-#: at least this many warps for a fake quantization with a prologue from head dim 128 (its ALU work): on the H200 at
-#: B4 S4096 H32 D128 (64 rows per program) 0.095 ms with 8 against 0.114 with 4; at B16 S2048 H10 D64 4 stay best
-#: (0.035 vs 0.037 with 8); without a prologue 4 and 8 are level (benchmarks/probes/prologue_sweep.py --part qat,
-#: benchmarks/NOTES.md, forty-eighth session)
+#: at least this many warps for a fake quantization with a prologue from head dim 128 (its ALU work); without a
+#: prologue, or at head dim 64, the config's warps are as fast
 PROLOGUE_WARPS_WIDE = 8
-#: lane order by address: each quantized row stored at its lane-order position (``lane_groups.column_of_key``, a row
-#: scatter within the block) instead of the tile's rows permuted in registers before a plain store. On the H200 K̃ and
-#: Ṽ's passes (``variants.py --profile``, two repeats): 0.0764 / 0.0757 → 0.0735 / 0.0733 ms at B8 H32 S2048 D64,
-#: 0.1406 / 0.1405 → 0.1357 / 0.1361 at B4 H32 S4096 D128, level at B16 H10/5 S2048 D64 (benchmarks/NOTES.md,
-#: fifty-fifth session)
-LANE_ORDER_BY_ADDRESS = True
 
 
 def warps_for(num_warps: int, head_dim: int, prologue: QKPrologue | None) -> int:
@@ -48,20 +40,16 @@ def warps_for(num_warps: int, head_dim: int, prologue: QKPrologue | None) -> int
     return max(num_warps, PROLOGUE_WARPS_WIDE) if prologue is not None and head_dim >= 128 else num_warps
 
 
-#: Attn-QAT's K and V fake-quantized by one launch (:func:`fp4_fake_quant_kv`) instead of one each: one launch fewer
-#: per call, the kernel time level with the two launches' sum on the H200 (fifty-fifth session)
-PAIR_KV = True
-
-
-def _fake_quant_kernel(*refs, n, block, seq_len, ragged, along, lane_order, by_address, pro):
+def _fake_quant_kernel(*refs, n, block, seq_len, ragged, along, lane_order, pro):
     """``refs``: n inputs, the first one's prologue refs, n outputs; the prologue applies to the first only."""
     x_refs, refs = refs[:n], list(refs[n:])
     valid = row_mask(pl.program_id(0) * block, block, seq_len) if ragged else None
     # with a prologue: its two channel halves
     xs = [qk_prologue_kernels.load_tile(x_ref, refs, valid, pro if i == 0 else qk_prologue_kernels.Flags())
           for i, x_ref in enumerate(x_refs)]
-    # key k of the block goes to row column_of_key(k) (by address) or is moved there in registers
-    rows = lane_groups.column_of_key(jnp.arange(block, dtype=jnp.int32)) if lane_order and by_address else None
+    # lane order: key k of the block is stored at its lane-order row column_of_key(k) (a row scatter within the
+    # block, cheaper than permuting the tile's rows in registers)
+    rows = lane_groups.column_of_key(jnp.arange(block, dtype=jnp.int32)) if lane_order else None
 
     def quantize(t):  # every output has the one out_dtype
         t = t.astype(jnp.float32)
@@ -69,8 +57,6 @@ def _fake_quant_kernel(*refs, n, block, seq_len, ragged, along, lane_order, by_a
             fq = nvfp4.fake_quant_last(t)
         else:  # groups of 16 tokens per channel: the same quantizer on the transposed tile
             fq = nvfp4.fake_quant_last(t.T).T
-        if lane_order and not by_address:
-            fq = lane_groups.to_lane_order(fq, 0)
         return fq.astype(refs[0].dtype)
 
     for x, o_ref in zip(xs, refs, strict=True):
@@ -96,7 +82,7 @@ def _call(xs: tuple[jax.Array, ...], prologue: QKPrologue | None, which: str, *,
     _check(block, along, lane_order, which, prologue)
     b, s, h, d = xs[0].shape
     kernel = functools.partial(_fake_quant_kernel, n=len(xs), block=block, seq_len=s, ragged=seq_pad != s,
-                               along=along, lane_order=lane_order, by_address=LANE_ORDER_BY_ADDRESS,
+                               along=along, lane_order=lane_order,
                                pro=qk_prologue_kernels.prologue_flags(prologue, interpret))
     pro_args, pro_specs = qk_prologue_kernels.prologue_specs(prologue, which, block, d, s,
                                                              row_block=lambda i, bi, hi: i)

@@ -6,7 +6,7 @@ A operand: a transposed copy every step. In the WGMMA layout a thread holds rows
 its warp's 16 rows, so with keys in their natural order the two bytes that end up side by side in a
 transposed row (keys 2i, 2i+1) live in different lanes: Mosaic GPU relays the tile out through int32 and
 ``WGMMA_TRANSPOSED`` (lane shuffles, selects and 2-byte stores: about 130 instructions per thread per
-64×64 step, a tenth of the step; benchmarks/NOTES.md, thirty-first session).
+64×64 step, a tenth of the step).
 
 Here the kernel's K̂ and Ṽ rows are stored in *pair order*: within every 16 keys, position ``8h + g``
 holds key ``2g + h``. A thread's rows ``g`` and ``g + 8`` are then keys ``2g`` and ``2g + 1``: packed as
@@ -17,9 +17,6 @@ the kernel in natural order too: :func:`store_rows` gives ``stmatrix`` each row'
 rows of Sᵀ, dPᵀ, dV and dK are permuted inside the kernel, and every reduction over them (the dS tile
 maximum, the P̂ row scales) is order-free, so the values are the natural order's; masks map a row to its
 key with :func:`key_of_row`.
-
-``ENABLED`` (a module switch read at trace time, for ``benchmarks/variants.py``): off, the kernel takes
-keys in natural order and stores the transposed copy through Mosaic GPU's relayout.
 """
 
 from __future__ import annotations
@@ -32,8 +29,6 @@ from pallas_kernels._mosaic import plgpu, swap_within_blocks, tile_transforms
 
 #: keys per pair-order block (one warp's 16 rows of a WGMMA tile)
 BLOCK = 16
-#: store K̂ and Ṽ in pair order in the fused SageBwd kernel (transposed dŜ and dK/dV by ``stmatrix``)
-ENABLED = True
 
 
 def _reorder(x: jax.Array, axis: int, split: tuple[int, int]) -> jax.Array:

@@ -15,26 +15,19 @@ reference's (up to accumulation order): the groups are the same 16 keys. Masks m
 :func:`key_of_column` (:func:`column_of_key` is its inverse: where the operand pass stores each key); the
 backward's dK/dV rows go back to key order as they are stored to SMEM (``stmatrix.store_rows``;
 :func:`from_lane_order` is the same permutation in XLA).
-
-``ENABLED`` (a module switch read at trace time, for ``benchmarks/variants.py``): off, the kernels
-take keys in natural order and FQ runs on 16-column slices (:func:`lowbit_jax.formats.nvfp4.fake_quant_columns`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit_jax.formats import nvfp4
+from pallas_kernels.numerics import nvfp4
 from pallas_kernels._mosaic import plgpu, swap_within_blocks
 
 #: keys per lane-order block (four lanes × 16 keys)
 BLOCK = 64
-#: store K̃ and Ṽ in lane order and take FQ(P)'s group maxima within each thread
-ENABLED = True
 
 
 def _reorder(x: jax.Array, axis: int, split: tuple[int, int]) -> jax.Array:
@@ -62,25 +55,14 @@ def column_of_key(key: jax.Array) -> jax.Array:
     return ((key & ~(BLOCK - 1)) | (((key >> 1) & 7) << 3) | (((key >> 4) & 3) << 1) | (key & 1))
 
 
-def key_order() -> Callable[[jax.Array], jax.Array] | None:
-    """:func:`key_of_column` if ``ENABLED`` (the kernels' masks then map columns to keys), else None."""
-    return key_of_column if ENABLED else None
-
-
-def group_max(x: jax.Array, interpret: bool, *, row_max: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+def group_max(x: jax.Array, interpret: bool) -> jax.Array:
     """For a (64, n) float32 WGMMA-layout tile of lane-ordered keys (n a multiple of 64): each element replaced
     by its FP4 group's maximum, the maximum over the 16 columns a thread holds of that row and 64-column block.
 
     Compiled: inline Mosaic GPU over the thread's registers (register index 1 is the 8-column chunk j,
     index 4 the row half; each register holds the pair e), one splat per group, so the group scale that
     follows runs on identical registers, which common-subexpression elimination can merge into one
-    computation per group (not checked in SASS; the forward measured 9–14% faster on the H200,
-    benchmarks/NOTES.md, thirtieth session). Interpreted (the interpreter has no inline Mosaic GPU): the
-    same maxima by a reshape.
-
-    ``row_max=True`` also returns each row's maximum, (64,) in the WGMMA row layout, as ``jnp.max(x, axis=1)``:
-    compiled, from the thread's distinct group maxima (one per group, not one per register), then the quad's
-    shuffles.
+    computation per group. Interpreted (the interpreter has no inline Mosaic GPU): the same maxima by a reshape.
     """
     rows, n = x.shape
     if n % BLOCK:
@@ -88,7 +70,7 @@ def group_max(x: jax.Array, interpret: bool, *, row_max: bool = False) -> jax.Ar
     if interpret:
         g = x.reshape(rows, n // BLOCK, 8, 4, 2)
         g = jnp.broadcast_to(jnp.max(g, axis=(2, 4), keepdims=True), g.shape).reshape(rows, n)
-        return (g, jnp.max(x, axis=1)) if row_max else g
+        return g
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -97,13 +79,11 @@ def group_max(x: jax.Array, interpret: bool, *, row_max: bool = False) -> jax.Ar
     x = plgpu.layout_cast(x, layout)
 
     tile_type = plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout)
-    row_type = plgpu.ShapeDtypeStruct((rows,), x.dtype, layout=layout.reduce(1))
 
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=(tile_type, row_type) if row_max else tile_type)
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=tile_type)
     def _max(ctx, arr):
         del ctx
         regs = arr.registers
-        row_tops: dict[tuple, ir.Value] = {}  # the thread's maximum of each row it holds (register index 1 dropped)
         groups: dict[tuple, list] = {}
         for idx in np.ndindex(regs.shape):
             key = idx[:1] + (idx[1] // (BLOCK // 8),) + idx[2:]
@@ -122,17 +102,7 @@ def group_max(x: jax.Array, interpret: bool, *, row_max: bool = False) -> jax.Ar
             splat = vector.broadcast(pair.type, top)
             for i in members:
                 out[i] = splat
-            row = members[0][:1] + members[0][2:]
-            row_tops[row] = top if row not in row_tops else arith.maximumf(row_tops[row], top)
-        groups_tile = mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=arr.is_signed)
-        if not row_max:
-            return groups_tile
-        # a (64, 8) tile holding each row's thread maximum, reduced by Mosaic GPU's row reduction (the shuffles)
-        narrow = np.empty((regs.shape[0], 1, *regs.shape[2:]), dtype=object)
-        for idx in np.ndindex(narrow.shape):
-            narrow[idx] = vector.broadcast(regs[idx].type, row_tops[idx[:1] + idx[2:]])
-        tops = mgpu.FragmentedArray(_registers=narrow, _layout=arr.layout, _is_signed=arr.is_signed)
-        return groups_tile, tops.reduce("max", axis=1)
+        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=arr.is_signed)
 
     return _max(x)
 
@@ -174,8 +144,7 @@ def _per_register(text: str, operands: tuple) -> jax.Array:
 def packed_fma(a: jax.Array, k: float, c: jax.Array) -> jax.Array:
     """a·k + c rounded once, for (64, n) bfloat16 tiles in the WGMMA layout (compiled only): inline Mosaic GPU,
     one PTX ``fma.rn.bf16x2`` per register (HFMA2 in SASS). Not ``math.fma``: Mosaic GPU's LLVM computes that
-    one in float32 and converts back (on the H200 the Attn-QAT forward 1.03 → 1.32 ms; benchmarks/NOTES.md,
-    fifty-sixth session)."""
+    one in float32 and converts back, which made the Attn-QAT forward 28% slower)."""
     if jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(c.dtype) != jnp.dtype(jnp.bfloat16):
         raise TypeError(f"packed_fma needs bfloat16 tiles, got {a.dtype} and {c.dtype}")
     factor_bf16 = np.array(k, dtype=jnp.bfloat16)
@@ -185,42 +154,14 @@ def packed_fma(a: jax.Array, k: float, c: jax.Array) -> jax.Array:
     return _per_register("fma.rn.bf16x2 $0, $1, $2, $3;", (a, bits << 16 | bits, c))
 
 
-#: ``lop3``'s truth table of (a & b) | c: bit a·4 + b·2 + c of it is the result for those input bits
-MASK_OR_LUT = (0xF0 & 0xCC) | 0xAA
-
-
-def packed_mask_or(t: jax.Array, mask: int, bits: int) -> jax.Array:
-    """(t's bits & mask) | bits in each 16-bit lane of a (64, n) bfloat16 tile (compiled only): one PTX ``lop3.b32``
-    per register with both constants as operands, so that ptxas can make one LOP3 of it (with ``&`` and ``|``
-    written apart it made two, each with its own immediate: 32 more per thread and step in the Attn-QAT forward)."""
-    if jnp.dtype(t.dtype) != jnp.dtype(jnp.bfloat16):
-        raise TypeError(f"packed_mask_or needs a bfloat16 tile, got {t.dtype}")
-    if not (0 <= mask < 1 << 16 and 0 <= bits < 1 << 16):
-        raise ValueError(f"packed_mask_or takes 16-bit masks, got {mask:#x} and {bits:#x}")
-    return _per_register(f"lop3.b32 $0, $1, $2, $3, {MASK_OR_LUT:#X};", (t, mask << 16 | mask, bits << 16 | bits))
-
-
-#: probe, not yet timed: :func:`e4m3_by_conversion` converts each float32 of a register by itself (one inline block
-#: per value) instead of Mosaic GPU's pairwise ``astype``: where both values of a register are one group's (the splat
-#: registers of :func:`group_max`), the two blocks are the same and LLVM merges them, and so everything after them on
-#: the group's scale (the zero-group select, ``rcp.approx``, the bf16 conversions), which the pairwise conversion's
-#: two unpacked halves computed twice (two MUFU.RCP, two HADD2.F32 per group in the fifty-seventh session's census)
-E4M3_LANEWISE = False
-#: one float32 → e4m3 → float32 rounding in PTX (the value converted as the low byte of an e4m3x2 pair)
-_E4M3_ROUND_PTX = ("{ .reg .b16 e; .reg .b32 h; .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 e, $1, $1; "
-                   "cvt.rn.f16x2.e4m3x2 h, e; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; }")
-
-
 def e4m3_by_conversion(x: jax.Array, interpret: bool) -> jax.Array:
-    """Non-negative finite float32 rounded to e4m3 as :func:`lowbit_jax.formats.nvfp4.e4m3_round` does (nearest even,
+    """Non-negative finite float32 rounded to e4m3 as :func:`pallas_kernels.numerics.nvfp4.e4m3_round` does (nearest
+    even,
     saturating at 448), by converting to ``float8_e4m3fn`` and back: compiled, PTX ``cvt.rn.satfinite.e4m3x2.f32``
-    and ``cvt.rn.f16x2.e4m3x2`` for two values (instead of the magic-number rounding's seven operations; per value with
-    :data:`E4M3_LANEWISE`, WGMMA-layout tiles); interpreted, XLA's conversion, which gives NaN past 464 instead of
-    saturating, so the input is clamped first."""
+    and ``cvt.rn.f16x2.e4m3x2`` for two values (instead of the magic-number rounding's seven operations);
+    interpreted, XLA's conversion, which gives NaN past 464 instead of saturating, so the input is clamped first."""
     if interpret:
         x = jnp.minimum(x, nvfp4.E4M3_MAX)
-    elif E4M3_LANEWISE:
-        return _per_value(_E4M3_ROUND_PTX, x)
     return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
 
 
@@ -249,51 +190,37 @@ def _per_value(text: str, x: jax.Array) -> jax.Array:
 def approx_reciprocal(x: jax.Array, interpret: bool) -> jax.Array:
     """1/x of a float32 tile: compiled (inline Mosaic GPU, WGMMA layout) PTX ``rcp.approx.ftz.f32``, at most 1 ulp off
     (one MUFU.RCP instead of a correctly rounded division's ~8 instructions and its branch); interpreted, ``1 / x``.
-    Enough where only bf16(1/x) of an e4m3 x is used (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`)."""
+    Enough where only bf16(1/x) of an e4m3 x is used (:func:`pallas_kernels.numerics.nvfp4.fake_quant_bf16`)."""
     return 1.0 / x if interpret else _per_value("rcp.approx.ftz.f32 $0, $1;", x)
 
 
 def fake_quant_p(p: jax.Array, interpret: bool, *, times: jax.Array | None = None, dtype=None,
-                 fma: bool = False, lop3: bool = False, fast_scale: bool = False,
-                 amax: jax.Array | None = None) -> jax.Array:
-    """P̃ of a (64, n) tile of non-negative finite probabilities, groups of 16 keys per row: lane-ordered keys
-    if ``ENABLED`` (:func:`group_max`), else natural order (16-column slices). The values of
-    :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities` (the references' twin) for the same ``dtype``.
+                 fma: bool = False, fast_scale: bool = False) -> jax.Array:
+    """P̃ of a (64, n) tile of non-negative finite probabilities with lane-ordered keys, groups of 16 keys per row
+    (:func:`group_max`). The values of :func:`pallas_kernels.numerics.nvfp4.fake_quant_probabilities` (the
+    references' twin) for the same ``dtype``.
 
     Args:
       p: (64, n) float32.
       times: a factor of p's shape that is constant along each FP4 group (a row's 1/l): the result is then
         e2m1 · (sf · times), the product taken once per group.
       dtype: the 16-bit dtype of the result (float32 if None). bfloat16: P rounded to bf16
-        and quantized in packed bf16 arithmetic (:func:`lowbit_jax.formats.nvfp4.fake_quant_bf16`); on the
-        H200 Attn-QAT fwd+bwd 7–10% less device time than the float32 quantizer (benchmarks/NOTES.md,
-        fortieth session). Otherwise the float32 quantizer, then converted.
+        and quantized in packed bf16 arithmetic (:func:`pallas_kernels.numerics.nvfp4.fake_quant_bf16`), about half
+        the float32 quantizer's instructions. Otherwise the float32 quantizer, then converted.
       fma: bfloat16, compiled: e2m1 rounding's two magic-number steps as :func:`packed_fma` (the same values; a
         packed multiply fewer per two elements than ptxas makes of ``a * k + c``, which it does not contract).
-      lop3: bfloat16, compiled: e2m1 rounding's bit operation as :func:`packed_mask_or` (one LOP3 per two elements).
       fast_scale: bfloat16: each group's scale by conversion instructions (:func:`e4m3_by_conversion`) and
         its reciprocal approximately (:func:`approx_reciprocal`); the same values.
-      amax: float32 (64, n), each element its FP4 group's maximum of p, where the caller has it (the forward: the
-        exponential of S's group maxima, as exp is increasing); None: :func:`group_max` of p (of bf16(p) for
-        bfloat16, which is bf16 of p's group maximum). Lane order only.
     Returns:
       (64, n) in ``dtype``.
     """
-    bf16 = dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-    if amax is not None and not ENABLED:
-        raise ValueError("fake_quant_p takes amax only with keys in lane order (lane_groups.ENABLED)")
-    if not ENABLED:  # natural key order: each group a 16-column slice, reduced along its rows
-        out = nvfp4.fake_quant_columns(p, nonnegative=True, assume_finite=True, times=times, bf16=bf16)
-        return out if dtype is None else out.astype(dtype)
-    if bf16:
+    if dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
         h = p.astype(jnp.bfloat16)
         fast = dict(to_e4m3=lambda x: e4m3_by_conversion(x, interpret),
                     reciprocal=lambda x: approx_reciprocal(x, interpret)) if fast_scale else {}
-        amax_h = group_max(h, interpret) if amax is None else amax.astype(jnp.bfloat16)
-        return nvfp4.fake_quant_bf16(h, amax_h, times=times,
-                                     fma=packed_fma if fma and not interpret else None,
-                                     mask_or=packed_mask_or if lop3 and not interpret else None, **fast)
-    values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret) if amax is None else amax, nonnegative=True,
-                                           assume_finite=True, times=times)
+        return nvfp4.fake_quant_bf16(h, group_max(h, interpret), times=times,
+                                     fma=packed_fma if fma and not interpret else None, **fast)
+    values, scale = nvfp4.fake_quant_parts(p, group_max(p, interpret), nonnegative=True, assume_finite=True,
+                                           times=times)
     out = values * scale
     return out if dtype is None else out.astype(dtype)

@@ -16,13 +16,8 @@ dÔᵀ's queries for the backward's dŜᵀQ̂ and P̂ᵀdÔ — and the Triton k
 permute their rows on the way (:func:`to_operand_order` inside the kernel, no extra pass); the accumulator tiles,
 their masks and their reductions keep their natural order.
 
-Measured on the H200 (benchmarks/NOTES.md, thirty-second session): static hot-loop instructions per thread and
-step at B16 H10/5 S2048 D64 causal 1044 → 996 (forward), 1038 → 993 (fused backward); fwd+bwd device time −2.8% there,
-−5.2% at B8 H32 S2048 D64, −5.3% at B4 H32 S4096 D128, −4.2% at B1 H32 S16384 D128. Permuting the INT8 copies by
-an XLA transpose instead cost more than the kernels gained (0.29–0.30 ms for one 64 MiB copy at B4 H32 S4096 D128).
-
-``ENABLED`` (a module switch read at trace time, for ``benchmarks/variants.py``): off, the B operands keep their
-natural order and the tiles are relaid out by lane shuffles.
+This removes about 5% of the hot loop's instructions in the forward and the fused backward (docs/performance.md);
+permuting the INT8 copies by an XLA transpose instead would cost more than the kernels gain.
 """
 
 from __future__ import annotations
@@ -32,18 +27,15 @@ import numpy as np
 
 from pallas_kernels import register_operands
 from pallas_kernels._mosaic import plgpu, swap_within_blocks
-from pallas_kernels.register_operands import RELAYOUT_8BIT
 
 #: entries per operand-order block (one 16-column group of the 8-bit A operand)
 BLOCK = 16
-#: store the B operands of the register-operand INT8 products in operand order
-ENABLED = True
 
 
 def available(interpret: bool) -> bool:
-    """Whether kernels take operand order: ``ENABLED`` and, compiled, this jax's WGMMA_8BIT layout as
-    :func:`register_operand` assumes it (``register_operands.RELAYOUT_8BIT``); the interpreter permutes in jax.numpy."""
-    return ENABLED and (interpret or RELAYOUT_8BIT)
+    """Whether kernels take operand order: interpreted (the permutation in jax.numpy), or compiled with this jax's
+    WGMMA_8BIT layout as :func:`register_operand` assumes it (``register_operands.relayout_8bit``)."""
+    return interpret or register_operands.relayout_8bit()
 
 
 def check_block(block: int, name: str) -> None:

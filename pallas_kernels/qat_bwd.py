@@ -1,6 +1,6 @@
 """Attn-QAT backward: recompute P with the forward's FP4 fake quantization, Pallas lowered through Triton.
 
-shared/SPEC.md §2, the two principles: (1) P is recomputed from Q̃, K̃ and the
+docs/spec.md, Attn-QAT, the two principles: (1) P is recomputed from Q̃, K̃ and the
 forward's row max m and L (P = exp2(S − m)/l), and dV uses FQ(P) — the same NVFP4
 fake quantization (groups of 16 keys per row, relative to the row max) as the
 forward's output path; (2) D = rowsum(dO ∘ O') with the
@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import nvfp4
-from lowbit_jax.qat_reference import backward_rows
+from pallas_kernels.numerics import nvfp4
+from pallas_kernels.numerics.qat_rows import backward_rows
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
-from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
+from pallas_kernels.numerics.tile_ranges import key_tile_range, query_tile_range, visible
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))  # A·Bᵀ

@@ -1,10 +1,10 @@
 """Attn-QAT forward: flash attention with NVFP4 fake-quantized P, Pallas lowered through Triton.
 
-shared/SPEC.md §2. One program owns ``block_q`` query rows of one (batch, head)
+docs/spec.md, Attn-QAT. One program owns ``block_q`` query rows of one (batch, head)
 and loops over key tiles of the fake-quantized K̃, Ṽ (from
 :mod:`pallas_kernels.fake_quant`): S = Q̃K̃ᵀ·scale·log2 e (16-bit MMA, fp32
 accumulation), online softmax in base 2, P = exp2(S − m), P̃ = FQ(P) in groups of
-16 keys per row (in registers, :func:`lowbit_jax.formats.nvfp4.fake_quant_probabilities`; bf16 arithmetic
+16 keys per row (in registers, :func:`pallas_kernels.numerics.nvfp4.fake_quant_probabilities`; bf16 arithmetic
 for bf16 operands),
 O += P̃Ṽ and — for the backward — the high-precision O' += PṼ; l from the
 unquantized P. Writes O, O' (optional), the base-2 log-sum-exp L (+inf for
@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8, nvfp4, sage_tiles
+from pallas_kernels.numerics import int8, nvfp4, sage_tiles
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import QatConfig
-from pallas_kernels.online_softmax import online_softmax_step
-from pallas_kernels.tile_ranges import key_tile_range, visible
+from pallas_kernels.numerics.online_softmax import online_softmax_step
+from pallas_kernels.numerics.tile_ranges import key_tile_range, visible
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands

@@ -1,4 +1,4 @@
-"""The QK-norm + RoPE prologue (:mod:`lowbit_jax.formats.qk_prologue`) in Triton kernels: its backward as one pass,
+"""The QK-norm + RoPE prologue (:mod:`pallas_kernels.numerics.qk_prologue`) in Triton kernels: its backward as one pass,
 and the helpers with which the forward's kernels apply it to the tiles they load.
 
 The forward's prologue runs inside the kernels that read q and k anyway: SageAttention's quantize kernels
@@ -6,9 +6,8 @@ The forward's prologue runs inside the kernels that read q and k anyway: SageAtt
 :func:`prologue_specs`, :func:`prologue_flags` and :func:`load_tile`. Its backward reads
 the attention's gradient dz of the normalized, rotated q (or k) and the pre-norm input x once, and writes dx and
 each program's partial sum of the norm scale's gradient: the work XLA splits into a rotation, a row reduction,
-an element-wise pass and a column reduction over every token (five passes over the activations at the 50m
-training shape, benchmarks/NOTES.md, forty-seventh session). The math is
-:func:`lowbit_jax.formats.qk_prologue.backward_halves`, the function the reference runs on whole arrays.
+an element-wise pass and a column reduction over every token (five passes over the activations). The math is
+:func:`pallas_kernels.numerics.qk_prologue.backward_halves`, the function the reference runs on whole arrays.
 """
 
 from __future__ import annotations
@@ -19,15 +18,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import qk_prologue
-from lowbit_jax.formats.qk_prologue import QKPrologue
+from pallas_kernels.numerics import qk_prologue
+from pallas_kernels.numerics.qk_prologue import QKPrologue
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 
-#: elements (token rows × head dim) per program of the backward pass, and its warps up to head dim 64 and beyond:
-#: on the H200 (benchmarks/probes/prologue_sweep.py, benchmarks/NOTES.md, forty-seventh and forty-eighth sessions)
-#: at B16 S2048 H10 D64 64 rows with 2 warps took 0.0436 ms (4: 0.0506, 8: 0.0598; 32 rows 0.045, 128 rows
-#: 0.049–0.37); at B4 S4096 H32 D128 32 rows with 4 warps 0.131 ms (2: 0.141; 64 rows with 2 warps, the D64 choice,
-#: 0.243; with 4 0.155; 128 rows 0.17–2.3)
+#: elements (token rows × head dim) per program of the backward pass, and its warps up to head dim 64 and beyond
+#: (the fastest measured: 64 rows with 2 warps at head dim 64, 32 rows with 4 warps at 128)
 BLOCK_ELEMENTS = 4096
 WARPS = 2
 WARPS_WIDE = 4

@@ -1,7 +1,7 @@
 """Fused quantize kernels: smoothing + INT8 + head-major / transposed layouts.
 
 Memory-bound: each reads its 16-bit input once and writes int8 codes and
-float32 scales. The tile math is :mod:`lowbit_jax.formats.sage_tiles`, the
+float32 scales. The tile math is :mod:`pallas_kernels.numerics.sage_tiles`, the
 same functions the pure-JAX reference runs.
 
 * ``sage_quantize_q``: Q (B, Sq, H, D) → Q̂ (B, H, Sq_pad, D), scale (B, H, Sq_pad)
@@ -11,7 +11,7 @@ same functions the pure-JAX reference runs.
 * ``sage_channel_stats``: what ``sage_quantize_kv`` needs first, K's token mean and V's per-channel
   scale (B, Hkv, D), from one pass over K and V.
 
-Each takes an optional :class:`lowbit_jax.formats.qk_prologue.QKPrologue`: Q and K then arrive before their
+Each takes an optional :class:`pallas_kernels.numerics.qk_prologue.QKPrologue`: Q and K then arrive before their
 QK-norm and RoPE, which the kernels apply to each loaded tile (:func:`qk_prologue.forward_halves`, on the two
 channel halves loaded apart) before quantizing, instead of XLA writing and re-reading a normalized, rotated copy.
 """
@@ -23,15 +23,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax.formats import int8, sage_tiles
-from lowbit_jax.formats.qk_prologue import QKPrologue
+from pallas_kernels.numerics import int8, sage_tiles
+from pallas_kernels.numerics.qk_prologue import QKPrologue
 from pallas_kernels import qk_prologue as qk_prologue_kernels
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
 from pallas_kernels.operand_order import check_block, transposed as _transposed
 
-#: at least this many warps for ``sage_quantize_q`` with a prologue (its ALU work): on the H200 at B16 S2048 H10
-#: D64 0.039 ms with 8 against 0.046 with 4 (without a prologue 4 stays best: 0.029 vs 0.030;
-#: benchmarks/probes/prologue_sweep.py, benchmarks/NOTES.md, forty-seventh session)
+#: at least this many warps for ``sage_quantize_q`` with a prologue (its ALU work; without one the config's are best)
 PROLOGUE_WARPS = 8
 
 
@@ -239,15 +237,11 @@ def sage_quantize_kv(
     return outs[0], outs[1], outs[2], (outs[3] if transposed else None)
 
 
-#: tokens per program of :func:`sage_channel_stats` (H200, B16 S2048 Hkv5 D64, inputs re-read: 7.7 µs with 256
-#: rows and 4 warps, 9.5 with 128, 8.5 with 512, 9.2–11.9 with 8 warps, XLA's two column reductions 22.4 µs; inside
-#: a fwd+bwd 16.2 µs against XLA's 33; level at B8 S2048 H32 D64 and B4 S4096 H32 D128, where all of them read at
-#: about 3.7 TB/s; benchmarks/NOTES.md, thirty-ninth session)
+#: tokens per program of :func:`sage_channel_stats` and its warps: the fastest measured at small sizes, where XLA's
+#: two column reductions are latency-bound (a third of their time); level with them at large sizes
 STATS_CHUNK = 256
 STATS_WARPS = 4
-#: tokens per program with a prologue (its halves and tables in registers): on the H200 at B16 S2048 Hkv5 D64
-#: 0.0208 ms with 128 rows and 4 warps against 0.0248 with 256 (64: 0.0236–0.0303, 32: 0.0237–0.0427;
-#: benchmarks/probes/prologue_sweep.py, benchmarks/NOTES.md, forty-seventh session)
+#: tokens per program with a prologue (its halves and tables in registers)
 PROLOGUE_STATS_CHUNK = 128
 
 

@@ -22,10 +22,6 @@ from pallas_kernels import dq_stage
 from pallas_kernels._mosaic import matmul, pl, plgpu
 from pallas_kernels.dq_stage import REDUCE_COLS, stage_transforms
 
-#: free the dQ reduce-add stage (:func:`stage_free`: the previous TMA reduce-add has read it, and a warpgroup
-#: barrier) right after the step's products are issued, while the tensor cores run them, instead of after the
-#: dQ product is waited for, just before the stage is rewritten (:func:`early_stage_wait`)
-EARLY_STAGE_WAIT = True
 
 
 
@@ -49,8 +45,7 @@ def reduce_add_accumulator(shape: tuple, writers: tuple[int, ...], *, interpret:
     ``lax.optimization_barrier`` together with it, so the buffer cannot be filled before that input
     exists. A plain ``jnp.zeros`` has no operands: in a model's training step XLA merged the zero fills
     of every layer's backward into one multi-output fusion at the start of the backward, so all of them
-    were live at once (11 × 80 MiB float32 dQ workspaces in the 50m preset at B16 S2048; benchmarks/NOTES.md,
-    twenty-second session).
+    were live at once (11 × 80 MiB float32 dQ workspaces in the 50m preset at B16 S2048).
 
     ``zeros``: a float32 array of ``shape`` that a kernel reading ``after`` wrote as zeros (the SageBwd
     preprocess: ``sage_bwd.sage_bwd_preprocess(zero_dq=True)``), used instead of a separate fill; interpreting,
@@ -83,11 +78,11 @@ def stage_free(pending: int = 0) -> None:
     plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
 
 
-def early_stage_wait(pending: int = 0) -> Callable[[], None] | None:
-    """The ``issued`` hook that frees the dQ stage while the step's products run (:data:`EARLY_STAGE_WAIT`;
-    ``pending`` as in :func:`stage_free`), or None (the wait stays in :func:`reduce_add_out`); pass ``waited=``
-    that hook's truth to it."""
-    return functools.partial(stage_free, pending) if EARLY_STAGE_WAIT else None
+def early_stage_wait(pending: int = 0) -> Callable[[], None]:
+    """The ``issued`` hook that frees the dQ stage (:func:`stage_free`, ``pending`` as there) right after the
+    step's products are issued, while the tensor cores run them, instead of just before the stage is rewritten;
+    pass ``waited=True`` to :func:`reduce_add_out` after it."""
+    return functools.partial(stage_free, pending)
 
 
 def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool, waited: bool = False,
@@ -97,13 +92,13 @@ def reduce_add_out(stage, value: jax.Array, dst, *, interpret: bool, waited: boo
     reduce-add; the copy is left in flight). Float32 sums in an unspecified order across CTAs.
     The Mosaic GPU interpreter has no TMA reduction: there it is a plain copy, so ``dst`` must be a
     slice of a workspace that only this warpgroup writes, summed by the caller. ``permuted``: the stage's columns in
-    ``dq_stage`` order (16-byte stores without bank conflicts; only where ``dq_stage.in_use``), to be put back by
+    ``dq_stage`` order (16-byte stores without bank conflicts; compiled only), to be put back by
     :func:`reduce_add_total` with the same flag."""
     if not waited:
         stage_free(pending)
     if permuted:
-        if not dq_stage.in_use(interpret):
-            raise ValueError("permuted: the dQ stage's column order is used only where dq_stage.in_use()")
+        if interpret:
+            raise ValueError("permuted: the interpreter has no inline Mosaic GPU for the dQ stage's column order")
         dq_stage.store(stage, value)
     else:
         stage[...] = value
@@ -144,6 +139,6 @@ def reduce_add_product(stage, part: jax.Array, dst, *, interpret: bool, factor=N
                    pending=pending, permuted=permuted)
 
 
-__all__ = ["EARLY_STAGE_WAIT", "REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator", "reduce_add_slot",
+__all__ = ["REDUCE_COLS", "reduce_add_stage", "reduce_add_accumulator", "reduce_add_slot",
            "reduce_add_total", "stage_free", "early_stage_wait", "reduce_add_out", "reduce_add_matmul",
            "reduce_add_product"]

@@ -2,13 +2,16 @@
 
 Mosaic GPU (jax 0.11.2) takes an INT8 ``wgmma`` A operand from registers only in its WGMMA_8BIT layout and has no
 relayout into it from the accumulator's WGMMA layout that every computed tile (P̂, dŜ) has; importing this module
-adds that one relayout (:func:`_install_8bit_relayout`: two lane shuffles and a byte permute per four values,
-:func:`_wgmma_to_8bit`). :func:`register_operand` then turns a tile into an A operand: from registers where it can,
+adds that one relayout at the first compiled kernel that needs it (:func:`relayout_8bit`; two lane shuffles and a
+byte permute per four values, :func:`_wgmma_to_8bit`). :func:`register_operand` then turns a tile into an A operand:
+from registers where it can,
 through an SMEM tile where it cannot (the interpreter, which takes SMEM operands only, or a switch). Where the
 product's B operand holds its contraction index permuted, ``operand_order.register_operand`` needs no shuffle.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -119,17 +122,18 @@ def _install_8bit_relayout() -> bool:
     return True
 
 
-#: whether this jax has the WGMMA → WGMMA_8BIT relayout (:func:`_install_8bit_relayout`)
-RELAYOUT_8BIT = _install_8bit_relayout()
-
-#: INT8 ``wgmma`` A operands (P̂, dŜ) straight from registers (:func:`register_operand`) instead of through SMEM
-INT8_REGISTER_OPERANDS = True
+@functools.cache
+def relayout_8bit() -> bool:
+    """Whether this jax has the WGMMA → WGMMA_8BIT relayout, installed (:func:`_install_8bit_relayout`) on the first
+    call: the first compiled Mosaic GPU kernel that takes an INT8 A operand from registers. Importing the package
+    changes nothing in JAX; the interpreter never needs it."""
+    return _install_8bit_relayout()
 
 
 def int8_in_registers(interpret: bool) -> bool:
-    """Whether :func:`register_operand` keeps INT8 tiles in registers: with the relayout available and switched on,
-    never in the interpreter (which takes SMEM operands)."""
-    return RELAYOUT_8BIT and INT8_REGISTER_OPERANDS and not interpret
+    """Whether :func:`register_operand` keeps INT8 tiles in registers: compiled, with the relayout available
+    (the interpreter takes SMEM operands only)."""
+    return not interpret and relayout_8bit()
 
 
 def int8_operand_in_smem(interpret: bool, registers: bool = True) -> bool:
@@ -160,4 +164,4 @@ def register_operand(x: jax.Array, scratch, interpret: bool, *, commit: bool = T
     return scratch
 
 
-__all__ = ["RELAYOUT_8BIT", "INT8_REGISTER_OPERANDS", "int8_in_registers", "int8_operand_in_smem", "register_operand"]
+__all__ = ["relayout_8bit", "int8_in_registers", "int8_operand_in_smem", "register_operand"]

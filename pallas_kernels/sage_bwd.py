@@ -1,15 +1,13 @@
 """SageBwd: the INT8 attention backward, Pallas lowered through Triton.
 
-Kernels (shared/SPEC.md §1, backward):
+Kernels (docs/spec.md, SageBwd):
 
 * ``sage_bwd_preprocess`` — per query tile: D = rowsum(dO∘O) in fp32 and dO
   quantized to INT8 with one scale per tile, written transposed (D, Sq) so
   dV = P̂ᵀ·dÔ contracts over contiguous memory.
 * ``sage_bwd_kv_operands`` — per key block: the fused Mosaic dK/dV/dQ kernel's K̂ and Ṽ
   (V̂ᵀ dequantized and transposed) with their keys in ``key_pairs`` order, one pass
-  instead of XLA's two transposes (B16 H10/5 S2048 D64 causal: fwd+bwd busy 1.137 →
-  1.128 ms on the H200; B4 H32 S4096 D128: 8.60 → 8.54; benchmarks/NOTES.md,
-  thirty-ninth session).
+  instead of XLA's two transposes.
 * ``sage_bwd_dkdv`` — one program per key tile (and batch, kv head), looping over
   the query tiles of every query head of its GQA group: recompute Sᵀ = K̂Q̂ᵀ (INT8),
   Pᵀ = exp2(Sᵀ − L); dV += P̂ᵀdÔ (INT8, P per key row of the tile, dO per tile);
@@ -18,8 +16,8 @@ Kernels (shared/SPEC.md §1, backward):
 * ``sage_bwd_dq`` — one program per query tile, looping over key tiles of
   ``dq_block_k``: the same S, P, dP, dS, quantized per (bwd_block_q × dq_block_k)
   tile for dQ += dŜK̂ (INT8).
-  Deterministic and without an fp32 workspace. (Fusing it into the dK/dV kernel
-  with fp32 atomic adds was measured 4× slower on the H200: benchmarks/NOTES.md.)
+  Deterministic and without an fp32 workspace (fusing it into the Triton dK/dV kernel
+  with fp32 atomic adds measured 4× slower).
 
 Six of the seven attention matmuls are INT8 (forward QKᵀ and PV; backward QKᵀ
 recompute, dV, dQ, dK); only dP is 16-bit. Every INT8 product contracts over the
@@ -42,13 +40,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8
-from lowbit_jax.formats.sage_tiles import dequantize_v_t
+from pallas_kernels.numerics import int8
+from pallas_kernels.numerics.sage_tiles import dequantize_v_t
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels import key_pairs
 from pallas_kernels.operand_order import check_block, from_operand_order, transposed
-from pallas_kernels.tile_ranges import key_tile_range, query_tile_range, visible
+from pallas_kernels.numerics.tile_ranges import key_tile_range, query_tile_range, visible
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands
 LOG2E = math.log2(math.e)
@@ -63,9 +61,6 @@ def _dot_f32(a, b):
 
 
 _TILE = (0, 1)  # ψ with one scale for the whole 2-D tile (scale shape (1, 1))
-#: the fused Mosaic backward's float32 dQ accumulator zeroed by :func:`sage_bwd_preprocess` (``zero_dq``) rather
-#: than by a separate XLA fill (``reduce_add.reduce_add_accumulator``); a switch for ``benchmarks/variants.py``
-ZERO_DQ_HERE = True
 
 
 # ----------------------------------------------------------------------------- preprocess
@@ -96,7 +91,7 @@ def sage_bwd_preprocess(o: jax.Array, do: jax.Array, *, config: SageFwdConfig, o
         ``config.bwd_block_q`` a multiple of 16).
       zero_dq: also return a zeroed float32 (B, Sq_pad, Hq, D) array, the fused Mosaic backward's dQ
         accumulator (``sage_bwd_mosaic.sage_bwd_dkdv_mosaic``'s ``dq_zeros``), written by the same programs
-        that read dO and O (as cuDNN's preprocess does) instead of a separate fill (:data:`ZERO_DQ_HERE`).
+        that read dO and O (as cuDNN's preprocess does) instead of a separate fill.
     Returns:
       delta float32 (B, Hq, Sq_pad); dÔᵀ int8 (B, Hq, D, Sq_pad); dO scale float32
       (B, Hq, Sq_pad) (one value per tile, repeated); with ``zero_dq`` the zeroed accumulator after them.
@@ -156,7 +151,7 @@ def sage_bwd_kv_operands(k8: jax.Array, vt8: jax.Array, v_scale: jax.Array, *, d
 
     The values of ``key_pairs.to_pair_order(k8, 2)`` and of ``to_pair_order(sage_bwd_mosaic.dequantized_v(vt8,
     v_scale, dtype, keys_in_operand_order=v_operand_order), 2)``, which XLA computes as two transposes
-    (:func:`lowbit_jax.formats.sage_tiles.dequantize_v_t` is the dequantization here too).
+    (:func:`pallas_kernels.numerics.sage_tiles.dequantize_v_t` is the dequantization here too).
 
     Args:
       k8: int8 (B, Hkv, Sk_pad, D) K̂ in natural key order.

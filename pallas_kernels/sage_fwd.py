@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8, sage_tiles
+from pallas_kernels.numerics import int8, sage_tiles
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
-from pallas_kernels.tile_ranges import key_tile_range, visible
+from pallas_kernels.numerics.tile_ranges import key_tile_range, visible
 
 _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands (K-major)
 

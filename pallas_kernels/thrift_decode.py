@@ -1,6 +1,6 @@
 """ThriftAttention decode: split-KV (flash-decoding) over a 16-bit and a 4-bit KV cache, Pallas-Triton.
 
-shared/SPEC.md §3.4–3.5; the twin is :func:`lowbit_jax.thrift_reference.decode_reference`. A program owns one
+docs/spec.md, ThriftAttention; the twin is :func:`lowbit_jax.thrift_reference.decode_reference`. A program owns one
 tile of query rows (the group's query heads × the new tokens, :func:`lowbit_jax.thrift_reference.decode_rows`)
 of one (batch, kv head) and one run of its key blocks in the order of
 :func:`lowbit_jax.thrift_reference.block_order`: the first ``config.decode_splits`` programs cut the 4-bit
@@ -9,9 +9,9 @@ softmax (unnormalized O, m, l) of its real rows for :func:`lowbit_jax.thrift_ref
 token of a group of 4 heads fills 4 of a 16-row tile: the padding rows are neither written nor read back, 7–14%
 of a one-token step at B8–B32); no program branches per block, so Triton pipelines the loads.
 
-A 4-bit block is read as packed e2m1 codes (:func:`lowbit_jax.formats.nvfp4.pack_halves`: a byte holds elements
+A 4-bit block is read as packed e2m1 codes (:func:`pallas_kernels.numerics.nvfp4.pack_halves`: a byte holds elements
 i and i + n/2) with e4m3 group scales, 0.5625 bytes per value instead of 2, and decoded in registers by bit
-placement into float16 (:func:`lowbit_jax.formats.nvfp4.e2m1_decode_f16`, value · 2**-14, no gather; compiled,
+placement into float16 (:func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16`, value · 2**-14, no gather; compiled,
 four bytes at a time in inline PTX, :func:`pallas_kernels._triton.e2m1_unpack_f16`) times the group scale: one
 fp16 multiply per value, exact (the products have at most five significant bits and land on fp16's grid down to
 its smallest subnormal); the 2**14 goes into the score scale and into FQ(P). Every product
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import nvfp4
+from pallas_kernels.numerics import nvfp4
 from pallas_kernels._triton import compiler_params, e2m1_unpack_f16, pl, store_rows
 from pallas_kernels.configs import ThriftConfig
-from pallas_kernels.online_softmax import online_softmax_step
+from pallas_kernels.numerics.online_softmax import online_softmax_step
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))

@@ -1,17 +1,17 @@
 """ThriftAttention prefill: one online softmax over 16-bit and NVFP4 key blocks, Pallas lowered through Triton.
 
-shared/SPEC.md §3.2–3.3; the twin is :func:`lowbit_jax.thrift_reference.prefill_reference`. A program owns
+docs/spec.md, ThriftAttention; the twin is :func:`lowbit_jax.thrift_reference.prefill_reference`. A program owns
 one query block (``config.block`` rows) of one (batch, head) and walks its valid key blocks in the
 order of :func:`lowbit_jax.thrift_reference.block_order` (from the selection of
 :mod:`pallas_kernels.thrift_select`): first the NVFP4 blocks (S = Q̃K̃ᵀ, O += FQ(P)·Ṽ, FQ(P) in groups of
-16 keys by the shared :func:`lowbit_jax.formats.nvfp4.fake_quant_last`) — those every row sees whole
+16 keys by the shared :func:`pallas_kernels.numerics.nvfp4.fake_quant_last`) — those every row sees whole
 without a mask, then the masked ones — then the 16-bit blocks (S = QKᵀ, O += P·V): three loops without a
 branch inside, so Triton pipelines their loads (on the H200, with every block 16-bit: 6.9 ms at B1 H32/8
 S16384 D128 causal against 9.7 ms with a branch per block; cuDNN 3.7 ms). Q̃ is fake-quantized once per
 program in registers; the 16-bit blocks are read from K and V in place (no copy), K̃ and Ṽ come from one
 fused pass each (:func:`pallas_kernels.fake_quant.fp4_fake_quant_heads`) as 16-bit arrays. The H200 has no
 FP4 tensor cores: the FP4 path runs bf16 MMAs on exactly representable values and adds FQ(P) in registers,
-so on this card the prefill is slower than 16-bit attention (benchmarks/RESULTS.md). A call covers
+so on Hopper the prefill is slower than 16-bit attention (benchmarks/RESULTS.md). A call covers
 ``n_blocks`` query blocks from a traced ``first_block`` and can update an output in place, so that
 :mod:`lowbit_jax.thrift` runs a long prefill in chunks of ``ThriftConfig.prefill_chunk`` blocks (one compiled
 kernel for every chunk) and only a chunk's selection and block order exist at a time.
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit_jax.formats import int8, nvfp4
+from pallas_kernels.numerics import int8, nvfp4
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask, store_rows
 from pallas_kernels.configs import ThriftConfig
-from pallas_kernels.online_softmax import online_softmax_step
-from pallas_kernels.tile_ranges import key_tile_range, selectable_key_blocks, visible
+from pallas_kernels.numerics.online_softmax import online_softmax_step
+from pallas_kernels.numerics.tile_ranges import key_tile_range, selectable_key_blocks, visible
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))

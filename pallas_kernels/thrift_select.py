@@ -1,6 +1,6 @@
 """ThriftAttention block selection: one fused kernel scores q̄_i·k̄_j and keeps the top k per query block.
 
-shared/SPEC.md §3.1; the rule is :func:`lowbit_jax.thrift_reference.selection_reference`'s (its twin). A
+docs/spec.md, ThriftAttention; the rule is :func:`lowbit_jax.thrift_reference.selection_reference`'s (its twin). A
 program owns ``select_rows`` query blocks of one (batch, head). Sort and top_k do not lower to Triton, so
 the k-th largest score of each row is found by bisection on its bits: the float32 scores are mapped to
 int32 keys in the same order (``bits ^ ((bits >> 31) & 0x7fffffff)``, with ±0 as one key), and the
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl
-from pallas_kernels.tile_ranges import selectable_key_blocks
+from pallas_kernels.numerics.tile_ranges import selectable_key_blocks
 
 DOT_NT = (((1,), (1,)), ((), ()))
 INT_MIN = -(2**31)

@@ -15,11 +15,6 @@ import jax.numpy as jnp
 from pallas_kernels import stmatrix
 from pallas_kernels._mosaic import col_vector, plgpu, warpgroup_barrier
 
-#: :func:`tile_absmax` compiled: each warp's maximum by one ``redux.sync`` and four SMEM words
-#: (:func:`_warp_absmax`), instead of 64 row maxima through SMEM re-read along the lanes
-WARP_TILE_MAX = True
-
-
 def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
     """max |x| of a (rows, cols) float32 WGMMA-layout tile, as a scalar every thread of the warpgroup holds.
     ``scratch``: this warpgroup's own (rows,) float32 SMEM ref (rows a multiple of 4, as allocated: 16-byte
@@ -31,14 +26,14 @@ def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
     warpgroups of a CTA, which races when two compute warpgroups reduce at once
     (measured: wrong dS scales on the H200), so the cross-warp step goes through ``scratch``,
     which only this warpgroup reads; a plain warpgroup barrier orders it (``_mosaic.warpgroup_barrier``).
-    Compiled with :data:`WARP_TILE_MAX`: :func:`_warp_absmax`. Otherwise (and interpreted) the row maxima are
-    written to ``scratch`` and re-read along the lanes, so the last reduction stays inside each warp.
+    Compiled: :func:`_warp_absmax` (one ``redux.sync`` per warp and four SMEM words). Interpreted: the row maxima
+    written to ``scratch`` and re-read along the lanes.
     """
     if x.ndim != 2 or scratch.shape != (x.shape[0],) or x.shape[0] % 4:
         raise ValueError(f"tile_absmax takes a (rows, cols) tile and a (rows,) scratch, rows a multiple of 4; got "
                          f"{x.shape} and {scratch.shape}")
     x = jnp.abs(x)
-    if WARP_TILE_MAX and not interpret:
+    if not interpret:
         return _warp_absmax(x, scratch)
     scratch[...] = jnp.max(x, axis=1)
     warpgroup_barrier(interpret)  # every row max is written
@@ -130,4 +125,4 @@ def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
     return _vote(plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)))
 
 
-__all__ = ["WARP_TILE_MAX", "tile_absmax", "warp_any_above"]
+__all__ = ["tile_absmax", "warp_any_above"]

@@ -65,24 +65,21 @@ def test_each_piece_holds_the_columns_column_of_names():
                     np.testing.assert_array_equal(dq_stage.column_of(d), col + e)
 
 
-def test_accumulator_total_is_unpermuted_only_for_a_permuted_stage(monkeypatch):
+def test_accumulator_total_is_unpermuted_only_for_a_permuted_stage():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 3, 128)), jnp.float32)
     np.testing.assert_array_equal(reduce_add.reduce_add_total(x, 0, interpret=False, permuted=True),
                                   dq_stage.unpermute(x))
     np.testing.assert_array_equal(reduce_add.reduce_add_total(x, 0, interpret=False), x)
     np.testing.assert_array_equal(reduce_add.reduce_add_total(x[None], 1, interpret=True), x)
-    assert dq_stage.in_use(False) and not dq_stage.in_use(True)
-    monkeypatch.setattr(dq_stage, "STAGE_SWIZZLE", 32)
-    assert not dq_stage.in_use(False)
+    assert dq_stage.permutes(64, False) and not dq_stage.permutes(64, True) and not dq_stage.permutes(128, False)
 
 
 @pytest.mark.parametrize("method, head_dim, stores", [("sage", 64, 1), ("sage", 128, 0), ("qat", 64, 1),
                                                        ("qat", 128, 0)])
 def test_fused_backwards_take_the_permuted_stage_where_measured_faster(monkeypatch, method, head_dim, stores):
-    """Lowered for an H200: the fused SageBwd kernel stores its dQ stage through ``dq_stage.store`` at head dim 64
-    only (``sage_bwd_mosaic.PERMUTED_STAGE_MAX_HEAD_DIM``), and its accumulator is put back by ``unpermute``;
-    so does Attn-QAT's (``qat_bwd_mosaic.PERMUTED_STAGE_MAX_HEAD_DIM``, fifty-fourth session)."""
-    from benchmarks.common import lower_mosaic_fwd_bwd
+    """Lowered for an H200: the fused SageBwd and Attn-QAT kernels store their dQ stage through ``dq_stage.store``
+    at head dim 64 only (``dq_stage.permutes``), and the accumulator is put back by ``unpermute``."""
+    from h200 import lower_mosaic_fwd_bwd
 
     calls = []
     for name in ("store", "unpermute"):
@@ -117,13 +114,13 @@ def _stage_kernel(interpret: bool = False):
 def test_stage_store_compiled():
     """Lowered for an H200 on any machine; compiled on a Hopper GPU against numpy (the only place the inline Mosaic
     GPU runs; passed on the H200, forty-fourth session): the stage holds t's columns where ``column_of`` says."""
-    from benchmarks import common
+    import h200
 
     rng = np.random.default_rng(7)
     a = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
     e = np.eye(64, dtype=jnp.bfloat16)
     kernel = _stage_kernel()
-    common.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
+    h200.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
     if not _mosaic.on_hopper():
         return
     got = np.asarray(kernel(a, e))

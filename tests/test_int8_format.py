@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowbit_jax.formats import int8, sage_tiles
+from pallas_kernels.numerics import int8, sage_tiles
 
 
 def np_quantize(x, axes):

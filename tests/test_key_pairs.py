@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import common
+import h200
 from pallas_kernels import _mosaic as mos
 from pallas_kernels import key_pairs, lane_groups, stmatrix
 
@@ -78,7 +78,7 @@ def test_stores_put_pair_ordered_rows_in_natural_order(monkeypatch, kind, n, dty
     calls = []  # lowered for an H200, the inline Mosaic GPU store is taken (and lowers)
     inline = mos.plgpu.inline_mgpu
     monkeypatch.setattr(mos.plgpu, "inline_mgpu", lambda **kw: calls.append(1) or inline(**kw))
-    assert "stmatrix" in common.lower_for_h200(_store_kernel(kind, n, dtype, interpret=False), a, e).as_text()
+    assert "stmatrix" in h200.lower_for_h200(_store_kernel(kind, n, dtype, interpret=False), a, e).as_text()
     assert calls == [1]
     if mos.on_hopper():  # the hand-computed swizzled addresses, compiled
         got = np.asarray(_store_kernel(kind, n, dtype, interpret=False)(a, e))
@@ -90,45 +90,3 @@ def test_stores_reject_other_tiles():
         key_pairs.store_transposed(jnp.zeros((64, 64), jnp.int8), jnp.zeros((32, 64), jnp.int8), True)
     with pytest.raises(ValueError, match="store_rows"):
         key_pairs.store_rows(jnp.zeros((64, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32), True)
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_mosaic_backward_kernels_take_the_stmatrix_stores(monkeypatch, enabled):
-    """Lowered for an H200, the fused SageBwd kernel stores its transposed dŜ once per step and dK, dV once each by
-    ``key_pairs`` (with ``key_pairs.ENABLED``; the Mosaic relayout without), and the Attn-QAT Mosaic backward writes
-    dK, dV back in key order by ``stmatrix.store_rows`` (with ``lane_groups.ENABLED``)."""
-    import dataclasses
-
-    import lowbit_jax as lb
-    from lowbit_jax import qat as qat_mod
-    from lowbit_jax import sage as sage_mod
-    from tests.test_lowering import specs_and_options
-
-    calls = []
-    for module, name in ((key_pairs, "store_transposed"), (stmatrix, "store_rows")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
-    monkeypatch.setattr(key_pairs, "ENABLED", enabled)
-    monkeypatch.setattr(lane_groups, "ENABLED", enabled)
-    cfg = dataclasses.replace(lb.sage_fwd_config(64, True, "NVIDIA H200"), dkdv_backend="mosaic", dq_backend="mosaic",
-                              fwd_backend="triton")
-    specs, opts = specs_and_options(384, 512, 8, 2, 64, True, "per_block", False, cfg)
-
-    def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, None, opts).astype(jnp.float32))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    common.lower_for_h200(grads, *specs)
-    assert calls == (["store_transposed", "store_rows", "store_rows"] if enabled else [])
-    calls.clear()
-    qopts = qat_mod.resolve_qat_options(*(jnp.zeros(s.shape, s.dtype) for s in specs), causal=True,
-                                        implementation="pallas", interpret=True,
-                                        config=lb.QatConfig(fwd_backend="mosaic", bwd_backend="mosaic"))
-    qopts = dataclasses.replace(qopts, interpret=False)
-
-    def qat_grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(qat_mod._qat_attention(q, k, v, None, qopts).astype(jnp.float32))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    common.lower_for_h200(qat_grads, *specs)
-    assert calls == (["store_rows", "store_rows"] if enabled else [])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from benchmarks import common
+import h200
 from lowbit_jax import sage as sage_mod
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -31,8 +31,8 @@ CASES = [
 
 
 def lower_for_h200(fn, *specs) -> str:
-    """The module text of ``jax.jit(fn)`` lowered for an abstract H200 (``benchmarks.common.lower_for_h200``)."""
-    return common.lower_for_h200(fn, *specs).as_text()
+    """The module text of ``jax.jit(fn)`` lowered for an abstract H200 (``benchmarks.h200.lower_for_h200``)."""
+    return h200.lower_for_h200(fn, *specs).as_text()
 
 
 def triton_named(text: str, name: str) -> bool:
@@ -94,7 +94,7 @@ def test_lowering_detects_unsupported_primitive():
 
 
 def _nvfp4_tile_kernel(x_ref, o_ref, c_ref):
-    from lowbit_jax.formats import nvfp4
+    from pallas_kernels.numerics import nvfp4
 
     values, sf = nvfp4.quantize_groups(x_ref[...])  # (rows, 16) tile = one group per row
     codes = nvfp4.e2m1_code(values)
@@ -114,7 +114,7 @@ def test_nvfp4_element_functions_lower_and_match():
     """The NVFP4 helpers are kernel-safe: they lower to Triton and give the host result in a kernel."""
     import numpy as np
 
-    from lowbit_jax.formats import nvfp4
+    from pallas_kernels.numerics import nvfp4
 
     text = lower_for_h200(lambda x: _nvfp4_tile_call(x, False), jax.ShapeDtypeStruct((32, 16), jnp.float32))
     assert TRITON_CALL in text
@@ -124,7 +124,7 @@ def test_nvfp4_element_functions_lower_and_match():
 
 
 def _packed_decode_kernel(p_ref, lo_ref, hi_ref):
-    from lowbit_jax.formats import nvfp4
+    from pallas_kernels.numerics import nvfp4
 
     lo, hi = nvfp4.e2m1_unpack(p_ref[...])
     lo_ref[...] = nvfp4.e2m1_decode_f16(lo)
@@ -136,7 +136,7 @@ def test_packed_e2m1_decode_lowers_and_matches():
     import numpy as np
     from jax.experimental import pallas as pl
 
-    from lowbit_jax.formats import nvfp4
+    from pallas_kernels.numerics import nvfp4
 
     def call(p, interpret):
         shape = jax.ShapeDtypeStruct(p.shape, jnp.float16)
@@ -161,7 +161,7 @@ def test_e2m1_inline_ptx_constants_give_the_shared_decode():
     is built from exactly those shifts and masks (one permute per byte pair)."""
     import numpy as np
 
-    from lowbit_jax.formats import nvfp4
+    from pallas_kernels.numerics import nvfp4
     from pallas_kernels import _triton
 
     byte = np.arange(256, dtype=np.uint32)
@@ -253,22 +253,17 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
-@pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused, zero_here", [
-    (False, "tile", 1024, 128, "per_token", False, True), (True, "tile", 384, 128, "per_token", False, True),
-    (True, "row", 380, 128, "per_token", False, True), (True, "tile", 300, 64, "per_block", True, True),
-    (False, "tile", 512, 64, "per_block", False, True), (False, "tile", 384, 128, "per_block", True, True),
-    (True, "tile", 384, 128, "per_block", True, True), (True, "tile", 300, 64, "per_block", True, False)])
-def test_sage_backward_lowers_to_mosaic_gpu(monkeypatch, causal, ds_scale, sq, d, granularity, fused, zero_here):
+@pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [
+    (False, "tile", 1024, 128, "per_token", False), (True, "tile", 384, 128, "per_token", False),
+    (True, "row", 380, 128, "per_token", False), (True, "tile", 300, 64, "per_block", True),
+    (False, "tile", 512, 64, "per_block", False), (False, "tile", 384, 128, "per_block", True),
+    (True, "tile", 384, 128, "per_block", True)])
+def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity, fused):
     """With both SageBwd kernels on the Mosaic backend, they lower for an H200 as Mosaic GPU calls
     (dS scales per tile, or per row: ``ds_scale``; Sq = 380 and 300 are not multiples of the TMA tiling's
     8 rows, which only the lowering — not the interpreter — rejects). ``fused``: dq_kernel="auto" (fused at
     every head dim) with per-block scales, one Mosaic kernel (dQ reduce-added by TMA); else
-    "separate" (two). ``zero_here``: ``sage_bwd.ZERO_DQ_HERE`` (the fused dQ's accumulator zeroed by the
-    preprocess, else by a fill of its own)."""
-    from pallas_kernels import sage_bwd
-
-    monkeypatch.setattr(sage_bwd, "ZERO_DQ_HERE", zero_here)
-    jax.clear_caches()
+    "separate" (two). The fused dQ's accumulator is zeroed by the preprocess."""
     cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), dkdv_backend="mosaic",
                               dq_backend="mosaic", fwd_backend="triton", ds_scale=ds_scale,
                               dq_kernel="auto" if fused else "separate")
@@ -288,10 +283,9 @@ def test_sage_backward_lowers_to_mosaic_gpu(monkeypatch, causal, ds_scale, sq, d
     assert mosaic_named(text, "sage_bwd_dq") != fused
     # the fused dQ's float32 accumulator is zeroed after dO exists, so XLA cannot hoist and merge the fills of a
     # model's layers into one early fusion (all layers' workspaces live at once): by the preprocess, which reads dO
-    # (a fourth output), or by a fill that waits for dO (``reduce_add.reduce_add_accumulator(after=…)``)
+    # (a fourth output)
     outputs = re.search(r"func\.func private @sage_bwd_preprocess\([^)]*\) -> \(([^)]*)\)", text)
-    assert outputs and outputs.group(1).count("tensor<") == 3 + (fused and zero_here)
-    assert ("stablehlo.optimization_barrier" in text) == (fused and not zero_here)
+    assert outputs and outputs.group(1).count("tensor<") == 3 + fused
 
 
 @pytest.mark.parametrize("d, causal, sq, granularity", [
@@ -310,7 +304,7 @@ def test_sage_forward_lowers_to_mosaic_gpu(d, causal, sq, granularity):
 
 
 @pytest.mark.parametrize("method", ["sage", "qat"])
-def test_mosaic_forward_row_outputs_span_whole_ctas(monkeypatch, method):
+def test_mosaic_forward_row_outputs_span_whole_ctas(method):
     """The LSE (and QAT's m) of a Mosaic forward whose last CTA passes Sq_pad get rows for whole CTAs: Mosaic GPU
     folds ``lse_ref.at[b, h, rows]``'s indexed dims into the TMA's row offset, so a store past Sq_pad is not
     clipped but overwrites the next head's first rows (``_mosaic.query_ctas``). Sq 640 over three warpgroups' 192-row
@@ -318,10 +312,7 @@ def test_mosaic_forward_row_outputs_span_whole_ctas(monkeypatch, method):
     clipped). Only the GPU run showed the bug (the interpreter
     pads every output), so this pins the launch's result types."""
     from lowbit_jax import qat as qat_mod
-    from pallas_kernels import qat_fwd_mosaic, sage_fwd_mosaic
 
-    monkeypatch.setattr(sage_fwd_mosaic if method == "sage" else qat_fwd_mosaic, "THREE_WGS", True)
-    jax.clear_caches()
     q = jax.ShapeDtypeStruct((2, 640, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 640, 2, 64), jnp.bfloat16)
     if method == "sage":
@@ -374,7 +365,7 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
 
     text = lower_for_h200(grads, q, kv, kv, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     assert "mosaic_gpu" in text and "fp4_fake_quant" in text
-    # the Mosaic backward reads dO (B, Sq, Hq, D) as it is (qat_bwd_mosaic.DO_NATIVE): no head-major copy
+    # the Mosaic backward reads dO (B, Sq, Hq, D) as it is: no head-major copy
     do_transposed = re.search(r"stablehlo.transpose .*dims = \[0, 2, 1, 3\].*tensor<2x8x\d+x\d+xbf16>", text)
     assert (do_transposed is None) == (bwd == "mosaic"), do_transposed
     assert triton_named(text, "qat_attention_fwd") == (fwd == "triton")
@@ -387,12 +378,10 @@ def test_qat_lowers_to_mosaic_gpu(d, causal, naive, backends):
         fused = opts.config.fuses_dq(d, causal)
         assert mosaic_named(text, "qat_bwd_dkdv_dq" if fused else "qat_bwd_dkdv")
         assert mosaic_named(text, "qat_bwd_dq") != fused
-        # the fused dQ's accumulator starts after dO exists: as |dO|·0 (qat_bwd_mosaic.ZEROS_FROM_DO, computed from
-        # the padded dO the kernel reads) or as a zero fill behind an optimization barrier with dO
-        from_do = fused and qat_bwd_mosaic.ZEROS_FROM_DO
-        assert ("stablehlo.optimization_barrier" in text) == (fused and not from_do)
+        # the fused dQ's accumulator starts after dO exists: as |dO|·0, computed from the padded dO the kernel reads
+        assert "stablehlo.optimization_barrier" not in text
         sq_pad = 384
-        assert bool(re.search(rf"stablehlo.abs %\S+ : tensor<2x{sq_pad}x8x{d}xf32>", text)) == from_do
+        assert bool(re.search(rf"stablehlo.abs %\S+ : tensor<2x{sq_pad}x8x{d}xf32>", text)) == fused
 
 
 def _int8_register_operand_kernel(k: int, n: int):
@@ -496,7 +485,7 @@ def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
     are waited for; at head dim 64 causal Pallas's barriers stay and the step adds none. Either way one barrier
     precedes the epilogue's stores of dK and dV into the K̃ and Ṽ tiles. Checked on the lowering for an H200
     (compiler params of each Mosaic GPU kernel, the kernel's barrier calls)."""
-    from benchmarks.common import lower_mosaic_fwd_bwd
+    from h200 import lower_mosaic_fwd_bwd
     from pallas_kernels import qat_bwd_mosaic
 
     params, barriers = _compiler_params_asked(monkeypatch), []
@@ -511,35 +500,12 @@ def test_qat_backward_places_its_own_barriers(monkeypatch, d, causal):
     assert barriers == [False] * (2 if manual else 1), barriers
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("on", [False, True])
-def test_sage_backward_masks_raw_scores_lowers(monkeypatch, d, on):
-    """``sage_bwd_mosaic.MASK_RAW_SCORES`` (probe, off): the fused causal dK/dV/dQ kernel lowers for an H200 either
-    way, and its step masks Sᵀ before it reads the Q and K scales exactly when the switch is on (the order of the
-    step's ``mask_scores`` and ``scalar`` calls while it is traced). Values: ``test_sage_backward``'s
-    ``test_mosaic_backward_masks_raw_scores_same_gradients``."""
-    from benchmarks.common import lower_mosaic_fwd_bwd
-    from pallas_kernels import sage_bwd_mosaic
-
-    events = []
-    for name in ("mask_scores", "scalar"):
-        real = getattr(sage_bwd_mosaic, name)
-        monkeypatch.setattr(sage_bwd_mosaic, name, lambda *a, _n=name, _f=real, **kw: events.append(_n) or _f(*a, **kw))
-    monkeypatch.setattr(sage_bwd_mosaic, "MASK_RAW_SCORES", on)
-    jax.clear_caches()
-    lower_mosaic_fwd_bwd("sage", d, True, dq_kernel="fused", seq=256)
-    jax.clear_caches()
-    assert events.count("mask_scores") == 1, events  # one traced step
-    first_scale = events.index("scalar")
-    assert (events.index("mask_scores") < first_scale) == on, events
-
-
 @pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False)])
 def test_sage_backward_drops_pallas_barriers_at_head_dim_64(monkeypatch, d, causal):
     """``sage_bwd_mosaic.manual_barriers``: the fused dK/dV/dQ kernel is compiled without Pallas's automatic
     barriers at head dim 64 (causal or not) and with them at 128; the forward always with them. Checked on the
     lowering for an H200 (the compiler params each Mosaic GPU kernel asks for, in launch order)."""
-    from benchmarks.common import lower_mosaic_fwd_bwd
+    from h200 import lower_mosaic_fwd_bwd
     from pallas_kernels import sage_bwd_mosaic
 
     params = _compiler_params_asked(monkeypatch)
@@ -563,7 +529,7 @@ def test_8bit_layouts_are_the_ones_the_relayout_assumes():
     assert (fa.WGMMA_LAYOUT, fa.WGMMA_LAYOUT_8BIT) == mos._expected_8bit_layouts(fa)
     assert fa.WGMMA_LAYOUT.registers_shape((64, 64))[:2] == (1, 8)  # the register index the relayout walks
     assert fa.WGMMA_LAYOUT_8BIT.registers_shape((64, 64))[:2] == (1, 4)
-    assert mos.RELAYOUT_8BIT and mos.int8_in_registers(False) and not mos.int8_in_registers(True)
+    assert mos.relayout_8bit() and mos.int8_in_registers(False) and not mos.int8_in_registers(True)
     assert mos._install_8bit_relayout()  # idempotent: installed once, reported again
 
 
@@ -616,150 +582,9 @@ def test_the_qk_prologue_lowers_to_triton(method, d, norm):
         assert triton_named(text, name), name
 
 
-def _inline_asm_spy(monkeypatch) -> list[str]:
-    """A spy on MLIR's ``llvm.inline_asm`` (what every inline PTX block of the Mosaic kernels goes through): the list
-    it returns gets each call's assembly text."""
-    from jax._src.lib.mlir.dialects import llvm
-
-    asm, real_asm = [], llvm.inline_asm
-
-    def spy_asm(result, operands, text, *args, **kw):
-        asm.append(text)
-        return real_asm(result, operands, text, *args, **kw)
-
-    monkeypatch.setattr(llvm, "inline_asm", spy_asm)
-    return asm
-
-
-def _qat_lowering_asm(asm: list[str], d: int, causal: bool) -> list[str]:
-    """The inline assembly of one Attn-QAT fwd+bwd (fused dQ, every kernel on Mosaic GPU) lowered for an H200, read
-    from ``asm`` (:func:`_inline_asm_spy`'s list, cleared first)."""
-    from benchmarks.common import lower_mosaic_fwd_bwd
-
-    asm.clear()
-    jax.clear_caches()
-    lower_mosaic_fwd_bwd("qat", d, causal, dq_kernel="fused", seq=256)
-    jax.clear_caches()
-    return list(asm)
-
-
-@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
-def test_qat_forward_rounds_fq_p_with_packed_fma(monkeypatch, d, causal):
-    """``qat_fwd_mosaic.EXPLICIT_FMA``: the Attn-QAT forward's FQ(P) takes e2m1 rounding's two magic-number steps as
-    ``lane_groups.packed_fma`` (inline PTX ``fma.rn.bf16x2`` per register, factors ±64 for bf16), the backward's
-    (``qat_bwd_mosaic.EXPLICIT_FMA`` off) does not. Checked on the lowering for an H200 (calls in kernel order and the
-    inline assembly the calls emit); that the fma form gives the same values is ``test_nvfp4_format``'s."""
-    from pallas_kernels import lane_groups, qat_bwd_mosaic, qat_fwd_mosaic
-
-    assert qat_fwd_mosaic.EXPLICIT_FMA and not qat_bwd_mosaic.EXPLICIT_FMA
-    factors, real_fma = [], lane_groups.packed_fma
-
-    def spy_fma(a, k, c):
-        factors.append(k)
-        return real_fma(a, k, c)
-
-    monkeypatch.setattr(lane_groups, "packed_fma", spy_fma)
-    asm = _qat_lowering_asm(_inline_asm_spy(monkeypatch), d, causal)
-    assert factors == [64.0, -64.0], factors  # t = m + 96·floor2, then t − 96·floor2: the forward only
-    # each call one fma per bf16x2 register of its (64, block_k) tile: 64·block_k / 128 threads / 2 per register
-    block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
-    assert asm.count("fma.rn.bf16x2 $0, $1, $2, $3;") == 2 * 64 * block_k // 256
-
-
-#: FQ(P) switches of the two Attn-QAT kernels and the inline PTX each puts in the lowering
-FQ_SWITCH_PTX = {"FAST_SCALE": ("rcp.approx.ftz.f32", "cvt.rn.satfinite.e4m3x2.f32"),
-                 "PACKED_LOP3": ("lop3.b32 $0, $1, $2, $3, 0XEA;",)}
-
-
-@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
-def test_qat_forward_group_max_from_scores_lowers(monkeypatch, d, causal):
-    """``qat_fwd_mosaic.GROUP_MAX_FROM_S`` (probe, off) lowers for an H200, and its forward then takes one more
-    ``ex2.approx`` per score register value of its (64, block_k) tile before common-subexpression elimination (the
-    exponentials of S's group maxima, one per group once merged). Its values: ``test_qat``'s
-    ``test_mosaic_forward_group_max_from_scores_same_values``."""
-    from pallas_kernels import qat_fwd_mosaic
-
-    assert not qat_fwd_mosaic.GROUP_MAX_FROM_S
-    asm = _inline_asm_spy(monkeypatch)
-
-    def exponentials(from_s: bool) -> int:
-        monkeypatch.setattr(qat_fwd_mosaic, "GROUP_MAX_FROM_S", from_s)
-        return sum(text.startswith("ex2.approx") for text in _qat_lowering_asm(asm, d, causal))
-
-    block_k = lb.qat_config(d, causal, "NVIDIA H200").block_k
-    assert exponentials(True) - exponentials(False) == 64 * block_k // 128
-
-
-def test_e4m3_lanewise_conversion_replaces_the_pairwise_one(monkeypatch):
-    """``lane_groups.E4M3_LANEWISE`` (probe, off): FQ(P)'s e4m3 rounding in the forward (``FAST_SCALE``) is one inline
-    block per value (cvt to e4m3 and back to float32) instead of Mosaic GPU's pairwise ``astype`` conversions, as many
-    blocks as the pairwise path converts values. Compiled values: ``benchmarks/nvfp4_scale_check.py``."""
-    from pallas_kernels import lane_groups
-
-    assert not lane_groups.E4M3_LANEWISE
-    asm = _inline_asm_spy(monkeypatch)
-
-    def conversions(lanewise: bool) -> tuple[int, int]:
-        monkeypatch.setattr(lane_groups, "E4M3_LANEWISE", lanewise)
-        texts = _qat_lowering_asm(asm, 64, False)
-        return (sum(text == lane_groups._E4M3_ROUND_PTX for text in texts),
-                sum("cvt.rn.satfinite.e4m3x2.f32 result_pair" in text for text in texts))
-
-    pairwise, lanewise = conversions(False), conversions(True)
-    assert pairwise[0] == 0 and pairwise[1] > 0
-    assert lanewise == (2 * pairwise[1], 0)
-
-
-def test_packed_mask_or_truth_table_is_and_then_or():
-    """``lane_groups.MASK_OR_LUT``, evaluated bit by bit as PTX ``lop3`` does (result bit = LUT bit a·4 + b·2 + c),
-    is (a & b) | c on random words and on FQ(P)'s masks (bf16 exponent, mantissa top bit, in both halves)."""
-    from pallas_kernels import lane_groups
-
-    rng = np.random.default_rng(11)
-    a, b, c = (rng.integers(0, 1 << 32, 256, dtype=np.uint64) for _ in range(3))
-    b[:128], c[:128] = 0x7F807F80, 0x00400040
-
-    def lop3(a, b, c, lut):
-        out = np.zeros_like(a)
-        for bit in range(32):
-            index = ((a >> bit) & 1) * 4 + ((b >> bit) & 1) * 2 + ((c >> bit) & 1)
-            out |= ((lut >> index) & 1) << bit
-        return out
-
-    np.testing.assert_array_equal(lop3(a, b, c, np.uint64(lane_groups.MASK_OR_LUT)), (a & b) | c)
-
-
-@pytest.mark.parametrize("switch", sorted(FQ_SWITCH_PTX))
-def test_qat_fq_p_switches_emit_their_instructions_per_kernel(monkeypatch, switch):
-    """``FAST_SCALE`` (FQ(P)'s group scales by conversion to e4m3 and ``rcp.approx``) and ``PACKED_LOP3`` (its bit
-    operation as one ``lop3``) of ``qat_fwd_mosaic`` and ``qat_bwd_mosaic``: in the lowering for an H200 each kernel
-    emits the switch's inline PTX exactly when its own switch is on (the forward one ``lop3`` per bf16x2 register of
-    its (64, block_k) P tile), and the committed settings are the measured ones (FAST_SCALE in the forward only;
-    PACKED_LOP3 not yet timed, off). That the values are the same is ``test_nvfp4_format``'s (and
-    ``benchmarks/nvfp4_scale_check.py``'s, compiled)."""
-    from pallas_kernels import qat_bwd_mosaic, qat_fwd_mosaic
-
-    committed = {"FAST_SCALE": (True, False), "PACKED_LOP3": (False, False)}[switch]
-    assert (getattr(qat_fwd_mosaic, switch), getattr(qat_bwd_mosaic, switch)) == committed
-    asm = _inline_asm_spy(monkeypatch)
-
-    def counts(fwd: bool, bwd: bool) -> list[int]:
-        monkeypatch.setattr(qat_fwd_mosaic, switch, fwd)
-        monkeypatch.setattr(qat_bwd_mosaic, switch, bwd)
-        texts = _qat_lowering_asm(asm, 64, False)
-        return [sum(ptx in text for text in texts) for ptx in FQ_SWITCH_PTX[switch]]
-
-    fwd, bwd, neither = counts(True, False), counts(False, True), counts(False, False)
-    assert min(fwd) > 0 and min(bwd) > 0 and max(neither) == 0, (fwd, bwd, neither)
-    assert counts(True, True) == [f + b for f, b in zip(fwd, bwd)]
-    if switch == "PACKED_LOP3":
-        assert fwd == [64 * lb.qat_config(64, False, "NVIDIA H200").block_k // 256]
-
-
 def test_packed_instructions_refuse_other_dtypes_and_inexact_constants():
-    """``lane_groups.packed_fma`` emits ``fma.rn.bf16x2`` and ``packed_mask_or`` a ``lop3.b32`` on 16-bit pairs: other
-    tile dtypes, a factor bfloat16 cannot hold exactly and masks wider than 16 bits are refused before anything is
-    built."""
+    """``lane_groups.packed_fma`` emits ``fma.rn.bf16x2`` on 16-bit pairs: other tile dtypes and a factor bfloat16
+    cannot hold exactly are refused before anything is built."""
     from pallas_kernels import lane_groups
 
     bf16, f32 = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.float32)
@@ -769,7 +594,3 @@ def test_packed_instructions_refuse_other_dtypes_and_inexact_constants():
         lane_groups.packed_fma(bf16, 64.0, f32)
     with pytest.raises(ValueError, match="bfloat16 value"):
         lane_groups.packed_fma(bf16, 0.1, bf16)
-    with pytest.raises(TypeError, match="bfloat16 tile"):
-        lane_groups.packed_mask_or(f32, 0x7F80, 0x40)
-    with pytest.raises(ValueError, match="16-bit masks"):
-        lane_groups.packed_mask_or(bf16, 0x7F807F80, 0x40)

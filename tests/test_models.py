@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import lowbit_jax.dense
 import models
-from models.attention import Attention, _cudnn, cached_attention, rope
+from lowbit_jax.dense import _cudnn, cached_attention
+from models.attention import Attention, rope
 
 
 @pytest.mark.parametrize("method", ["dense", "sage", "qat_fp4", "thrift"])
@@ -276,12 +278,12 @@ def _assert_sees_the_filled_keys(got, q, kc, vc, start):
 
 @pytest.mark.parametrize("t, start, chunk", [(1, 0, None), (1, 37, None), (3, 20, None), (5, 20, 2), (4, 0, 1)])
 def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk, monkeypatch):
-    """models.attention.cached_attention (the 16-bit decode of every method but thrift): token i of T new ones
+    """lowbit_jax.dense.cached_attention (the 16-bit decode of every method but thrift): token i of T new ones
     at ``start + i`` attends to the cached keys 0 … start + i and to nothing after them (the cache's tail holds
     garbage here, which must not leak in), also when the tokens go through in chunks (``chunk`` new tokens per
     masked call: 5 tokens as 2 + 2 + 1 padded to 2); on the CPU it is the XLA path (cuDNN needs a GPU)."""
     if chunk is not None:  # a score budget of `chunk` rows of (batch 2 × 4 heads × 64 slots)
-        monkeypatch.setattr(models.attention, "MASKED_SCORES_PER_CHUNK", chunk * 2 * 4 * 64)
+        monkeypatch.setattr(lowbit_jax.dense, "MASKED_SCORES_PER_CHUNK", chunk * 2 * 4 * 64)
     q, kc, vc = _cache_inputs(t, start)
     assert not _cudnn(q.astype(jnp.bfloat16))
     got = cached_attention(q, kc, vc, jnp.int32(start))
@@ -289,7 +291,7 @@ def test_cached_attention_sees_the_filled_keys_up_to_each_token(t, start, chunk,
 
 
 def _xla_with_lse(q, k, v, *, causal, kv_lengths=None):
-    """XLA stand-in for models.attention._cudnn_with_lse: the same masks (top-left causal, key padding), the
+    """XLA stand-in for lowbit_jax.dense._cudnn_with_lse: the same masks (top-left causal, key padding), the
     output and the float32 log-sum-exp (B, T, Hq) of the scaled scores."""
     b, t, h, d = q.shape
     group = h // k.shape[2]
@@ -326,9 +328,9 @@ def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, s
         calls.append(["lse", causal, kv_lengths is not None, k.shape[1]])
         return _xla_with_lse(q, k, v, causal=causal, kv_lengths=kv_lengths)
 
-    monkeypatch.setattr(models.attention, "_cudnn", lambda q: True)
-    monkeypatch.setattr(models.attention.jax.nn, "dot_product_attention", emulated)
-    monkeypatch.setattr(models.attention, "_cudnn_with_lse", emulated_lse)
+    monkeypatch.setattr(lowbit_jax.dense, "_cudnn", lambda q: True)
+    monkeypatch.setattr(lowbit_jax.dense.jax.nn, "dot_product_attention", emulated)
+    monkeypatch.setattr(lowbit_jax.dense, "_cudnn_with_lse", emulated_lse)
     q, kc, vc = _cache_inputs(t, start)
     got = jax.jit(functools.partial(cached_attention, implementation="cudnn"))(q, kc, vc, jnp.int32(start))
     monkeypatch.undo()
@@ -341,7 +343,7 @@ def test_cached_attention_cudnn_route_sees_the_filled_keys_up_to_each_token(t, s
 
 
 def test_the_private_cudnn_wrapper_cached_attention_uses_is_there():
-    """models.attention._cudnn_with_lse calls jax._src.cudnn.fused_attention_stablehlo.dot_product_attention (the
+    """lowbit_jax.dense._cudnn_with_lse calls jax._src.cudnn.fused_attention_stablehlo.dot_product_attention (the
     public jax.nn API rounds the log-sum-exp it returns to bf16): a JAX upgrade that moves or changes it fails
     here, on the CPU, instead of on the first GPU decode."""
     import inspect
@@ -460,5 +462,5 @@ def test_cached_attention_of_a_long_prompt_holds_a_bounded_score_tensor():
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     args = (sd(4, 2048, 10, 64), sd(4, 8192, 5, 64), sd(4, 8192, 5, 64), jax.ShapeDtypeStruct((), jnp.int32))
     temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
-    chunked, whole = temp(cached_attention), temp(models.attention._masked_attention)
+    chunked, whole = temp(cached_attention), temp(lowbit_jax.dense._masked_attention)
     assert whole > 4 * 2**30 * 0.6 and chunked < 2**30

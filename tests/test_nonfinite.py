@@ -76,6 +76,7 @@ def test_nonfinite_input_shows_xla(method, which, causal):
     _check(ours, ref, method, which)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_nonfinite_input_shows_pallas(method, which):

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lowbit_jax.formats import nvfp4
+from pallas_kernels.numerics import nvfp4
 from pallas_kernels import lane_groups
 
 
@@ -16,7 +16,7 @@ def oracle(x: np.ndarray) -> np.ndarray:
     """float64 reference of φ along the last axis, with ml_dtypes doing every rounding."""
     g = x.astype(np.float32).reshape(x.shape[:-1] + (-1, 16))
     amax = np.abs(g).max(-1, keepdims=True)
-    # scales above e4m3's 448 saturate (ml_dtypes would give NaN): lowbit_jax.formats.nvfp4's documented choice
+    # scales above e4m3's 448 saturate (ml_dtypes would give NaN): pallas_kernels.numerics.nvfp4's documented choice
     sf = np.minimum(amax / np.float32(6), 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     sf = np.where(sf == 0, np.float32(1), sf)
     q = (g * (np.float32(1) / sf)).astype(ml_dtypes.float4_e2m1fn)  # one reciprocal per group
@@ -156,32 +156,6 @@ def test_fake_quant_last_nonnegative_form_matches_oracle():
     got = np.asarray(jax.jit(functools.partial(nvfp4.fake_quant_last, nonnegative=True))(jnp.asarray(p)))
     np.testing.assert_array_equal(got, oracle(p))
     np.testing.assert_array_equal(got, np.asarray(nvfp4.fake_quant_last(jnp.asarray(p))))
-
-
-@pytest.mark.parametrize("nonnegative, assume_finite", [(False, False), (True, True)])
-def test_fake_quant_columns_matches_oracle(nonnegative, assume_finite):
-    """The slice-by-slice form of the Mosaic kernels: the oracle's values, signed or P-like, with ties and zeros."""
-    rng = np.random.default_rng(6)
-    x = (rng.standard_normal((64, 64)) * np.exp(rng.uniform(-8, 4, (64, 1)))).astype(np.float32)
-    x[3, 16:32] = 0.0
-    x[5, :16] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, np.float32)
-    if nonnegative:
-        x = np.exp2(-np.abs(x)).astype(np.float32)
-        x[3, 16:32] = 0.0
-    f = functools.partial(nvfp4.fake_quant_columns, nonnegative=nonnegative, assume_finite=assume_finite)
-    got = np.asarray(jax.jit(f)(jnp.asarray(x)))
-    np.testing.assert_array_equal(got, oracle(x))
-
-
-def test_fake_quant_columns_keeps_non_finite_rules_and_checks_shape():
-    x = np.ones((2, 32), np.float32)
-    x[0, 3], x[1, 20] = np.nan, np.inf
-    got = np.asarray(nvfp4.fake_quant_columns(jnp.asarray(x)))
-    np.testing.assert_array_equal(got, np.asarray(nvfp4.fake_quant_last(jnp.asarray(x))))
-    assert np.isnan(got[0, :16]).all() and np.isnan(got[1, 16:]).all()
-    assert np.isfinite(got[0, 16:]).all() and np.isfinite(got[1, :16]).all()
-    with pytest.raises(ValueError, match="multiple of 16 columns"):
-        nvfp4.fake_quant_columns(jnp.ones((4, 24)))
 
 
 def test_group_scale_rounds_the_exact_quotient():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import lowbit_jax as lb
-from benchmarks import common
+import h200
 from pallas_kernels import _mosaic as mos
 from pallas_kernels import operand_order, sage_bwd_mosaic, sage_fwd_mosaic
 from tests.attention_base import INTERPRET, make_qkv
@@ -72,7 +72,7 @@ def test_register_operand_contracts_in_operand_order(monkeypatch, n, d):
     calls = []  # lowered for an H200, the inline Mosaic GPU repack is taken (and lowers)
     inline = mos.plgpu.inline_mgpu
     monkeypatch.setattr(mos.plgpu, "inline_mgpu", lambda **kw: calls.append(1) or inline(**kw))
-    common.lower_for_h200(_product_kernel(n, d, interpret=False), a, e, w_t)
+    h200.lower_for_h200(_product_kernel(n, d, interpret=False), a, e, w_t)
     assert calls == [1]
     if mos.on_hopper():  # the repack compiled: register for register the 8-bit operand layout
         np.testing.assert_array_equal(np.asarray(_product_kernel(n, d, interpret=False)(a, e, w_t)), want)
@@ -94,25 +94,6 @@ def _sage_grads(q, k, v, do, causal, interpret=INTERPRET):
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
     (_, o), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return (o, *g)
-
-
-def test_sage_mosaic_kernels_give_the_natural_orders_values(monkeypatch):
-    """The Mosaic forward and dK/dV/dQ kernels with their B operands in operand order and in natural order give
-    the same o, dq, dk, dv to the bit (INT8 products sum exactly, in any order; compiled, dq to the run-to-run
-    spread of its float32 reduce-adds), causal with GQA and a ragged query length."""
-    q, k, v = make_qkv(1, 200, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=21, k_outlier=3.0)
-    do = jax.random.normal(jax.random.PRNGKey(5), q.shape, q.dtype)
-    got = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(operand_order, "ENABLED", enabled)
-        jax.clear_caches()
-        got[enabled] = _sage_grads(q, k, v, do, causal=True)
-    for name, a, b in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        if name == "dq" and not INTERPRET:  # compiled, the fused dQ's float32 reduce-adds land in any order
-            np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3 * np.abs(b).max(), err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_quantize_kernels_write_operand_order():
@@ -143,73 +124,17 @@ def test_quantize_kernels_write_operand_order():
                                   interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_sage_mosaic_kernels_take_the_repack(monkeypatch, enabled):
-    """Lowered for an H200, the Mosaic forward takes P̂ and the dK/dV kernel takes P̂ᵀ and dŜᵀ through
-    ``operand_order.register_operand`` (with ``operand_order.ENABLED``), and through the shuffling relayout
-    without; the quantize kernels and the preprocess are told to write V̂ᵀ, Q̂ᵀ and dÔᵀ to match."""
-    from lowbit_jax import sage as sage_mod
-    from pallas_kernels import quantize, sage_bwd
-    from tests.test_lowering import specs_and_options
-
-    calls, flags = [], {}
-    real = operand_order.register_operand
-    monkeypatch.setattr(operand_order, "register_operand", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for module, name, flag in ((quantize, "sage_quantize_q", "t_operand_order"),
-                               (quantize, "sage_quantize_kv", "v_operand_order"),
-                               (sage_bwd, "sage_bwd_preprocess", "operand_order"),
-                               (sage_fwd_mosaic, "sage_attention_fwd_mosaic", "v_operand_order"),
-                               (sage_bwd_mosaic, "sage_bwd_dkdv_mosaic", "operand_order_in")):
-        fn = getattr(module, name)
-        def spy(*a, _f=fn, _n=name, _k=flag, **kw):
-            flags.setdefault(_n, kw.get(_k))
-            return _f(*a, **kw)
-        monkeypatch.setattr(module, name, spy)
-    monkeypatch.setattr(operand_order, "ENABLED", enabled)
-    jax.clear_caches()  # the switches are read at trace time
-    cfg = dataclasses.replace(lb.sage_fwd_config(64, True, "NVIDIA H200"), dkdv_backend="mosaic",
-                              dq_backend="mosaic", fwd_backend="mosaic")
-    specs, opts = specs_and_options(384, 512, 8, 2, 64, True, "per_block", False, cfg)
-
-    def grads(q, k, v):
-        loss = lambda q, k, v: jnp.sum(sage_mod._sage_attention(q, k, v, None, opts).astype(jnp.float32))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    text = common.lower_for_h200(grads, *specs).as_text()
-    assert "sage_attention_fwd_mosaic_gpu" in text and "sage_bwd_dkdv_dq_mosaic_gpu" in text
-    assert calls == ([1, 1, 1] if enabled else [])  # forward P̂; backward P̂ᵀ, dŜᵀ
-    assert flags == {name: enabled for name in ("sage_quantize_q", "sage_quantize_kv", "sage_bwd_preprocess",
-                                                "sage_attention_fwd_mosaic", "sage_bwd_dkdv_mosaic")}
-    assert sage_fwd_mosaic.OPERAND_ORDER and sage_bwd_mosaic.OPERAND_ORDER
-
-
 def test_sage_forward_returns_natural_residuals():
     """``lb.sage_forward`` documents V̂ᵀ (B, Hkv, D, Sk_pad) in natural key order: with the Mosaic forward (which
     was given V̂ᵀ in operand order) the residuals it returns equal the xla reference's codes."""
     from lowbit_jax import sage as sage_mod
+    from lowbit_jax.sage_backends import SageCall, orders_for
 
     q, k, v = make_qkv(1, 256, 256, 2, 1, 64, seed=8, k_outlier=3.0)
     opts = sage_mod.resolve_options(q, k, v, implementation="pallas", interpret=INTERPRET, config=MOSAIC)
-    padded = sage_mod.Padded.of_inputs(q, k, opts.config)
-    assert sage_mod.operand_orders(padded, opts).v  # the case under test: V̂ᵀ went to the kernel in operand order
+    call = SageCall.of_inputs(q, k, opts)
+    assert orders_for(call).v  # the case under test: V̂ᵀ went to the kernel in operand order
     _, _, ops_p = lb.sage_forward(q, k, v, implementation="pallas", interpret=INTERPRET, config=MOSAIC)
     _, _, ops_x = lb.sage_forward(q, k, v, implementation="xla", config=MOSAIC)
     np.testing.assert_array_equal(np.asarray(ops_p.vt), np.asarray(ops_x.vt))
-    assert not sage_mod.operand_orders(padded, dataclasses.replace(opts, implementation="xla")).v
-
-
-def test_forward_benchmark_times_the_librarys_operand_order(monkeypatch):
-    """benchmarks/attention.py's kernel-alone timing gives the Mosaic forward V̂ᵀ in operand order, as the library
-    does (else it would time the shuffling relayout)."""
-    from benchmarks.attention import sage_parts
-
-    seen = []
-    real = sage_fwd_mosaic.sage_attention_fwd_mosaic
-    monkeypatch.setattr(sage_fwd_mosaic, "sage_attention_fwd_mosaic",
-                        lambda *a, **kw: seen.append(kw["v_operand_order"]) or real(*a, **kw))
-    jax.clear_caches()
-    q, k, v = make_qkv(1, 128, 128, 2, 2, 64, seed=12)
-    _, kern, ops, backend = sage_parts(q, k, v, True, MOSAIC, interpret=INTERPRET)
-    assert backend == "mosaic"
-    kern(ops)
-    assert seen == [True]
+    assert not orders_for(call._replace(opts=dataclasses.replace(opts, implementation="xla"))).v

@@ -15,7 +15,7 @@ import pytest
 
 import lowbit_jax as lb
 from lowbit_jax import rel_l1
-from lowbit_jax.formats import qk_prologue as P
+from pallas_kernels.numerics import qk_prologue as P
 from pallas_kernels import lane_groups
 from pallas_kernels.fake_quant import fp4_fake_quant_heads, fp4_fake_quant_kv
 

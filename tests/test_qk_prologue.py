@@ -16,7 +16,7 @@ from flax import nnx
 
 import lowbit_jax as lb
 from lowbit_jax import rel_l1
-from lowbit_jax.formats import qk_prologue as P
+from pallas_kernels.numerics import qk_prologue as P
 from models.attention import rope
 from models.presets import model_config
 from models.transformer import TransformerLM

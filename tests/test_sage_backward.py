@@ -245,30 +245,26 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
         lb.SageFwdConfig(dq_kernel="atomic")
 
 
-@pytest.mark.parametrize("d, causal, per_chunk, early", [(128, False, True, True), (128, False, False, True),
-                                                        (128, True, True, False), (64, True, True, True),
-                                                        (64, False, True, True)])
-def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal, per_chunk, early):
+@pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, True), (64, False)])
+def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal):
     """The fused dQ's TMA reduce-adds go through float32 SMEM stages, which each reduce-add may rewrite only after
     ``reduce_add.stage_free`` (wait for earlier copies to have read them). At D128 each of the two column chunks has its
-    own stage (``DQ_STAGE_PER_CHUNK``): the wait then lets the one most recent copy (the other chunk's) stay in
-    flight, ``pending=1``; with one shared stage it waits for all, 0. With ``reduce_add.EARLY_STAGE_WAIT`` the wait runs
-    as the product's ``issued`` hook (while it is on the tensor cores), else inside ``reduce_add_out``; either way
-    exactly one wait precedes each reduce-add. The interpreter's copies are synchronous, so a missing or too-loose
-    wait would not change its values: the protocol is checked on the traced kernel (D64 causal: dQ's product joins
-    dV's and dK's, one stage, freed early; D64 non-causal: dQ's product after their wait, freed late)."""
-    from pallas_kernels import reduce_add, sage_bwd_mosaic
+    own stage: the wait then lets the one most recent copy (the other chunk's) stay in flight, ``pending=1``. Where
+    the stage is freed early the wait runs as the product's ``issued`` hook (while it is on the tensor cores), else
+    inside ``reduce_add_out``; either way exactly one wait precedes each reduce-add. The interpreter's copies are
+    synchronous, so a missing or too-loose wait would not change its values: the protocol is checked on the traced
+    kernel (D64 causal: dQ's product joins dV's and dK's, freed early; D64 non-causal: after their wait, freed
+    late)."""
+    from pallas_kernels import reduce_add
 
-    monkeypatch.setattr(reduce_add, "EARLY_STAGE_WAIT", early)
-    monkeypatch.setattr(sage_bwd_mosaic, "DQ_STAGE_PER_CHUNK", per_chunk)
     q, k, v = make_qkv(1, 128, 128, 2, 1, d, dtype=jnp.bfloat16, seed=d)
     fn = functools.partial(lb.sage_attention, causal=causal, qk_granularity="per_block", implementation="pallas",
                            config=dataclasses.replace(MOSAIC, dq_kernel="fused"), interpret=True)
     events = trace_stage_waits(monkeypatch, reduce_add, fn, q, k, v)
     chunks = d // reduce_add.REDUCE_COLS
     assert [e[0] for e in events] == ["free", "out"] * chunks, events  # one kernel trace: a wait before each add
-    assert {e[1] for e in events if e[0] == "free"} == {1 if per_chunk and chunks > 1 else 0}
-    assert {e[1] for e in events if e[0] == "out"} == {early and (d > 64 or causal)}
+    assert {e[1] for e in events if e[0] == "free"} == {1 if chunks > 1 else 0}
+    assert {e[1] for e in events if e[0] == "out"} == {d > 64 or causal}
 
 
 def test_fused_dq_only_with_the_dk_tiles_ds_tiles():
@@ -292,9 +288,8 @@ def test_mosaic_int8_operand_tiles_only_where_used():
     SMEM (the interpreter tests above run that path)."""
     from pallas_kernels import register_operands, sage_bwd_mosaic
 
-    for d in (64, 128):
-        assert sage_bwd_mosaic._smem_operands(d, True) == (True, True)
-        assert sage_bwd_mosaic._smem_operands(d, False) == (not register_operands.RELAYOUT_8BIT,) * 2
+    assert sage_bwd_mosaic._smem_operands(True)
+    assert sage_bwd_mosaic._smem_operands(False) == (not register_operands.relayout_8bit())
 
 
 def test_mosaic_backend_selection():
@@ -313,16 +308,18 @@ def test_mosaic_backend_selection():
     assert sage_bwd_mosaic.supports("dkdv", **{**ok, "sq_pad": 192})
     with pytest.raises(ValueError, match="kernel must be"):
         sage_bwd_mosaic.supports("dp", **ok)
+    from lowbit_jax import sage_backends as backends
+
     q, k, v = make_qkv(1, 128, 128, 2, 2, 64)
     opts = sage_mod.resolve_options(q, k, v, implementation="pallas", interpret=True, config=lb.SageFwdConfig())
-    ops = sage_mod.Padded.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2])
-    assert ops == sage_mod.Padded.of_inputs(q, k, opts.config)  # the padding the quantize kernels give
-    assert not sage_mod._mosaic_backend("dq", ops, opts)  # auto + interpret → Triton
-    mosaic_opts = dataclasses.replace(opts, config=MOSAIC)
-    assert sage_mod._mosaic_backend("dq", ops, mosaic_opts)
-    q_smoothed = dataclasses.replace(mosaic_opts, smooth_q=True)
-    assert not sage_mod._mosaic_backend("dq", ops, q_smoothed)  # Q-smoothing bias → Triton
-    assert sage_mod._mosaic_backend("dq", ops, dataclasses.replace(mosaic_opts, causal=True))
+    call = backends.SageCall.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2], opts)
+    assert call == backends.SageCall.of_inputs(q, k, opts)  # the padding the quantize kernels give
+    assert not backends._mosaic_kernel("dq", call)  # auto + interpret → Triton
+    mosaic = call._replace(opts=dataclasses.replace(opts, config=MOSAIC))
+    assert backends._mosaic_kernel("dq", mosaic)
+    q_smoothed = mosaic._replace(opts=dataclasses.replace(mosaic.opts, smooth_q=True))
+    assert not backends._mosaic_kernel("dq", q_smoothed)  # Q-smoothing bias → Triton
+    assert backends._mosaic_kernel("dq", mosaic._replace(opts=dataclasses.replace(mosaic.opts, causal=True)))
     with pytest.raises(ValueError, match="dq_backend must be one of"):
         lb.SageFwdConfig(dq_backend="cuda")
 
@@ -336,23 +333,26 @@ def test_mosaic_backend_selection():
     (128, 192, False, dict(fwd=False, dkdv=False, dq=False)),  # Sq_pad not a multiple of two warpgroups' rows
 ])
 def test_auto_backend_on_hopper(monkeypatch, d, seq, causal, want):
-    """'auto' on an H200 follows the measured tables in sage._mosaic_forward and sage._mosaic_backend;
-    interpreted, or off Hopper, it is Triton."""
+    """'auto' on Hopper picks the Mosaic forward, dK/dV and dQ kernels wherever they cover the call; interpreted,
+    or off Hopper, Triton."""
+    from lowbit_jax import sage_backends as backends
+
     q, k, v = make_qkv(1, seq, seq, 2, 2, d)
     opts = sage_mod.resolve_options(q, k, v, causal=causal, implementation="pallas", interpret=True,
                                     config=lb.SageFwdConfig())
-    ops = sage_mod.Padded.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2])
+    call = backends.SageCall.of_operands(sage_mod._forward(q, k, v, opts=opts, transposed=True)[2], opts)
 
     def picks(opts):
-        return dict(fwd=sage_mod._mosaic_forward(ops, opts),
-                    **{name: sage_mod._mosaic_backend(name, ops, opts) for name in ("dkdv", "dq")})
+        c = call._replace(opts=opts)
+        return dict(fwd=backends.forward_for(c).name == "mosaic", dkdv=backends.backward_for(c).name == "mosaic",
+                    dq=backends._mosaic_kernel("dq", c))
 
     assert not any(picks(opts).values())  # interpreted
     compiled = dataclasses.replace(opts, interpret=False)
     assert not any(picks(compiled).values())  # not on Hopper (this test runs off the GPU)
-    monkeypatch.setattr(sage_mod, "on_hopper", lambda: True)
+    monkeypatch.setattr(backends, "on_hopper", lambda: True)
     assert picks(compiled) == want
-    assert not sage_mod._mosaic_forward(ops, dataclasses.replace(compiled, smooth_q=True))  # Q-smoothing bias → Triton
+    assert not picks(dataclasses.replace(compiled, smooth_q=True))["fwd"]  # Q-smoothing bias → Triton
 
 
 # ----------------------------------------------------------------------------- dS scale granularity
@@ -406,29 +406,6 @@ def test_bad_ds_scale():
         lb.SageFwdConfig(ds_scale="block")
 
 
-def _gradients_per_switch(monkeypatch, module, switch: str, q, k, v, do, **options) -> dict:
-    """``{on: [o, dq, dk, dv]}`` (float32 numpy) of the Pallas ``sage_attention`` with ``module.switch`` on (first),
-    then off; caches cleared before each, so each traces anew."""
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(module, switch, on)
-        jax.clear_caches()
-        got[on] = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas",
-                                                            interpret=INTERPRET, **options)]
-    return got
-
-
-def _assert_same_gradients(got: dict) -> None:
-    """``got`` from :func:`_gradients_per_switch` of a switch that moves work only: o and every gradient finite and
-    equal with it on and off (compiled, dQ to the TMA reduce-add's varying summation order)."""
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        assert np.isfinite(a).all(), name
-        if name == "dq" and not INTERPRET:  # compiled, the TMA reduce-add sums dQ in a varying order
-            np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-4 * np.abs(r).max(), err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, r, err_msg=name)
-
-
 #: causal backward cases (B, Sq, Sk, Hq, Hkv, D, granularity): the fused dK/dV/dQ kernel at D64 ragged GQA and at
 #: D128, and per-token scales (the dK/dV and dQ kernels) at ragged MQA
 CAUSAL_CASES = [(1, 200, 256, 4, 2, 64, "per_block"), (1, 256, 256, 2, 2, 128, "per_block"),
@@ -440,59 +417,6 @@ def _causal_inputs(case: tuple, seed: int) -> tuple:
     b, sq, sk, hq, hkv, d, gran = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + sk + d + seed, k_outlier=3.0)
     return q, k, v, cotangent(q), dict(causal=True, qk_granularity=gran, config=MOSAIC)
-
-
-@pytest.mark.parametrize("case", CAUSAL_CASES)
-def test_mosaic_backward_skipped_steps_same_gradients(case, monkeypatch):
-    """Causal: a dK/dV warpgroup skips the query tiles that see none of its keys (``SKIP_EMPTY_STEPS``). The
-    gradients equal the kernel's that runs those steps (the interpreter sums the fused dQ in a fixed order), with
-    the fused dQ (per-block scales) and without it (per-token: the dQ kernel), ragged Sq < Sk, GQA. It must really
-    skip: a skipped step that returned a wrong dK accumulator changes dK."""
-    from pallas_kernels import sage_bwd_mosaic
-
-    q, k, v, do, options = _causal_inputs(case, 1)
-    got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, do, **options)
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        assert np.isfinite(a).all(), name
-        np.testing.assert_array_equal(a, r, err_msg=name)
-    monkeypatch.setattr(sage_bwd_mosaic, "SKIP_EMPTY_STEPS", True)
-    monkeypatch.setattr(sage_bwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, carry[1]))
-    jax.clear_caches()
-    wrong = [np.asarray(g, np.float32) for g in grads(q, k, v, do, implementation="pallas", interpret=INTERPRET,
-                                                      **options)]
-    assert not np.array_equal(wrong[2], got[False][2])
-    np.testing.assert_array_equal(wrong[3], got[False][3])  # dV untouched: only the dK accumulator was spoiled
-
-
-@pytest.mark.parametrize("case", CAUSAL_CASES)
-def test_mosaic_backward_masks_raw_scores_same_gradients(case, monkeypatch):
-    """Causal: with ``MASK_RAW_SCORES`` (probe) the kernels mask S before its Q/K scale, so that the scale and the
-    exponent's − L can contract into one fused multiply-add. Interpreted, XLA's CPU code contracts them too: P
-    moves by float32 rounding, which flips an INT8 code of P̂ or dŜ here and there, so the gradients agree to
-    rel-L1 ≤ 1e-5 with ≤ 0.1% of their elements apart (measured ≤ 2e-6 and ≤ 0.06%; the fused dK/dV/dQ kernel at
-    D64 ragged GQA and D128; per-token scales: the dK/dV and dQ kernels). That the switch really
-    moves the mask: with a mask value of −10⁴ instead of −inf (harmless after the scale, where exp2 of it is 0; not
-    before it, where the scale shrinks it to about −10⁴·c) the gradients change, and only with the switch on."""
-    from pallas_kernels import sage_bwd_mosaic
-
-    q, k, v, do, options = _causal_inputs(case, 7)
-    got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "MASK_RAW_SCORES", q, k, v, do, **options)
-    for name, a, r in zip(("o", "dq", "dk", "dv"), got[True], got[False]):
-        assert np.isfinite(a).all(), name
-        rel_l1 = np.abs(a - r).sum() / np.abs(r).sum()
-        assert rel_l1 <= 1e-5 and np.mean(a != r) <= 1e-3, (name, rel_l1, np.mean(a != r))
-
-    real_mask = sage_bwd_mosaic.mask_scores
-
-    def finite_mask(scores, *args, **kw):  # −10⁴ where the real mask puts −inf
-        return jnp.maximum(real_mask(scores, *args, **kw), -1e4)
-
-    monkeypatch.setattr(sage_bwd_mosaic, "mask_scores", finite_mask)
-    shallow = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "MASK_RAW_SCORES", q, k, v, do, **options)
-    for name, after_scale, committed in zip(("o", "dq", "dk", "dv"), shallow[False], got[False]):
-        np.testing.assert_array_equal(after_scale, committed, err_msg=name)
-    dv_on, dv_ok = shallow[True][3], got[True][3]
-    assert np.abs(dv_on - dv_ok).sum() > 1e-3 * np.abs(dv_ok).sum()  # dV: the masked keys got weight
 
 
 @pytest.mark.parametrize("sk_pad, v_operand_order, dtype", [(128, True, jnp.bfloat16), (192, False, jnp.float16),
@@ -517,24 +441,6 @@ def test_kv_operands_kernel_matches_xla_transposes(sk_pad, v_operand_order, dtyp
         sage_bwd.sage_bwd_kv_operands(k8[:, :, :8], vt8[..., :8], v_scale, dtype=dtype, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, True), (1, 256, 256, 2, 2, 128, False)])
-def test_fused_backward_takes_kv_operands_kernel(case, monkeypatch):
-    """The fused Mosaic backward gets K̂ and Ṽ in pair order from ``sage_bwd_kv_operands`` (``KV_OPERANDS_KERNEL``):
-    o and every gradient equal the XLA transposes' route exactly (ragged causal GQA at D64, D128; compiled, dQ to
-    its summation order); a spy sees the kernel called once with V̂ᵀ in the forward's operand order."""
-    from pallas_kernels import sage_bwd, sage_bwd_mosaic
-
-    b, sq, sk, hq, hkv, d, causal = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d + 9, k_outlier=3.0)
-    do = cotangent(q)
-    real, seen = sage_bwd.sage_bwd_kv_operands, []
-    monkeypatch.setattr(sage_bwd, "sage_bwd_kv_operands", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    got = _gradients_per_switch(monkeypatch, sage_bwd_mosaic, "KV_OPERANDS_KERNEL", q, k, v, do, causal=causal,
-                                config=MOSAIC)
-    assert len(seen) == 1 and seen[0]["v_operand_order"] is True  # the Mosaic forward's V̂ᵀ
-    _assert_same_gradients(got)
-
-
 def test_preprocess_zeroes_the_dq_accumulator():
     """``sage_bwd_preprocess(zero_dq=True)`` also returns the fused backward's float32 dQ accumulator (B, Sq_pad, Hq,
     D), every element zero (the interpreter starts outputs as NaN, so an unwritten block shows), and its other
@@ -549,23 +455,3 @@ def test_preprocess_zeroes_the_dq_accumulator():
     np.testing.assert_array_equal(np.asarray(zeros), 0.0)
     for a, r in zip(with_zeros, plain, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
-
-
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, True), (1, 256, 256, 2, 2, 128, False)])
-def test_fused_backward_takes_dq_zeros_from_preprocess(case, monkeypatch):
-    """With the fused dQ the preprocess zeroes its float32 accumulator (``sage_bwd.ZERO_DQ_HERE``): o and every
-    gradient equal the separate fill's route (ragged causal GQA at D64, D128; compiled, dQ to its summation order);
-    a spy sees ``zero_dq`` asked for only with the switch on; a wrong-shaped accumulator is refused."""
-    from pallas_kernels import reduce_add, sage_bwd
-
-    b, sq, sk, hq, hkv, d, causal = case
-    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16, seed=sq + d + 17, k_outlier=3.0)
-    do = cotangent(q)
-    real, seen = sage_bwd.sage_bwd_preprocess, []
-    monkeypatch.setattr(sage_bwd, "sage_bwd_preprocess", lambda *a, **kw: seen.append(kw["zero_dq"]) or real(*a, **kw))
-    got = _gradients_per_switch(monkeypatch, sage_bwd, "ZERO_DQ_HERE", q, k, v, do, causal=causal, config=MOSAIC)
-    assert seen == [True, False]
-    _assert_same_gradients(got)
-    with pytest.raises(ValueError, match="zeros: expected float32"):
-        reduce_add.reduce_add_accumulator((1, 64, 2, 64), (1, 2), interpret=True, after=do,
-                                       zeros=jnp.zeros((1, 64, 2, 32), jnp.float32))

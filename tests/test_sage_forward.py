@@ -174,24 +174,6 @@ def test_kv_quantize_kernel_takes_its_own_warps(monkeypatch):
     np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(ref, np.float32))
 
 
-@pytest.mark.parametrize("fwd_backend", ["triton", "mosaic"])
-def test_benchmark_stage_split_runs(fwd_backend):
-    """benchmarks/attention.py times quantization and the kernel apart; that split must compute sage, with the
-    attention kernel the op itself picks (the Mosaic forward where ``fwd_backend`` asks for it)."""
-    from benchmarks.attention import sage_parts
-
-    config = dataclasses.replace(SMALL, fwd_backend=fwd_backend,
-                                 **({"block_q": 64, "block_k": 64} if fwd_backend == "mosaic" else {}))
-    q, k, v = make_qkv(1, 128, 128, 2, 2, 64, seed=12)
-    quant, kern, ops, backend = sage_parts(q, k, v, True, config, interpret=INTERPRET)
-    assert backend == fwd_backend
-    out = kern(ops)
-    ref = lb.sage_attention(q, k, v, causal=True, config=config, implementation="pallas", interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
-    _, _, _, sweep_backend = sage_parts(q, k, v, True, config, interpret=INTERPRET, backend="triton")
-    assert sweep_backend == "triton"
-
-
 def _forward_per_switch(monkeypatch, module, switch: str, q, k, v, causal: bool, config) -> dict:
     """``{on: (o, lse)}`` of the Pallas ``sage_forward`` with ``module.switch`` on (first), then off; caches cleared
     before each, so each traces anew."""
@@ -216,48 +198,6 @@ def _assert_same_forward(got: dict, q, k, v, causal: bool, config) -> None:
     assert metrics(o_on, x)[1] < 2e-3
 
 
-@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (128, 100, False)])
-def test_mosaic_scale_in_exponent_matches_scaled_scores(monkeypatch, sq, sk, causal):
-    """The Mosaic forward folds the per-block score scale into the exponent (``SCALE_IN_EXP``); it must give the
-    scaled-scores path's o and log-sum-exp to float32 rounding where scores are masked (the causal diagonal, keys
-    past a ragged length: −inf times the scale must stay −inf), with GQA and a key outlier."""
-    from pallas_kernels import sage_fwd_mosaic
-
-    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
-    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=31, k_outlier=4.0)
-    kernel, calls = sage_fwd_mosaic.sage_attention_fwd_mosaic, []
-    monkeypatch.setattr(sage_fwd_mosaic, "sage_attention_fwd_mosaic",
-                        lambda *a, **kw: calls.append(kw["per_block"]) or kernel(*a, **kw))
-    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SCALE_IN_EXP", q, k, v, causal, config)
-    assert calls == [True, True]  # the Mosaic kernel ran, with per-block scales, not a Triton fallback
-    (o_on, lse_on), (o_off, lse_off) = got[True], got[False]
-    assert np.isfinite(o_on).all() and np.isfinite(lse_on).all()
-    np.testing.assert_allclose(lse_on, lse_off, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(o_on, o_off, rtol=0, atol=1e-2 * np.abs(o_off).max())
-    assert np.abs(o_on - o_off).mean() < 1e-3 * np.abs(o_off).mean()
-
-
-@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (200, 200, False)])
-def test_mosaic_pingpong_same_values(monkeypatch, sq, sk, causal):
-    """At head dim 128 the Mosaic forward's two compute warpgroups take turns (``PINGPONG``, FlashAttention-3's
-    schedule barrier): it orders execution only, so o and the log-sum-exp equal the unscheduled kernel's exactly
-    (interpreted: ragged Sq, causal with Sq < Sk, GQA, a key outlier). A spy checks the schedule was on, then off."""
-    from pallas_kernels import sage_fwd_mosaic
-
-    schedule, enabled = sage_fwd_mosaic.PingPong, []
-
-    def spy(barrier, wg, on):
-        enabled.append(on)
-        return schedule(barrier, wg, on)
-
-    monkeypatch.setattr(sage_fwd_mosaic, "PingPong", spy)
-    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
-    q, k, v = make_qkv(1, sq, sk, 4, 2, 128, dtype=jnp.bfloat16, seed=41, k_outlier=4.0)
-    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "PINGPONG", q, k, v, causal, config)
-    assert enabled[0] is True and enabled[-1] is False and set(enabled) == {True, False}
-    _assert_same_forward(got, q, k, v, causal, config)
-
-
 def test_interpreter_pool_fits_four_warpgroups():
     """The D64 Mosaic forward runs four warpgroups per CTA (three compute, one memory); interpreted, each is a thread
     whose barrier waits hold a thread of XLA's CPU intra-op pool ("tf_XLAEigen", max(cores, host devices) threads),
@@ -270,62 +210,6 @@ def test_interpreter_pool_fits_four_warpgroups():
     jax.jit(lambda x: x @ x)(jnp.ones((64, 64))).block_until_ready()
     names = [(t / "comm").read_text().strip() for t in tasks.iterdir() if (t / "comm").exists()]
     assert names.count("tf_XLAEigen") >= 5, (len(jax.devices()), sorted(set(names)))
-
-
-@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, False)])
-def test_mosaic_three_warpgroups_match_two(monkeypatch, sq, sk, causal):
-    """At head dim 64 the Mosaic forward runs three compute warpgroups per CTA (``THREE_WGS``: 192 query rows, no
-    ping-pong). Each row's arithmetic is the same as with two, so o and the log-sum-exp must be equal exactly. Sq 250
-    (padded 256) leaves the second CTA's third warpgroup wholly past the padded rows and its second half past; causal
-    with Sq < Sk (the diagonal per CTA of 192 rows); GQA and a key outlier."""
-    from pallas_kernels import sage_fwd_mosaic
-
-    assert sage_fwd_mosaic.compute_wgs(64) == 3 and sage_fwd_mosaic.compute_wgs(128) == 2
-    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
-    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=37, k_outlier=4.0)
-    kernel, calls = sage_fwd_mosaic.launch, []
-    monkeypatch.setattr(sage_fwd_mosaic, "launch", lambda *a, **kw: calls.append(kw["compute_wgs"]) or kernel(*a, **kw))
-    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "THREE_WGS", q, k, v, causal, config)
-    assert calls == [3, 2]  # the Mosaic kernel ran, with three and then two compute warpgroups
-    _assert_same_forward(got, q, k, v, causal, config)
-
-
-@pytest.mark.parametrize("sq, sk, d", [(250, 300, 64), (384, 384, 64), (200, 260, 128)])
-def test_mosaic_heavy_first_same_values(monkeypatch, sq, sk, d):
-    """Causal, the forward's grid index 0 takes the last query block (``HEAVY_FIRST``: the CTAs that see the most keys
-    launch first). Each CTA still computes its own rows, so o and the log-sum-exp equal the grid in order. Sq 250 over
-    192-row CTAs (D64, three warpgroups) leaves a last CTA past Sq_pad, so the reversal must use the CTA count, not
-    Sq_pad // rows; D128 has two warpgroups and ping-pong. A spy checks the count it reverses over, then that off
-    means no reversal."""
-    from pallas_kernels import sage_fwd_mosaic
-
-    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
-    q, k, v = make_qkv(1, sq, sk, 4, 2, d, dtype=jnp.bfloat16, seed=47, k_outlier=4.0)
-    blocks, seen = sage_fwd_mosaic.query_block_keys, []
-    monkeypatch.setattr(sage_fwd_mosaic, "query_block_keys",
-                        lambda *a, **kw: seen.append(kw.get("heavy_first_of")) or blocks(*a, **kw))
-    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "HEAVY_FIRST", q, k, v, True, config)
-    rows = sage_fwd_mosaic.compute_wgs(d) * sage_fwd_mosaic.TILE
-    ctas = -(-(-(-sq // 128) * 128) // rows)  # over Sq padded to 128
-    assert seen[0] == ctas and seen[-1] is None, (seen, ctas)
-    _assert_same_forward(got, q, k, v, True, config)
-
-
-@pytest.mark.parametrize("sq, sk, causal", [(250, 300, True), (384, 384, True), (250, 250, False)])
-def test_mosaic_skipped_steps_same_values(monkeypatch, sq, sk, causal):
-    """With three compute warpgroups (D64) a warpgroup skips the key tiles past its last row's diagonal (causal) and
-    every step if its rows are all padding (``SKIP_EMPTY_STEPS``): o and the log-sum-exp equal the kernel's that runs
-    them. Causal, it must really skip: a skipped step that returned a wrong accumulator changes o."""
-    from pallas_kernels import sage_fwd_mosaic
-
-    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
-    q, k, v = make_qkv(1, sq, sk, 4, 2, 64, dtype=jnp.bfloat16, seed=43, k_outlier=4.0)
-    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, causal, config)
-    _assert_same_forward(got, q, k, v, causal, config)
-    if causal:
-        monkeypatch.setattr(sage_fwd_mosaic, "_skipped_step", lambda carry: (carry[0] + 1.0, *carry[1:]))
-        wrong = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "SKIP_EMPTY_STEPS", q, k, v, causal, config)
-        assert not np.array_equal(wrong[True][0], got[False][0])
 
 
 @pytest.mark.parametrize("s, chunk, smooth_k", [(300, 128, True), (256, 256, True), (77, 256, False)])
@@ -346,34 +230,3 @@ def test_channel_stats_kernel_matches_xla(s, chunk, smooth_k):
         np.testing.assert_allclose(np.asarray(k_mean), np.asarray(ref_mean), rtol=2e-6, atol=1e-7)
     else:
         assert k_mean is None and ref_mean is None
-
-
-@pytest.mark.parametrize("sq, sk, causal, d", [(250, 300, True, 64), (200, 256, False, 128)])
-def test_mosaic_lazy_rescale_matches_per_step_rescale(monkeypatch, sq, sk, causal, d):
-    """The Mosaic forward rescales O and l only when a tile's row max passes the reference max by more than
-    ``LAZY_RESCALE_BITS`` (``LAZY_RESCALE``, FlashAttention-4's conditional rescaling): o and the log-sum-exp equal the
-    per-step rescaling's to float32 rounding. A later key block ×300 lifts many rows' max by far more than 8 bits (others
-    not: both branches run; far enough that skipping those rescales overflows, so a vote that never fires after the
-    first step must fail), at D64 (three warpgroups, causal, ragged) and D128 (ping-pong), GQA; the switch's head-dim
-    and causal limits (set by timing) are lifted here so both kernels' branches are tested."""
-    from pallas_kernels import sage_fwd_mosaic
-
-    assert sage_fwd_mosaic.rescales_lazily(64, True) and not sage_fwd_mosaic.rescales_lazily(64, False)
-    assert not sage_fwd_mosaic.rescales_lazily(128, True)  # where it was timed slower on the H200
-    monkeypatch.setattr(sage_fwd_mosaic, "LAZY_RESCALE_CAUSAL_ONLY", False)  # both cases take it here
-    monkeypatch.setattr(sage_fwd_mosaic, "LAZY_RESCALE_MAX_HEAD_DIM", 128)
-    config = lb.SageFwdConfig(block_q=128, block_k=64, fwd_backend="mosaic")
-    q, k, v = make_qkv(1, sq, sk, 4, 2, d, dtype=jnp.bfloat16, seed=53 + d)
-    k = k.at[:, 140:150].multiply(300.0)
-    got = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "LAZY_RESCALE", q, k, v, causal, config)
-    (o_on, lse_on), (o_off, lse_off) = got[True], got[False]
-    assert np.isfinite(o_on).all() and np.isfinite(lse_on).all()
-    assert np.ptp(lse_off) > 64  # the boosted keys move some rows' max far, not all rows'
-    np.testing.assert_allclose(lse_on, lse_off, rtol=1e-6, atol=1e-5)
-    np.testing.assert_allclose(o_on, o_off, rtol=0, atol=1e-2 * np.abs(o_off).max())
-    assert np.abs(o_on - o_off).mean() < 1e-3 * np.abs(o_off).mean()
-    x = lb.sage_attention(q, k, v, causal=causal, config=config, implementation="xla")
-    assert metrics(o_on, x)[1] < 2e-3
-    monkeypatch.setattr(sage_fwd_mosaic, "warp_any_above", lambda gap, bits, interpret: jnp.any(gap == jnp.inf))
-    wrong = _forward_per_switch(monkeypatch, sage_fwd_mosaic, "LAZY_RESCALE", q, k, v, causal, config)
-    assert not np.allclose(wrong[True][0], o_off, equal_nan=False)

@@ -12,7 +12,8 @@ import pytest
 import lowbit_jax as lb
 from attention_base import INTERPRET, AttentionTestBase, cotangent, exact_attention_f64, make_qkv, metrics
 from lowbit_jax import thrift as thrift_mod
-from lowbit_jax.formats import nvfp4
+from lowbit_jax import thrift_backends
+from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import (
     block_means,
     dequantized_cache,
@@ -489,7 +490,8 @@ def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
 
     q, k, v = make_qkv(2, 200, 200, 4, 2, 64, seed=31)
     cache = filled_cache(k, v, 200)
-    run = lambda: thrift_mod.decode_order(q[:, -2:], cache, budget=0.5, block=32, interpret=INTERPRET)  # noqa: E731
+    def run():
+        return thrift_backends.decode_order(q[:, -2:], cache, budget=0.5, block=32, interpret=INTERPRET)
     order, n_high = run()
     monkeypatch.setattr(thrift_select, "DECODE_ORDER_MAX_BLOCKS", 0)
     order_xla, n_high_xla = run()
@@ -505,7 +507,7 @@ def test_decode_launch_by_rows_per_program():
     assert cfg.decode_launch(16) == (2, 2) and cfg.decode_launch(64) == (4, 3)
     assert lb.ThriftConfig(decode_warps=8).decode_launch(16) == (8, 2)
     assert lb.ThriftConfig(decode_stages=1).decode_launch(64) == (4, 1)
-    assert thrift_mod._decode_layout(1 * 4)[1] == 16 and thrift_mod._decode_layout(40 * 4)[1] == 64
+    assert thrift_backends.decode_layout(1 * 4)[1] == 16 and thrift_backends.decode_layout(40 * 4)[1] == 64
 
 
 @pytest.mark.parametrize("t, hq", [(1, 8), (17, 8)])  # 4 of 16 rows; 68 rows in two 64-row tiles
@@ -519,10 +521,10 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
     cache = filled_cache(k, v, n + t)
     qt = q[:, n:]
     rows = t * (hq // hkv)
-    r_pad, row_tile = thrift_mod._decode_layout(rows)
+    r_pad, row_tile = thrift_backends.decode_layout(rows)
     assert r_pad > rows
-    order, n_high = thrift_mod.decode_order(qt, cache, budget=0.3, block=SMALL.block, interpret=INTERPRET)
-    args = thrift_mod.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    order, n_high = thrift_backends.decode_order(qt, cache, budget=0.3, block=SMALL.block, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
     run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
                             interpret=INTERPRET)
     full, skipped = run(), run(rows=rows)

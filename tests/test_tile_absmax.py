@@ -1,7 +1,7 @@
 """``warp_reduce.tile_absmax``: max |x| of a WGMMA tile as a scalar every thread of the warpgroup holds
-(SageBwd's per-tile dS scale). Interpreted it is the row maxima re-read along the lanes; compiled with
-``warp_reduce.WARP_TILE_MAX`` one ``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the
-GPU runs: the compiled test below lowers for an H200 anywhere and compares with numpy on a Hopper GPU, two
+(SageBwd's per-tile dS scale). Interpreted it is the row maxima re-read along the lanes; compiled one
+``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the GPU runs: the compiled test below
+lowers for an H200 anywhere and compares with numpy on a Hopper GPU, two
 warpgroups reducing different tiles at once (each with its own scratch row, as the kernels do)."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_tile_max_interpreted(where):
 def test_tile_max_compiled(monkeypatch):
     """Lowered for an H200 on any machine (the inline ``redux.sync`` route is the one lowered); compiled on a
     Hopper GPU against numpy, the maximum planted in each warp in turn."""
-    from benchmarks import common
+    import h200
 
     calls = []
     real = warp_reduce._warp_absmax
@@ -75,7 +75,7 @@ def test_tile_max_compiled(monkeypatch):
     kernel = _tile_max_kernel(False)
     a, e = _inputs(0, (0, 0))
     jax.clear_caches()
-    common.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
+    h200.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
     assert calls, "the compiled tile_absmax did not take the warp-level route"
     if not _mosaic.on_hopper():
         return
@@ -85,9 +85,9 @@ def test_tile_max_compiled(monkeypatch):
 
 
 def test_tile_absmax_rejects_a_scratch_of_another_length():
-    from benchmarks import common
+    import h200
 
     a, e = _inputs(0, (0, 0))
     with pytest.raises(ValueError, match=r"a \(rows,\) scratch"):
-        common.lower_for_h200(_tile_max_kernel(False, scratch_rows=60), jax.ShapeDtypeStruct(a.shape, a.dtype),
+        h200.lower_for_h200(_tile_max_kernel(False, scratch_rows=60), jax.ShapeDtypeStruct(a.shape, a.dtype),
                               jax.ShapeDtypeStruct(e.shape, e.dtype))

@@ -76,7 +76,7 @@ def test_warp_vote_interpreted(above, nan_row):
 def test_warp_vote_compiled(monkeypatch):
     """Lowered for an H200 on any machine (a spy sees the ``vote.sync`` route); on a Hopper GPU each warp's rows
     take the branch exactly when one of that warp's rows is above, NaN rows not counting."""
-    from benchmarks import common
+    import h200
 
     calls = []
     real = warp_reduce._warp_vote_above
@@ -84,7 +84,7 @@ def test_warp_vote_compiled(monkeypatch):
     kernel = _vote_kernel(False)
     a, e = _inputs(0, ())
     jax.clear_caches()
-    common.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
+    h200.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
     assert calls, "the compiled warp_any_above did not take the vote route"
     if not _mosaic.on_hopper():
         return

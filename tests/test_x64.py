@@ -20,7 +20,7 @@ def _fwd_bwd(method, impl, causal, q, k, v):
     return [np.asarray(x) for x in (o, *vjp(jnp.ones_like(o)))]
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_attention_under_x64_equals_x32(method, impl):
     q, k, v = make_qkv(1, 80, 80, 4, 2, 64, dtype=jnp.float32)  # ragged, GQA
@@ -32,7 +32,7 @@ def test_attention_under_x64_equals_x32(method, impl):
         np.testing.assert_array_equal(g, e)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_thrift_cache_and_decode_under_x64(impl):
     q, k, v = make_qkv(1, 70, 70, 4, 2, 64)
     kw = dict(implementation=impl, interpret=INTERPRET and impl == "pallas")

@@ -1,9 +1,6 @@
-"""Quantization formats shared by the Pallas kernels and the pure-JAX references.
+"""The quantization formats (re-exported from :mod:`pallas_kernels.numerics`, the layer both the kernels and the
+references build on)."""
 
-Imports nothing else of the project (the kernels import it while the package
-initializes).
-"""
-
-from lowbit_jax.formats import int8, nvfp4, qk_prologue, sage_tiles, smoothing
+from pallas_kernels.numerics import int8, nvfp4, qk_prologue, sage_tiles, smoothing
 
 __all__ = ["int8", "nvfp4", "qk_prologue", "sage_tiles", "smoothing"]
