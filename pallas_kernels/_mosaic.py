@@ -222,6 +222,30 @@ class ForwardLaunch:
     interpret: bool
 
 
+class ForwardCta(NamedTuple):
+    """Where a forward's compute warpgroup works: batch ``b``, query head ``h`` and its kv head ``hkv``, its first
+    query row ``q_start`` and its ``rows`` (a slice), the CTA's key steps
+    ``n_steps`` and whether they need masking (``masked``)."""
+
+    b: jax.Array
+    h: jax.Array
+    hkv: jax.Array
+    q_start: jax.Array
+    rows: pl.Slice
+    n_steps: jax.Array
+    masked: bool
+
+
+def forward_cta(p: ForwardLaunch, q_pad: int, k_pad: int, wg: jax.Array, tile: int) -> ForwardCta:
+    """The :class:`ForwardCta` of warpgroup ``wg`` (``tile`` query rows each) over ``q_pad`` query and ``k_pad``
+    key rows; causal, the heaviest query blocks launch first (:func:`query_block_keys`)."""
+    b, h, _ = grid_position()
+    cta_queries, n_steps, masked = query_block_keys(p.wgs * tile, k_pad, p.block_k, sk_len=p.sk_len, causal=p.causal,
+                                                    offset=p.offset, heavy_first_of=-(-q_pad // (p.wgs * tile)))
+    q_start = cta_queries + wg * tile
+    return ForwardCta(b, h, lax.div(h, p.group), q_start, pl.ds(q_start, tile), n_steps, masked)
+
+
 class QueryRows(NamedTuple):
     """:func:`query_ctas`: the CTAs of a forward over the query rows, and the rows each array gets."""
 
@@ -517,7 +541,7 @@ def on_hopper() -> bool:
 __all__ = ["pl", "plgpu", "compiler_params", "interpret_params", "tile_transforms", "rows_of", "cols_of", "row_vector",
            "col_vector", "mask_scores", "grid_position", "query_block_keys", "swap_within_blocks",
            "first_query_tile", "tma_rows", "trim_rows", "QueryRows", "query_ctas", "pad_rows",
-           "wg_tiles", "launch", "wgmma_zeros", "matmul",
+           "wg_tiles", "launch", "ForwardLaunch", "ForwardCta", "forward_cta", "wgmma_zeros", "matmul",
            "matmul_sum", "matmuls", "accumulate", "compute_pipeline",
            "guarded_step", "key_step_specs", "transposed_step_spec", "copy_in", "copy_out", "on_hopper",
            "MEMORY_REGISTERS", "product_first",

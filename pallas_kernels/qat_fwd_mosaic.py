@@ -37,9 +37,9 @@ from jax import lax
 from pallas_kernels.numerics import int8, sage_tiles
 from pallas_kernels import lane_groups
 from pallas_kernels._mosaic import (
-    ForwardLaunch, PingPong, accumulate, compute_pipeline, copy_in, copy_out, grid_position, guarded_step, launch,
-    mask_scores, matmul, needed_step, pad_rows, pl, plgpu, query_block_keys, query_ctas,
-    rows_of, schedule_barrier, tile_transforms, trim_rows, wg_tiles, wgmma_zeros,
+    ForwardLaunch, PingPong, accumulate, compute_pipeline, copy_in, copy_out, forward_cta, guarded_step, launch,
+    mask_scores, matmul, needed_step, pad_rows, plgpu, query_ctas, rows_of, schedule_barrier, tile_transforms,
+    trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import QatConfig
 from pallas_kernels.register_operands import register_operand
@@ -84,7 +84,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *outs, p: FwdParams, q_tiles, lse, m, barri
     """``outs``: O, [O′], the LSE, m. The scratch, per compute warpgroup: Q̃'s tile (O goes out through it: Q is not
     read after the pipeline), O′'s with ``with_aux``, the LSE and m on their way out, the barriers, the ping-pong
     barrier; interpreted the two 16-bit A operands (the interpreter takes SMEM operands only)."""
-    stages, group, block_k, head_dim, sq_len, sk_len = p.stages, p.group, p.block_k, p.head_dim, p.sq_len, p.sk_len
+    stages, block_k, head_dim, sq_len, sk_len = p.stages, p.block_k, p.head_dim, p.sq_len, p.sk_len
     causal, offset, score_scale, with_aux, pingpong, wgs, interpret = (p.causal, p.offset, p.score_scale, p.with_aux,
                                                                        p.pingpong, p.wgs, p.interpret)
     q_smem2 = o_smem2 = q_tiles
@@ -102,13 +102,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *outs, p: FwdParams, q_tiles, lse, m, barri
 
     in_specs = [kv_spec(k_ref.dtype), kv_spec(v_ref.dtype)]
 
-    b, h, _ = grid_position()
-    hkv = lax.div(h, group)
-    cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
-                                                    causal=causal, offset=offset,
-                                                    heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE)))
-    q_start = cta_queries + wg * TILE
-    rows = pl.ds(q_start, TILE)
+    b, h, hkv, q_start, rows, n_steps, masked = forward_cta(p, q_ref.shape[2], k_ref.shape[2], wg, TILE)
 
     def compute(pipeline):
         copy_in(((q_ref.at[b, h, rows], q_smem2.at[wg]),), barriers, wg)

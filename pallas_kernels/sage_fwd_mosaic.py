@@ -38,10 +38,9 @@ from jax import lax
 from pallas_kernels.numerics import int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
-    ForwardLaunch, PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, grid_position, guarded_step,
-    key_step_specs, launch, mask_scores, matmul, needed_step, pad_rows, pl, plgpu,
-    query_block_keys, query_ctas, row_vector, rows_of, scalar, schedule_barrier,
-    transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
+    ForwardLaunch, PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, forward_cta, guarded_step,
+    key_step_specs, launch, mask_scores, matmul, needed_step, pad_rows, plgpu, query_ctas, row_vector, rows_of, scalar,
+    schedule_barrier, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.register_operands import int8_operand_in_smem, register_operand
@@ -100,7 +99,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
     barriers, the ping-pong barrier; P̂ only where it goes through SMEM (``register_operands.int8_operand_in_smem``)."""
     q_smem2, qs_smem2, vs_smem2, p_smem2, o_smem2, lse_smem2, sched = (q_tiles, q_scales, v_scales, p_tiles,
                                                                         o_tiles, lse, schedule)
-    stages, group, block_k, head_dim, sq_len, sk_len = p.stages, p.group, p.block_k, p.head_dim, p.sq_len, p.sk_len
+    stages, block_k, head_dim, sq_len, sk_len = p.stages, p.block_k, p.head_dim, p.sq_len, p.sk_len
     causal, offset, scalar_scales, operand, wgs, interpret = (p.causal, p.offset, p.scalar_scales, p.operand, p.wgs,
                                                               p.interpret)
     wg = lax.axis_index("wg")
@@ -110,13 +109,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
     lazy = rescales_lazily(head_dim, causal)
     in_specs = [*key_step_specs(block_k, head_dim), transposed_step_spec(block_k, head_dim)]
 
-    b, h, _ = grid_position()
-    hkv = lax.div(h, group)
-    cta_queries, n_steps, masked = query_block_keys(wgs * TILE, k_ref.shape[2], block_k, sk_len=sk_len,
-                                                    causal=causal, offset=offset,
-                                                    heavy_first_of=-(-q_ref.shape[2] // (wgs * TILE)))
-    q_start = cta_queries + wg * TILE
-    rows = pl.ds(q_start, TILE)
+    b, h, hkv, q_start, rows, n_steps, masked = forward_cta(p, q_ref.shape[2], k_ref.shape[2], wg, TILE)
 
     def compute(pipeline):
         copies = ((q_ref.at[b, h, rows], q_smem2.at[wg]), (qs_ref.at[b, h, rows], qs_smem2.at[wg]),
