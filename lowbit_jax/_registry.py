@@ -26,13 +26,10 @@ class Implementation(Protocol, Generic[Call]):
 I = TypeVar("I", bound=Implementation)
 
 
-def covers(implementation: Implementation, call) -> bool:
-    """Whether ``implementation`` supports ``call``."""
-    try:
-        implementation.supports(call)
-    except NotImplementedError:
-        return False
-    return True
+def require(condition: bool, reason: str) -> None:
+    """For ``supports``: raise ``NotImplementedError(reason)`` unless ``condition`` holds."""
+    if not condition:
+        raise NotImplementedError(reason)
 
 
 def pick(implementations: Sequence[I], call) -> I:

@@ -109,12 +109,11 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start
     """16-bit attention of T new tokens at positions ``start … start + T − 1`` over a cache that holds them.
 
     ``implementation=None`` picks cuDNN where it applies (:func:`dense_attention`'s rule), else XLA:
-    * "cudnn": flash attention over the filled length only (``key_value_seq_lengths``; H200, the 50m
-      preset's heads, B8, a 32k cache, one token: a quarter of XLA's time). Several tokens are two cuDNN calls,
-      over the cached keys and over the new ones, merged by their float32 log-sum-exps (half the time of one call
-      with the causal mask as cuDNN's bias). After cached tokens the merge rounds each part to q's dtype first
-      (rel-L2 vs float32 2.7e-3 against 2.1e-3 in one call). Into an empty cache the output is exactly cuDNN's
-      causal attention over the prompt.
+    * "cudnn": flash attention over the filled length only (``key_value_seq_lengths``), so a long cache
+      costs only its filled part. Several tokens are two cuDNN calls, over the cached keys and over the new ones,
+      merged by their float32 log-sum-exps (cuDNN skips the masked tiles; a causal bias tensor would not). After
+      cached tokens the merge rounds each part to q's dtype first (a little less accurate than one call). Into an
+      empty cache the output is exactly cuDNN's causal attention over the prompt.
     * "xla": a causal mask over the whole cache, which holds a (B, Hq, T, S_max) float32 score tensor: a
       long prompt goes through in chunks of new tokens (a ``lax.map``) of at most
       :data:`MASKED_SCORES_PER_CHUNK` scores.

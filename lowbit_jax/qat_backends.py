@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import jax
 
-from lowbit_jax._registry import pick
+from lowbit_jax._registry import pick, require
 from lowbit_jax.qat_reference import (
     fake_quant_operands, mma_dtype, padded, qat_backward_reference, qat_forward_reference,
 )
@@ -47,11 +47,6 @@ class QatCall(NamedTuple):
     opts: QatOptions
     head_dim: int
     dtype: jax.typing.DTypeLike
-
-
-def _require(condition: bool, reason: str) -> None:
-    if not condition:
-        raise NotImplementedError(reason)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -94,7 +89,7 @@ class XlaForward(_Forward):
     name = "xla"
 
     def supports(self, call: QatCall) -> None:
-        _require(call.opts.implementation == "xla", "implementation is not 'xla'")
+        require(call.opts.implementation == "xla", "implementation is not 'xla'")
 
     def quantize(self, q, k, v, opts, *, lane_order, prologue=None):
         return fake_quant_operands(*qk_prologue.apply_qk(q, k, prologue), v, config=opts.config)
@@ -113,7 +108,7 @@ class TritonForward(_Forward):
     name = "triton"
 
     def supports(self, call: QatCall) -> None:
-        _require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
 
     def attend(self, qf, kf, vf, opts, out_dtype, *, with_aux, lane_order):
         return qat_fwd_kernels.qat_attention_fwd(qf, kf, vf, **_kw(opts), out_dtype=out_dtype, with_aux=with_aux,
@@ -128,9 +123,9 @@ class MosaicForward(_Forward):
 
     def supports(self, call: QatCall) -> None:
         opts = call.opts
-        _require(opts.implementation == "pallas", "implementation is not 'pallas'")
-        _require(opts.config.fwd_backend == "mosaic", "fwd_backend does not ask for Mosaic GPU")
-        _require(qat_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded(opts.seq_q,
+        require(opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(opts.config.fwd_backend == "mosaic", "fwd_backend does not ask for Mosaic GPU")
+        require(qat_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded(opts.seq_q,
                                                                                             opts.config.pad),
                                          head_dim=call.head_dim, causal=opts.causal, out_dtype=call.dtype,
                                          config=opts.config), "the Mosaic forward does not cover this call")
@@ -177,7 +172,7 @@ class XlaBackward(_Backward):
     name = "xla"
 
     def supports(self, call: QatCall) -> None:
-        _require(call.opts.implementation == "xla", "implementation is not 'xla'")
+        require(call.opts.implementation == "xla", "implementation is not 'xla'")
 
     def grads(self, qf, kf, vf, o_aux, lse, m, do, opts, *, lane_order):
         kf, vf = kv_in_key_order(kf, vf, lane_order)
@@ -190,7 +185,7 @@ class TritonBackward(_Backward):
     name = "triton"
 
     def supports(self, call: QatCall) -> None:
-        _require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
 
     def grads(self, qf, kf, vf, o_aux, lse, m, do, opts, *, lane_order):
         kf, vf = kv_in_key_order(kf, vf, lane_order)  # the Triton kernels take keys in order
@@ -206,11 +201,11 @@ class MosaicBackward(_Backward):
 
     def supports(self, call: QatCall) -> None:
         opts = call.opts
-        _require(opts.implementation == "pallas", "implementation is not 'pallas'")
-        _require(opts.config.bwd_backend == "mosaic", "bwd_backend does not ask for Mosaic GPU")
+        require(opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(opts.config.bwd_backend == "mosaic", "bwd_backend does not ask for Mosaic GPU")
         pad = opts.config.pad
         dt = mma_dtype(call.dtype)
-        _require(qat_bwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded(opts.seq_q, pad),
+        require(qat_bwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=padded(opts.seq_q, pad),
                                          sk_pad=padded(opts.seq_k, pad), head_dim=call.head_dim,
                                          causal=opts.causal, dtype=dt, do_dtype=call.dtype),
                  "the Mosaic backward does not cover this call")

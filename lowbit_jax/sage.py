@@ -187,7 +187,8 @@ def _sage_attention(q, k, v, prologue, opts: SageOptions):
 
 
 def _sage_attention_fwd(q, k, v, prologue, opts: SageOptions):
-    transposed = backward_for(SageCall.of_inputs(q, k, opts)).transposed(SageCall.of_inputs(q, k, opts))
+    call = SageCall.of_inputs(q, k, opts)
+    transposed = backward_for(call).transposed(call)
     o, lse, ops = _forward(q, k, v, prologue, opts=opts, transposed=transposed)
     return o, (ops, o, lse, prologue_grad.residuals(q, k, prologue))  # the prologue's backward needs its inputs
 

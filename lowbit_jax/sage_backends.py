@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit_jax._registry import covers, pick
+from lowbit_jax._registry import pick, require
 from lowbit_jax.reference import reference_attention
 from lowbit_jax.sage_reference import quantize_reference, sage_attention_reference, sage_backward_reference
 from pallas_kernels import operand_order
@@ -72,11 +72,6 @@ class SageCall(NamedTuple):
         return cls(opts, ops.q.shape[2], ops.k.shape[2], ops.q.shape[3])
 
 
-def _require(condition: bool, reason: str) -> None:
-    if not condition:
-        raise NotImplementedError(reason)
-
-
 def _mosaic_allowed(backend: str, opts: SageOptions) -> bool:
     """A config's ``*_backend`` field allows Mosaic GPU: "mosaic", or "auto" compiled on Hopper."""
     return backend == "mosaic" or (backend == "auto" and not opts.interpret and on_hopper())
@@ -115,7 +110,7 @@ class XlaForward(_Forward):
     name = "xla"
 
     def supports(self, call: SageCall) -> None:
-        _require(call.opts.implementation == "xla", "implementation is not 'xla'")
+        require(call.opts.implementation == "xla", "implementation is not 'xla'")
 
     def quantize(self, q, k, v, prologue, opts, *, transposed, v_order, q_t_order):
         q, k = qk_prologue.apply_qk(q, k, prologue)
@@ -134,7 +129,7 @@ class TritonForward(_Forward):
     name = "triton"
 
     def supports(self, call: SageCall) -> None:
-        _require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
 
     def attend(self, ops, bias, opts, out_dtype, v_order):
         if v_order:
@@ -153,9 +148,9 @@ class MosaicForward(_Forward):
 
     def supports(self, call: SageCall) -> None:
         opts = call.opts
-        _require(opts.implementation == "pallas", "implementation is not 'pallas'")
-        _require(_mosaic_allowed(opts.config.fwd_backend, opts), "fwd_backend and device do not allow Mosaic GPU")
-        _require(sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=call.sq_pad,
+        require(opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(_mosaic_allowed(opts.config.fwd_backend, opts), "fwd_backend and device do not allow Mosaic GPU")
+        require(sage_fwd_mosaic.supports(sq_len=opts.seq_q, sk_len=opts.seq_k, sq_pad=call.sq_pad,
                                           head_dim=call.head_dim, causal=opts.causal, has_bias=opts.smooth_q,
                                           config=opts.config), "the Mosaic forward does not cover this call")
 
@@ -248,7 +243,7 @@ class Bf16Backward(_Backward):
     name = "bf16"
 
     def supports(self, call: SageCall) -> None:
-        _require(call.opts.backward == "bf16", "backward is not 'bf16'")
+        require(call.opts.backward == "bf16", "backward is not 'bf16'")
 
     def transposed(self, call: SageCall) -> bool:
         return False
@@ -266,7 +261,7 @@ class XlaBackward(_Backward):
     name = "xla"
 
     def supports(self, call: SageCall) -> None:
-        _require(call.opts.implementation == "xla", "implementation is not 'xla'")
+        require(call.opts.implementation == "xla", "implementation is not 'xla'")
 
     def transposed(self, call: SageCall) -> bool:
         return False
@@ -293,7 +288,7 @@ class TritonBackward(_Backward):
     name = "triton"
 
     def supports(self, call: SageCall) -> None:
-        _require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
 
     def grads(self, ops, bias, o, lse, do, opts, orders):
         call = SageCall.of_operands(ops, opts)
@@ -338,9 +333,9 @@ class MosaicBackward(_Backward):
     name = "mosaic"
 
     def supports(self, call: SageCall) -> None:
-        _require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
-        _require(call.opts.backward == "int8", "backward is not 'int8'")
-        _require(_mosaic_kernel("dkdv", call), "dkdv_backend, device or shapes rule out the Mosaic dK/dV kernel")
+        require(call.opts.implementation == "pallas", "implementation is not 'pallas'")
+        require(call.opts.backward == "int8", "backward is not 'int8'")
+        require(_mosaic_kernel("dkdv", call), "dkdv_backend, device or shapes rule out the Mosaic dK/dV kernel")
 
     def q_t_operand_order(self, call: SageCall) -> bool:
         return sage_bwd_mosaic.takes_operand_order(call.opts.interpret)
@@ -385,5 +380,5 @@ def orders_for(call: SageCall) -> Orders:
     return Orders(v=forward_for(call).v_operand_order(call), q_t=backward_for(call).q_t_operand_order(call))
 
 
-__all__ = ["BACKWARDS", "FORWARDS", "Orders", "SageCall", "SageOptions", "backward_for", "covers",
+__all__ = ["BACKWARDS", "FORWARDS", "Orders", "SageCall", "SageOptions", "backward_for",
            "dequantized_operands", "forward_for", "natural_vt", "orders_for", "quantize_pallas"]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit_jax._registry import pick
+from lowbit_jax._registry import pick, require
 from lowbit_jax.qat_reference import mma_dtype, padded
 from lowbit_jax.thrift_cache import ThriftKVCache
 from lowbit_jax.thrift_reference import (
@@ -66,11 +66,6 @@ class ThriftCall(NamedTuple):
     interpret: bool
 
 
-def _require(condition: bool, reason: str) -> None:
-    if not condition:
-        raise NotImplementedError(reason)
-
-
 class XlaThrift:
     """The pure-JAX reference (:mod:`lowbit_jax.thrift_reference`): the same quantization, selection and block
     order on whole arrays."""
@@ -78,7 +73,7 @@ class XlaThrift:
     name = "xla"
 
     def supports(self, call: ThriftCall) -> None:
-        _require(call.implementation == "xla", "implementation is not 'xla'")
+        require(call.implementation == "xla", "implementation is not 'xla'")
 
     def selection(self, q, k, opts: ThriftOptions) -> jax.Array:
         """bool (B, Hq, Nqb, Nkb): the 16-bit block pairs."""
@@ -106,7 +101,7 @@ class TritonThrift:
     name = "triton"
 
     def supports(self, call: ThriftCall) -> None:
-        _require(call.implementation == "pallas", "implementation is not 'pallas'")
+        require(call.implementation == "pallas", "implementation is not 'pallas'")
 
     def selection(self, q, k, opts: ThriftOptions) -> jax.Array:
         """int8 (B, Hq, Nqb_pad, Nkb_pad): the 16-bit block pairs, padded as the selection kernel writes them."""

@@ -178,7 +178,7 @@ def test_remat_lowers_the_train_steps_temporary_memory():
 )
 def test_bad_training_config(tmp_path, overrides, err, match):
     if overrides.get("devices", 1) > len(jax.devices()):
-        pytest.skip("needs 4 devices")
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices on CPU)")
     with pytest.raises(err, match=match):
         train(TrainConfig(out=str(tmp_path), **{**FAST, "steps": 2, **overrides}), log=lambda *_: None)
 

@@ -22,7 +22,7 @@ from models import TransformerLM
 from train.checkpoint import CheckpointError, read_config, resolve_dir
 from train.cli import EXIT_BAD_INPUT, Parser, interruptible, number
 from train.data import load_corpus, train_val_split
-from train.generate import add_serving_args, load_model, serving_options
+from train.generate import add_serving_args, serving_model
 
 
 def validation_windows(run: str, seq: int, windows: int) -> np.ndarray:
@@ -73,8 +73,6 @@ def summarize(losses: np.ndarray, buckets: int = 4) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """``python -m train.evaluate --from RUN ...``: print the validation loss; returns the exit code."""
     parser = Parser(prog="python -m train.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="checkpoint", required=True, metavar="RUN",
-                        help="the training run (its directory or its checkpoints/)")
     add_serving_args(parser)
     parser.add_argument("--seq", type=number(int, minimum=1), default=None,
                         help="window length in bytes, >= 1 (default: the run's --seq)")
@@ -87,11 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     try:
-        options = serving_options(args)
+        model = serving_model(args)
         seq = args.seq if args.seq is not None else read_config(resolve_dir(args.checkpoint))["train"]["seq"]
         windows = validation_windows(args.checkpoint, seq, args.windows)
-        model = load_model(args.checkpoint, method=args.method, attention_options=options,
-                           warn=lambda line: print(line, file=sys.stderr))
         result = summarize(token_losses(model, windows, batch=args.batch), args.buckets)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -55,20 +55,30 @@ def with_method(model: TransformerLM, method: str, attention_options: dict | Non
 
 
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
-    """``--method`` (serve with another attention method) and ``--budget`` (its ThriftAttention budget)."""
+    """``--from`` (the training run), ``--method`` (serve with another attention method) and ``--budget`` (its
+    ThriftAttention budget)."""
+    parser.add_argument("--from", dest="checkpoint", required=True, metavar="RUN",
+                        help="the training run (its directory or its checkpoints/)")
     parser.add_argument("--method", default=None, choices=METHODS,
                         help="attention method to serve with (default: the one the run trained with)")
     parser.add_argument("--budget", type=number(float, minimum=0.0, maximum=1.0), default=None,
                         help="thrift: the fraction of block pairs in 16-bit, in [0, 1] (default 0.05)")
 
 
-def serving_options(args: argparse.Namespace) -> dict | None:
-    """The attention options of :func:`add_serving_args`' flags; ValueError for a budget without thrift."""
-    if args.budget is None:
-        return None
-    if (args.method or "") != "thrift":
-        raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
-    return {"budget": args.budget}
+def serving_model(args: argparse.Namespace) -> TransformerLM:
+    """The model :func:`add_serving_args`' flags ask for (:func:`load_model`, warnings to stderr).
+
+    Raises:
+      ValueError: ``--budget`` without ``--method thrift`` (before the checkpoint is read).
+      FileNotFoundError, CheckpointError: as :func:`load_model`.
+    """
+    options = None
+    if args.budget is not None:
+        if (args.method or "") != "thrift":
+            raise ValueError("--budget is a ThriftAttention option: it needs --method thrift")
+        options = {"budget": args.budget}
+    return load_model(args.checkpoint, method=args.method, attention_options=options,
+                      warn=lambda line: print(line, file=sys.stderr))
 
 
 def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature: float = 0.8, top_k: int = 40,
@@ -125,8 +135,7 @@ def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature:
 def main(argv: list[str] | None = None) -> int:
     """``python -m train.generate --from RUN [--prompt TEXT] ...``: print a sample; returns the exit code."""
     parser = Parser(prog="python -m train.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="checkpoint", required=True, metavar="RUN",
-                        help="the training run (its directory or its checkpoints/)")
+    add_serving_args(parser)
     parser.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
     parser.add_argument("--tokens", type=number(int, minimum=1), default=200,
                         help="bytes to generate, >= 1 (default: %(default)s)")
@@ -135,13 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=number(int, minimum=0), default=40,
                         help="sample among the k most likely bytes; 0 among all (default: %(default)s)")
     parser.add_argument("--seed", type=number(int, minimum=0), default=0, help="sampling seed (default: 0)")
-    add_serving_args(parser)
     args = parser.parse_args(argv)
     try:
-        options = serving_options(args)
-        model = load_model(args.checkpoint, method=args.method, attention_options=options,
-                           warn=lambda line: print(line, file=sys.stderr))
-        print(generate(model, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+        print(generate(serving_model(args), args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                        seed=args.seed))
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
