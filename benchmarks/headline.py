@@ -141,13 +141,12 @@ def main(argv=None) -> int:
     log(f"{env['device']}, jax {env['jax']}, {env['date']}")
     shapes = [SHAPES[0], SHAPES[-1]] if args.quick else SHAPES
     payload = dict(env=env, command="PYTHONPATH=. python benchmarks/headline.py " + " ".join(argv or sys.argv[1:]))
-    if "training" in args.parts:
-        payload["training"] = training_rows(shapes, args.rounds, log)
-    if "decode" in args.parts:
-        payload["decode"] = decode_rows(DECODE[:1] if args.quick else DECODE, args.rounds, log)
-    if "accuracy" in args.parts:
-        payload["accuracy"] = accuracy(log)
-    write_json(args.name, payload)
+    parts = {"training": lambda: training_rows(shapes, args.rounds, log),
+             "decode": lambda: decode_rows(DECODE[:1] if args.quick else DECODE, args.rounds, log),
+             "accuracy": lambda: accuracy(log)}
+    for part in args.parts:
+        payload[part] = parts[part]()
+        write_json(args.name, payload)  # after each part, so a run cut short keeps what it measured
     return 0
 
 

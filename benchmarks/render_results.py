@@ -684,6 +684,88 @@ def render_headline(data: dict) -> list[str]:
     return out + [""]
 
 
+def _pct(x) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def render_paper(data: dict) -> list[str]:
+    """Paper vs ours (benchmarks/paper.py): each paper's claim, our number on the same measure, and a sentence."""
+    out = ["## Paper vs ours (benchmarks/paper.py)", ""]
+
+    def _command_block(d):  # the CPU parts run here, not on the GPU machine
+        return [f"{d['env']['device']}, jax {d['env']['jax']}, {d['env']['date']}, {d['seconds'] / 60:.0f} min. "
+                "Command (repo root):", "", f"    {d['command']}", ""]
+
+    if "thrift" in data:
+        d = data["thrift"]
+        rows = d["rows"]
+        out += [f"### ThriftAttention on {d['model']} ({d['mode']}, {d['env']['device']})", "", *_command_block(d),
+                f"**Paper:** {d['paper']}", "",
+                f"Loss (nats/token) on {2 * d['windows_per_text']} window(s) per context (Python sources and their "
+                "documentation), FP4 → 16-bit gap recovered = (L(f=0) − L(f)) / (L(f=0) − L(f=1)); sparse: the same "
+                "selected pairs in 16-bit, the rest dropped.", "",
+                "| context | L(0) all FP4 | L(1) all 16-bit | f | thrift loss | thrift recovered | sparse loss | "
+                "sparse recovered |", "|---|---|---|---|---|---|---|---|"]
+        for ctx in sorted({r["context"] for r in rows}):
+            at = {(r["method"], r["budget"]): r for r in rows if r["context"] == ctx}
+            for f in sorted(b for m, b in at if m == "sparse"):
+                t, sp = at["thrift", f], at["sparse", f]
+                out.append(f"| {ctx} | {at['thrift', 0.0]['loss']:.4f} | {at['thrift', 1.0]['loss']:.4f} | {f:g} | "
+                           f"{t['loss']:.4f} | {_pct(t['gap_recovered'])} | {sp['loss']:.4f} | "
+                           f"{_pct(sp['gap_recovered'])} |")
+        out += [""]
+    if "qat" in data:
+        d = data["qat"]
+        out += [f"### Attn-QAT on {d['model']} ({d['mode']}, {d['env']['device']})", "", *_command_block(d),
+                f"**Paper:** {d['paper']}", "",
+                f"Held-out documentation loss (nats/token) with FP4 attention and with 16-bit attention; before: the "
+                f"pretrained weights (post-training quantization); after: {d['steps']} steps of continued training "
+                f"(seq {d['seq']}, batch {d['batch']}, lr {d['lr']:g}) on Python sources. Recovered = share of the "
+                "PTQ gap (FP4 − 16-bit before training) closed.", "",
+                "| run | FP4 attention | 16-bit attention | PTQ gap recovered | max grad norm |", "|---|---|---|---|---|",
+                f"| pretrained, no training | {d['before']['fp4']:.4f} | {d['before']['16-bit']:.4f} | — | — |"]
+        for label, r in d["runs"].items():
+            out.append(f"| {label} | {r['fp4']:.4f} | {r['16-bit']:.4f} | {_pct(r['gap_recovered'])} | "
+                       f"{max(r['grad_norms']):.3g} |")
+        out += [""]
+    for key, title, group in (("qat-lr", "The naive backward's instability", "lr"),
+                              ("sagebwd", "SageBwd pretraining", "tokens_per_step")):
+        if key not in data:
+            continue
+        d = data[key]
+        out += [f"### {title} (preset {d['preset']}, {d['mode']}, {d['env']['device']})", "", *_command_block(d),
+                f"**Paper:** {d['paper']}", "", f"| {group} | variant | final train loss | val loss | max grad norm | "
+                "diverged at |", "|---|---|---|---|---|---|"]
+        for r in d["runs"]:
+            val = "—" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+            out.append(f"| {r[group]:g} | {r['variant']} | {r['final_loss']:.4f} | {val} | {r['max_grad_norm']:.3g} | "
+                       f"{r['diverged_at'] or '—'} |")
+        out += [""]
+    from benchmarks.paper import PARTS, verdict
+
+    out += ["### Agreement", ""] + [f"- **{part}:** {verdict(part, data[part])}" for part in PARTS if part in data]
+    return out + [""]
+
+
+def render_headline_before(now: dict, base: dict) -> list[str]:
+    """The headline's timings of this tree beside an older tree's (``headline_base.json``), back to back on one
+    machine: did a change cost speed on finite inputs?"""
+    out = ["### Before and after (the same machine, back to back)", "",
+           f"The same calls on commit {base.get('tree', '(older)')}, timed right after the table above on the same "
+           f"{base['env']['device']}; ms, now / before (cuDNN's own rows show the drift between the two runs):", "",
+           f"    {base['command']}", "",
+           "| shape | call | ms now | ms before | now / before |", "|---|---|---|---|---|"]
+    for r, b in zip(now.get("training", []), base.get("training", [])):
+        shape = "B{} H{} S{} D{}{}".format(*r["shape"][:4], " causal" if r["shape"][4] else "")
+        for name, ms in r["ms"].items():
+            out.append(f"| {shape} | {name} | {ms:.3f} | {b['ms'][name]:.3f} | {ms / b['ms'][name]:.3f} |")
+    for r, b in zip(now.get("decode", []), base.get("decode", [])):
+        for name, ms in r["ms"].items():
+            out.append(f"| decode B{r['shape'][0]} S{r['shape'][1]} | {name} | {ms:.4f} | {b['ms'][name]:.4f} | "
+                       f"{ms / b['ms'][name]:.3f} |")
+    return out + [""]
+
+
 def _carried_mark(row: dict) -> str:
     """The dagger (' †') after a row carried from an earlier run (its ``carried_from``), else ''."""
     return " †" if row.get("carried_from") else ""
@@ -713,6 +795,9 @@ def main() -> None:
     headline = _load("headline")
     if headline is not None:
         lines += render_headline(headline)
+        base = _load("headline_base")
+        if base is not None:
+            lines += render_headline_before(headline, base)
     sections = [("attention", render_attention), ("attention_bwd", render_backward),
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),
@@ -731,6 +816,9 @@ def main() -> None:
         if not path.name.endswith("_smoke.json"):
             data = json.loads(path.read_text())
             lines += render_thrift_quality(data) + _superseded(data) + ([""] if data.get("superseded") else [])
+    paper = _load("paper")
+    if paper is not None:
+        lines += render_paper(paper)
     runs = [json.loads(p.read_text()) for p in sorted((HERE / "results").glob("qat_training*.json"))
             if not p.name.endswith("_smoke.json")]
     if runs:

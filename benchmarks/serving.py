@@ -107,7 +107,7 @@ def run(preset: str, batch: int, length: int, *, steps: int, rounds: int, budget
             per_round[name].append(ms)
     ms = {name: float(np.median(t)) for name, t in per_round.items()}
     row = dict(preset=preset, params=cfg.num_params(), layers=cfg.num_layers, heads=cfg.num_heads,
-               kv_heads=cfg.num_kv_heads, head_dim=cfg.dim // cfg.num_heads, batch=batch, length=length,
+               kv_heads=cfg.num_kv_heads, head_dim=cfg.head_size, batch=batch, length=length,
                steps=steps, rounds=rounds, ms=ms, ms_rounds=per_round,
                tokens_per_s={n: batch * 1e3 / t for n, t in ms.items()},
                vs_dense={n: ms["dense"] / t for n, t in ms.items()}, first_tokens=first)
@@ -208,7 +208,7 @@ def prefill_model(preset: str, batch: int, prompt: int, slots: int, *, budgets=(
             ms[name] = float(np.median(times))
     diffs = {n: float(jnp.max(jnp.abs(x - logits[f"{variants[n][0]} forward (no cache)"]))) for n, x in logits.items()}
     row = dict(preset=preset, params=cfg.num_params(), heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-               head_dim=cfg.dim // cfg.num_heads, batch=batch, prompt=prompt, slots=slots, ms=ms, first_call_s=first_s,
+               head_dim=cfg.head_size, batch=batch, prompt=prompt, slots=slots, ms=ms, first_call_s=first_s,
                tokens_per_s={n: batch * prompt * 1e3 / t for n, t in ms.items()}, logits_max_abs_vs_forward=diffs,
                logits_max_abs=max(float(jnp.max(jnp.abs(x))) for x in logits.values()))
     log(f"  {preset} B{batch} prompt {prompt} into {slots} slots: " + ", ".join(

@@ -12,6 +12,7 @@ from lowbit_jax.qat import qat_attention
 from lowbit_jax.thrift import MAX_DECODE_ROWS as THRIFT_DECODE_MAX_ROWS
 from lowbit_jax.thrift import thrift_attention, thrift_decode, thrift_select
 from lowbit_jax.dense import cached_attention, dense_attention
+from lowbit_jax.block_sparse import block_sparse_attention
 from lowbit_jax.thrift_cache import ThriftKVCache
 from lowbit_jax import diagnostics
 from pallas_kernels.configs import QatConfig, SageFwdConfig, ThriftConfig, qat_config, sage_fwd_config
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "THRIFT_DECODE_MAX_ROWS",
+    "block_sparse_attention",
     "cached_attention",
     "dense_attention",
     "QatConfig",

@@ -208,7 +208,7 @@ def prefill_reference(q: jax.Array, k: jax.Array, v: jax.Array, kq: jax.Array, v
       (B, Sq, Hq, D) ``out_dtype``.
     """
     dt = kq.dtype
-    b, hq = q.shape[0], q.shape[2]
+    b, hq, d = q.shape[0], q.shape[2], q.shape[3]
     group = hq // kq.shape[1]
     kk = (head_major(k, k.shape[1], dt), kq)
     vv = (head_major(v, v.shape[1], dt), vq)
@@ -216,29 +216,30 @@ def prefill_reference(q: jax.Array, k: jax.Array, v: jax.Array, kq: jax.Array, v
     nqb, nkb = selected.shape[2], selected.shape[3]
     sq_pad = nqb * bk
     qf = head_major(q.astype(jnp.float32), sq_pad)
-    q16, qfq = qf.astype(dt), nvfp4.fake_quant_last(qf).astype(dt)
+    # query blocks as a batch axis (B, Hq, Nqb, bk, D): a query block's rows share their key-block order, so each
+    # step gathers one key block per query block and multiplies tiles, as the kernel does
+    q16, qfq = (x.reshape(b, hq, nqb, bk, d) for x in (qf.astype(dt), nvfp4.fake_quant_last(qf).astype(dt)))
     kk, vv = ([jnp.repeat(x, group, axis=1) if group > 1 else x for x in pair] for pair in (kk, vv))
     c = scale * LOG2E
-    rows = jnp.arange(sq_pad)[:, None]
+    rows = jnp.arange(sq_pad).reshape(nqb, bk, 1)
     counts = jnp.asarray(valid_key_blocks(sq_len, sk_len, bk, causal))
     order = block_order(selected, counts).astype(jnp.int32)  # (B, Hq, Nqb, Nkb)
     n_high = jnp.sum(selected, axis=-1)  # (B, Hq, Nqb)
     n_low = counts - n_high
-    row_block = lambda x: jnp.repeat(x, bk, axis=2)  # (B, Hq, Nqb) → (B, Hq, Sq_pad)  # noqa: E731
-    mm = lambda a, b: _exact_dot("bhqd,bhqkd->bhqk", a, b)  # noqa: E731
-    pv = lambda p, v: _exact_dot("bhqk,bhqkd->bhqd", p.astype(dt), v)  # noqa: E731
+    mm = lambda a, b: _exact_dot("bhnqd,bhnkd->bhnqk", a, b)  # noqa: E731
+    pv = lambda p, v: _exact_dot("bhnqk,bhnkd->bhnqd", p.astype(dt), v)  # noqa: E731
     offsets = jnp.arange(bk)
 
     def gather(x, blocks):
-        """Key block ``blocks`` (B, Hq, Sq_pad) of x (B, Hq, Sk_pad, D) for every query row: (B, Hq, Sq_pad, bk, D)."""
-        idx = blocks[..., None] * bk + offsets
-        return jnp.take_along_axis(x[:, :, None], idx[..., None], axis=3)
+        """Key block ``blocks`` (B, Hq, Nqb) of x (B, Hq, Sk_pad, D) for every query block: (B, Hq, Nqb, bk, D)."""
+        idx = (blocks[..., None] * bk + offsets).reshape(b, hq, nqb * bk, 1)
+        return jnp.take_along_axis(x, idx, axis=2).reshape(b, hq, nqb, bk, d)
 
     def step(carry, i):
-        blocks = row_block(jax.lax.dynamic_index_in_dim(order, i, axis=3, keepdims=False))
-        low = row_block(i < n_low)[..., None]
-        active = row_block(i < counts[None, None, :])[..., None]
-        cols = blocks[..., None] * bk + offsets
+        blocks = jax.lax.dynamic_index_in_dim(order, i, axis=3, keepdims=False)  # (B, Hq, Nqb)
+        low = (i < n_low)[..., None, None]
+        active = (i < counts)[:, None, None]
+        cols = (blocks[..., None] * bk + offsets)[..., None, :]  # (B, Hq, Nqb, 1, bk)
         s = jnp.where(low, mm(qfq, gather(kk[1], blocks)), mm(q16, gather(kk[0], blocks))) * c
         s = jnp.where(visible(rows, cols, sq_len, sk_len, causal) & active, s, -jnp.inf)
 
@@ -248,10 +249,10 @@ def prefill_reference(q: jax.Array, k: jax.Array, v: jax.Array, kq: jax.Array, v
 
         return _online_step(carry, s, update), None
 
-    init = (jnp.zeros((b, hq, sq_pad, q.shape[3]), jnp.float32), jnp.full((b, hq, sq_pad), -jnp.inf, jnp.float32),
-            jnp.zeros((b, hq, sq_pad), jnp.float32))
+    init = (jnp.zeros((b, hq, nqb, bk, d), jnp.float32), jnp.full((b, hq, nqb, bk), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hq, nqb, bk), jnp.float32))
     (acc, _, l), _ = jax.lax.scan(step, init, jnp.arange(nkb))
-    o = acc * int8.reciprocal_or_zero(l)[..., None]
+    o = (acc * int8.reciprocal_or_zero(l)[..., None]).reshape(b, hq, sq_pad, d)
     return jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
 
 

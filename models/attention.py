@@ -11,6 +11,9 @@
   :class:`lowbit_jax.ThriftKVCache` (16-bit + NVFP4 + block means) and decoding runs
   :func:`lowbit_jax.thrift_decode`. Its gradient is exact attention's (straight-through); the training
   loop refuses it (train with another method, then serve with this one).
+* "sparse" — :func:`lowbit_jax.block_sparse_attention`: the baseline ThriftAttention beats, the block pairs it
+  would run in 16-bit and the rest dropped (``budget``, ``config`` options as thrift). An evaluation method of the
+  full-sequence forward: its KV-cache paths refuse it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from flax import nnx
 import lowbit_jax as lb
 from lowbit_jax import cached_attention, dense_attention
 
-METHODS = ("dense", "sage", "qat_fp4", "thrift")
+METHODS = ("dense", "sage", "qat_fp4", "thrift", "sparse")
 #: the methods whose attention takes QK-norm and RoPE as a prologue of its own kernels (``fuse_qk_prologue``)
 FUSED_PROLOGUE_METHODS = ("sage", "qat_fp4")
 
@@ -60,16 +63,18 @@ def _append_16bit(cache: dict, k: jax.Array, v: jax.Array) -> dict:
             "overflow": cache["overflow"] | ~fits}
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, base: float,
+         freq_factors: tuple[float, ...] | None = None) -> jax.Array:
     """Rotary embedding (rotate-half form; the tables of :func:`lowbit_jax.rope_tables`).
 
     Args:
       x: (B, S, H, D).
       positions: int (B, S) or (S,).
+      freq_factors: None or D/2 divisors of the inverse frequencies (Llama-3 rope scaling).
     Returns:
       x's shape and dtype.
     """
-    cos, sin = lb.rope_tables(positions, x.shape[-1], base)  # (..., S, D/2)
+    cos, sin = lb.rope_tables(positions, x.shape[-1], base, freq_factors)  # (..., S, D/2)
     if cos.ndim == 2:
         cos, sin = cos[None], sin[None]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -82,7 +87,9 @@ class Attention(nnx.Module):
 
     Args:
       dim: model width. num_heads, num_kv_heads: query and key/value heads
-        (num_heads a multiple of num_kv_heads); head dim = dim // num_heads.
+        (num_heads a multiple of num_kv_heads); head dim ``head_dim`` (default dim // num_heads).
+      qkv_bias: biases on the q, k and v projections (Qwen2). norm_eps: QK-norm's epsilon.
+      rope_freq_factors: None or D/2 divisors of RoPE's inverse frequencies (Llama-3 rope scaling).
       method: see the module docstring.
       qk_norm: per-head RMSNorm of q and k with a learnable scale (on by default;
         it keeps the INT8 backward's dS error bounded at large tokens-per-step).
@@ -100,23 +107,27 @@ class Attention(nnx.Module):
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, method: str = "sage", qk_norm: bool = True,
                  smooth_k: bool = True, causal: bool = True, rope_base: float = 10000.0,
                  dtype: Any = jnp.bfloat16, attention_options: dict | None = None, fuse_qk_prologue: bool = True,
-                 rngs: nnx.Rngs):
+                 head_dim: int | None = None, qkv_bias: bool = False, norm_eps: float = 1e-6,
+                 rope_freq_factors: tuple[float, ...] | None = None, rngs: nnx.Rngs):
         check_method(method)
-        if num_heads % num_kv_heads or dim % num_heads:
-            raise ValueError(f"num_heads ({num_heads}) must divide dim ({dim}) and be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
+        if num_heads % num_kv_heads or (head_dim is None and dim % num_heads):
+            raise ValueError(f"num_heads ({num_heads}) must divide dim ({dim}) unless head_dim is given, and be a "
+                             f"multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = dim // num_heads
+        self.head_dim = head_dim if head_dim is not None else dim // num_heads
         self.method, self.causal, self.smooth_k, self.rope_base = method, causal, smooth_k, rope_base
+        self.rope_freq_factors = None if rope_freq_factors is None else tuple(rope_freq_factors)
         self.fuse_qk_prologue, self.dtype = fuse_qk_prologue, dtype
         self.attention_options = dict(attention_options or {})
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, rngs=rngs)
-        self.q_proj = linear(dim, num_heads * self.head_dim)
-        self.k_proj = linear(dim, num_kv_heads * self.head_dim)
-        self.v_proj = linear(dim, num_kv_heads * self.head_dim)
+        biased = functools.partial(nnx.Linear, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = biased(dim, num_heads * self.head_dim)
+        self.k_proj = biased(dim, num_kv_heads * self.head_dim)
+        self.v_proj = biased(dim, num_kv_heads * self.head_dim)
         self.o_proj = linear(num_heads * self.head_dim, dim)
-        self.q_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, rngs=rngs) if qk_norm else None
-        self.k_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, rngs=rngs) if qk_norm else None
+        norm = functools.partial(nnx.RMSNorm, self.head_dim, epsilon=norm_eps, dtype=dtype, rngs=rngs)
+        self.q_norm = norm() if qk_norm else None
+        self.k_norm = norm() if qk_norm else None
 
     def _projections(self, x):
         b, s, _ = x.shape
@@ -128,7 +139,7 @@ class Attention(nnx.Module):
     def _prologue(self, s: int) -> lb.QKPrologue:
         """This module's QK-norm (scales promoted to its dtype, as ``nnx.RMSNorm`` does) and RoPE at positions
         0..s−1, for :func:`lowbit_jax.sage_attention` and :func:`lowbit_jax.qat_attention`."""
-        cos, sin = lb.rope_tables(jnp.arange(s), self.head_dim, self.rope_base)
+        cos, sin = lb.rope_tables(jnp.arange(s), self.head_dim, self.rope_base, self.rope_freq_factors)
         gq = gk = None
         eps = 1e-6
         if self.q_norm is not None:
@@ -140,7 +151,8 @@ class Attention(nnx.Module):
         q, k, v = self._projections(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rope(q, positions, self.rope_base), rope(k, positions, self.rope_base), v
+        return (rope(q, positions, self.rope_base, self.rope_freq_factors),
+                rope(k, positions, self.rope_base, self.rope_freq_factors), v)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (B, S, dim) → (B, S, dim), full-sequence (training / prefill)."""
@@ -161,6 +173,10 @@ class Attention(nnx.Module):
             o = lb.qat_attention(q, k, v, causal=self.causal, **self.attention_options)
         elif self.method == "thrift":
             o = lb.thrift_attention(q, k, v, causal=self.causal, **self.attention_options)
+        elif self.method == "sparse":
+            options = self.attention_options
+            o = lb.block_sparse_attention(q, k, v, causal=self.causal, budget=options.get("budget", 0.05),
+                                          config=options.get("config"))
         else:
             o = lb.sage_attention(q, k, v, causal=self.causal, smooth_k=self.smooth_k, **self.attention_options)
         return self.o_proj(o.reshape(b, s, -1))
@@ -177,6 +193,9 @@ class Attention(nnx.Module):
                 "overflow": jnp.zeros((), jnp.bool_)}
 
     def _check_causal(self):
+        if self.method == "sparse":
+            raise ValueError("method 'sparse' is an evaluation baseline of the full-sequence forward: it has no "
+                             "KV-cache path (serve with thrift)")
         if not self.causal:
             raise ValueError("the KV-cache paths (prefill, decode) attend causally: this attention has causal=False")
 

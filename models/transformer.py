@@ -1,4 +1,5 @@
-"""Decoder-only byte-level transformer LM (pre-norm, SwiGLU, tied embeddings) in Flax NNX."""
+"""Decoder-only transformer LM of the Llama family (pre-norm RMSNorm, RoPE, GQA, SwiGLU) in Flax NNX: our byte-level
+presets, and pretrained checkpoints (:func:`models.from_pretrained`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ class ModelConfig:
 
     ``remat`` trades compute for memory per block (:data:`REMAT_POLICIES`): "none" (default), "block"
     or "dots". It changes no value, only what the backward pass recomputes.
+
+    The last five fields describe pretrained architectures (their defaults are our presets'): ``head_dim`` when it
+    is not ``dim // num_heads`` (Qwen3), ``norm_eps`` of every RMSNorm, ``tie_embeddings`` (False: an output
+    projection of its own), ``qkv_bias`` (Qwen2's q/k/v biases) and ``rope_freq_factors``, the D/2 divisors of
+    RoPE's inverse frequencies (Llama-3 rope scaling; None: all 1).
     """
 
     vocab_size: int = 256
@@ -46,24 +52,41 @@ class ModelConfig:
     dtype: str = "bfloat16"
     remat: str = "none"
     fuse_qk_prologue: bool = True  # sage, qat_fp4: QK-norm and RoPE inside their quantize kernels (same values)
+    head_dim: int | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        if self.rope_freq_factors is not None:  # a list from a JSON checkpoint config: hashable again
+            object.__setattr__(self, "rope_freq_factors", tuple(float(x) for x in self.rope_freq_factors))
+            if len(self.rope_freq_factors) != self.head_size // 2:
+                raise ValueError(f"rope_freq_factors must hold head_dim/2 = {self.head_size // 2} values, got "
+                                 f"{len(self.rope_freq_factors)}")
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1:
             raise ValueError(f"max_len must be a positive integer, got {self.max_len!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
-        if self.dim % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide dim ({self.dim}) and be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
-        if self.dim // self.num_heads not in (32, 64, 128, 256):
-            raise ValueError(f"head dim dim/num_heads must be 32, 64, 128 or 256, got {self.dim // self.num_heads}")
+        if (self.head_dim is None and self.dim % self.num_heads) or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide dim ({self.dim}) unless head_dim is given, "
+                             f"and be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_size not in (32, 64, 128, 256):
+            raise ValueError(f"head dim must be 32, 64, 128 or 256 (the kernels' tiles), got {self.head_size}")
+
+    @property
+    def head_size(self) -> int:
+        """The head dimension: ``head_dim``, or ``dim // num_heads`` when that is None."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.num_heads
 
     def num_params(self) -> int:
-        d, h = self.dim, self.dim // self.num_heads
+        d, h = self.dim, self.head_size
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + (2 * h if self.qk_norm else 0)
+        attn += h * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
         mlp = 3 * d * self.mlp_hidden
-        return self.vocab_size * d + self.num_layers * (attn + mlp + 2 * d) + d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + head + self.num_layers * (attn + mlp + 2 * d) + d
 
 
 #: vocabularies up to this size are embedded by a one-hot product (:func:`embed_tokens`)
@@ -129,12 +152,13 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, attention_options: dict | None, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
-        self.attn_norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(cfg.dim, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.attn = Attention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, method=cfg.method, qk_norm=cfg.qk_norm,
                               smooth_k=cfg.smooth_k, rope_base=cfg.rope_base, dtype=dtype,
-                              fuse_qk_prologue=cfg.fuse_qk_prologue,
+                              fuse_qk_prologue=cfg.fuse_qk_prologue, head_dim=cfg.head_size,
+                              qkv_bias=cfg.qkv_bias, norm_eps=cfg.norm_eps, rope_freq_factors=cfg.rope_freq_factors,
                               attention_options=attention_options, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.dim, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.gate_up = nnx.Linear(cfg.dim, 2 * cfg.mlp_hidden, use_bias=False, dtype=dtype, rngs=rngs)
         self.down = nnx.Linear(cfg.mlp_hidden, cfg.dim, use_bias=False, dtype=dtype, rngs=rngs)
 
@@ -158,7 +182,7 @@ class Block(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-    """Byte-level decoder LM.
+    """Decoder LM: byte-level from a preset, or a pretrained Llama-family model (:func:`models.from_pretrained`).
 
     ``model(tokens)`` maps int tokens (B, S) to float32 logits (B, S, vocab).
     ``attention_options`` go to every attention call (e.g. ``implementation``).
@@ -168,7 +192,13 @@ class TransformerLM(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
         self.blocks = nnx.List([Block(cfg, attention_options, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = nnx.RMSNorm(cfg.dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+        self.norm = nnx.RMSNorm(cfg.dim, epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+        self.lm_head = (None if cfg.tie_embeddings else
+                        nnx.Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs))
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.norm(x)
+        return (self.embed.attend(x) if self.lm_head is None else self.lm_head(x)).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if tokens.shape[-1] > self.cfg.max_len:
@@ -178,7 +208,7 @@ class TransformerLM(nnx.Module):
                  else nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.cfg.remat]))
         for block in self.blocks:
             x = apply(block, x)
-        return self.embed.attend(self.norm(x)).astype(jnp.float32)
+        return self._logits(x)
 
     def init_cache(self, batch: int) -> list[dict]:
         return [b.attn.init_cache(batch, self.cfg.max_len, jnp.dtype(self.cfg.dtype)) for b in self.blocks]
@@ -205,4 +235,4 @@ class TransformerLM(nnx.Module):
         for block, c in zip(self.blocks, cache):
             x, c = step(block, x, c)
             new.append(c)
-        return self.embed.attend(self.norm(x)).astype(jnp.float32), new
+        return self._logits(x), new

@@ -140,7 +140,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
         s = matmul(shape, jnp.int32, q_smem2.at[wg], k_smem.T, issued=pp.sync).astype(jnp.float32)
         c = None  # the scores' scale where it is folded into the exponent
         if scalar_scales:  # s stays in units of c > 0: max(s)·c is the row max of s·c
-            c = jnp.maximum(scalar(qs_smem2.at[wg]) * scalar(ks_smem), MIN_SCALE)
+            c = scalar(qs_smem2.at[wg]) * scalar(ks_smem)
+            c = jnp.where(c < MIN_SCALE, MIN_SCALE, c)  # not jnp.maximum: the GPU's max drops a NaN scale
         else:
             s = s * rows_of(row_vector(qs_smem2.at[wg]), shape) * cols_of(col_vector(ks_smem), shape)
         if masked:

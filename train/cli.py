@@ -56,8 +56,9 @@ def number(kind: type, *, minimum: float | None = None, maximum: float | None = 
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
-                     skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per :class:`TrainConfig` field, with its help, choices and default."""
+                     skip: tuple[str, ...] = (), group: Any = None) -> None:
+    """One ``--flag`` per :class:`TrainConfig` field, with its help, choices and default; ``--pretrained`` goes
+    into ``group`` (e.g. a mutually exclusive group with ``--from``) when one is given."""
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:
             continue
@@ -68,7 +69,8 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = No
         if meta["choices"]:
             text += f" ({', '.join(meta['choices'])})"
         text += f"; default: {default}"
-        parser.add_argument("--" + f.name.replace("_", "-"), type=parse_bool if kind is bool else kind,
+        into = group if group is not None and f.name == "pretrained" else parser
+        into.add_argument("--" + f.name.replace("_", "-"), type=parse_bool if kind is bool else kind,
                             default=default, choices=meta["choices"], help=text,
                             metavar="{true,false}" if kind is bool else None if meta["choices"] else f.name.upper())
 

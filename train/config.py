@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from models import PRESETS
+from models import PRESETS, ModelConfig
 
 #: attention methods a run can train with (``thrift`` is training-free: it serves a trained model)
 TRAIN_METHODS = ("dense", "sage", "qat_fp4")
@@ -93,6 +93,9 @@ class TrainConfig:
     seed: int = _field(0, "seed of the parameters and the data order", check=_non_negative)
     devices: int | None = _field(None, "data-parallel devices (default: all local devices)", check=_positive)
     init_from: str | None = _field(None, "start from this run's parameters (fresh optimizer): QAT, fine-tuning")
+    pretrained: str | None = _field(None, "start from a pretrained Llama-family model (a Hugging Face directory or "
+                                    "a GGUF file): its architecture, weights and tokenizer replace --preset and "
+                                    "--qk-norm")
     stop_after: int | None = _field(None, "stop, with a checkpoint, after this many steps of this invocation",
                                     check=_positive)
     coordinator: str | None = _field(None, "several hosts: the jax.distributed coordinator, HOST:PORT")
@@ -119,6 +122,9 @@ class TrainConfig:
                 raise ConfigError(f.name, f"must be one of {', '.join(meta['choices'])}, got {value!r}")
             if meta["check"] is not None and (problem := meta["check"](value)) is not None:
                 raise ConfigError(f.name, problem)
+        if self.pretrained is not None and self.init_from is not None:
+            raise ConfigError("pretrained", "starts from a pretrained model's weights: it cannot be combined with "
+                              "--init-from")
         if self.naive_backward and self.method != "qat_fp4":
             raise ConfigError("naive_backward", f"is an Attn-QAT ablation: it needs --method qat_fp4, got "
                               f"{self.method!r}")
@@ -145,20 +151,30 @@ def _value_type(f: dataclasses.Field) -> type:
 
 #: the model fields a checkpoint's parameters are shaped by, and the flag that sets each
 ARCHITECTURE_FLAGS = {"vocab_size": "preset", "dim": "preset", "num_layers": "preset", "num_heads": "preset",
-                      "num_kv_heads": "preset", "mlp_hidden": "preset", "qk_norm": "qk_norm"}
+                      "num_kv_heads": "preset", "mlp_hidden": "preset", "qk_norm": "qk_norm", "head_dim": "pretrained",
+                      "norm_eps": "pretrained", "tie_embeddings": "pretrained", "qkv_bias": "pretrained",
+                      "rope_freq_factors": "pretrained", "rope_base": "pretrained"}
 
 
-def check_same_architecture(saved: dict, model: dict, source: str) -> None:
+def check_same_architecture(saved: dict, model: dict, source: str, *, flag: str | None = None) -> None:
     """``ConfigError`` naming the flag if the model a run would build cannot take a checkpoint's parameters.
 
     Args:
       saved: the checkpoint's model config (a dict of :class:`models.ModelConfig` fields).
       model: the model config this run builds (as a dict).
       source: the checkpoint, for the message.
+      flag: the field to name (default: the one that sets the first differing model field).
     """
-    diffs = [(name, saved.get(name), model.get(name)) for name in ARCHITECTURE_FLAGS
-             if saved.get(name) != model.get(name)]
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}  # an older checkpoint lacks new fields
+
+    def value(config, name):
+        x = config.get(name, defaults[name])
+        return tuple(x) if isinstance(x, list) else x  # JSON turned a tuple into a list
+
+    diffs = [(name, value(saved, name), value(model, name)) for name in ARCHITECTURE_FLAGS
+             if value(saved, name) != value(model, name)]
     if diffs:
         name = diffs[0][0]
         shown = ", ".join(f"{n} {m} here vs {s} there" for n, s, m in diffs)
-        raise ConfigError(ARCHITECTURE_FLAGS[name], f"the model does not match the checkpoint {source} ({shown})")
+        raise ConfigError(flag or ARCHITECTURE_FLAGS[name],
+                          f"the model does not match the checkpoint {source} ({shown})")

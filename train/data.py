@@ -64,6 +64,22 @@ def load_corpus(path: str | None = None, max_bytes: int = 64 * 2**20) -> np.ndar
     return corpus
 
 
+def tokenize(corpus: np.ndarray, tokenizer) -> np.ndarray:
+    """int32 tokens of corpus bytes (:func:`load_corpus`): the bytes themselves for :class:`ByteTokenizer`, else
+    the UTF-8 text encoded by ``tokenizer`` (a :class:`models.TextTokenizer`) in chunks of about 1 MiB cut at line
+    ends, in parallel."""
+    if tokenizer is ByteTokenizer or isinstance(tokenizer, ByteTokenizer):
+        return corpus.astype(np.int32)
+    text = corpus.tobytes().decode("utf-8", errors="replace")
+    chunks, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + 2**20)
+        end = len(text) if end < 0 else end + 1
+        chunks.append(text[start:end])
+        start = end
+    return np.concatenate(tokenizer.encode_batch(chunks) or [np.zeros(0, np.int32)]).astype(np.int32)
+
+
 def train_val_split(corpus: np.ndarray, val_fraction: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic split: the last ``val_fraction`` of the bytes is validation."""
     n_val = max(int(len(corpus) * val_fraction), 4096)

@@ -4,6 +4,10 @@
 loss in nats and bits per byte over non-overlapping windows of the run's validation split (the same corpus,
 size cap and split as its training), and the loss per position bucket: how much the model gains from a
 longer context, which is where a long-context method such as ThriftAttention can lose.
+
+``python -m train.evaluate --pretrained PATH --text FILE_OR_DIR --seq N --method M [--budget F]`` does the same for
+a pretrained Llama-family model on windows of a local text (tokenized with its own tokenizer): loss in nats per
+token, perplexity, the loss per position bucket, and how often its argmax agrees with 16-bit attention's.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from flax import nnx
 from models import TransformerLM
 from train.checkpoint import CheckpointError, read_config, resolve_dir
 from train.cli import EXIT_BAD_INPUT, Parser, interruptible, number
-from train.data import load_corpus, train_val_split
-from train.generate import add_serving_args, serving_model
+from train.data import ByteTokenizer, load_corpus, tokenize, train_val_split
+from train.generate import BAD_INPUT, add_serving_args, serving_model, with_method
 
 
 def validation_windows(run: str, seq: int, windows: int) -> np.ndarray:
@@ -38,6 +42,34 @@ def validation_windows(run: str, seq: int, windows: int) -> np.ndarray:
         raise ValueError(f"the validation split ({len(val)} tokens) holds {available} windows of seq + 1 = {seq + 1} "
                          f"tokens; asked for windows={windows}, seq={seq}")
     return val[: windows * (seq + 1)].reshape(windows, seq + 1).astype(np.int32)
+
+
+def text_windows(path: str, tokenizer, seq: int, windows: int) -> np.ndarray:
+    """The first ``windows`` non-overlapping windows of a text file or folder, tokenized: int32 (windows, seq + 1).
+
+    Raises:
+      FileNotFoundError: no such path. ValueError: it holds fewer windows of ``seq + 1`` tokens.
+    """
+    if seq < 1 or windows < 1:
+        raise ValueError(f"seq and windows must be >= 1, got seq={seq}, windows={windows}")
+    need = windows * (seq + 1)
+    tokens = tokenize(load_corpus(path, max(2**20, 16 * need)), tokenizer)  # ≤ 16 bytes per token is ample
+    if len(tokens) < need:
+        raise ValueError(f"{path} holds {len(tokens) // (seq + 1)} windows of seq + 1 = {seq + 1} tokens; asked for "
+                         f"{windows}")
+    return tokens[:need].reshape(windows, seq + 1).astype(np.int32)
+
+
+def argmax_agreement(model: TransformerLM, reference: TransformerLM, windows: np.ndarray, *, batch: int) -> float:
+    """The fraction of positions at which ``model`` and ``reference`` (e.g. the same weights with 16-bit attention)
+    predict the same next token."""
+    agree = []
+    for m in (model, reference):
+        graphdef, params = nnx.split(m)
+        fn = jax.jit(lambda p, t, g=graphdef: jnp.argmax(nnx.merge(g, p)(t[:, :-1]), -1))
+        agree.append(np.concatenate([np.asarray(fn(params, jnp.asarray(windows[i:i + batch])))
+                                     for i in range(0, len(windows), batch)]))
+    return float((agree[0] == agree[1]).mean())
 
 
 def token_losses(model: TransformerLM, windows: np.ndarray, *, batch: int) -> np.ndarray:
@@ -62,42 +94,58 @@ def token_losses(model: TransformerLM, windows: np.ndarray, *, batch: int) -> np
     return np.concatenate(out)
 
 
-def summarize(losses: np.ndarray, buckets: int = 4) -> dict:
-    """Mean loss (nats and bits per byte), per window and per position bucket of a (windows, seq) loss array."""
+def summarize(losses: np.ndarray, buckets: int = 4, *, unit: str = "byte") -> dict:
+    """Mean loss (nats, ``bits_per_<unit>``, perplexity), per window and per position bucket of a (windows, seq)
+    loss array; ``unit`` is "byte" for our byte-level models, "token" for a pretrained tokenizer's."""
     per_bucket = [float(x.mean()) for x in np.array_split(losses, buckets, axis=1)]
     loss = float(losses.mean())
-    return {"loss": loss, "bits_per_byte": loss / math.log(2), "window_loss": losses.mean(axis=1).tolist(),
-            "bucket_loss": per_bucket, "tokens": int(losses.size)}
+    return {"loss": loss, f"bits_per_{unit}": loss / math.log(2), "perplexity": math.exp(loss),
+            "window_loss": losses.mean(axis=1).tolist(), "bucket_loss": per_bucket, "tokens": int(losses.size)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m train.evaluate --from RUN ...``: print the validation loss; returns the exit code."""
+    """``python -m train.evaluate --from RUN | --pretrained PATH --text FILE_OR_DIR ...``: print the loss; returns
+    the exit code."""
     parser = Parser(prog="python -m train.evaluate", description=__doc__.splitlines()[0])
     add_serving_args(parser)
+    parser.add_argument("--text", metavar="FILE_OR_DIR", default=None,
+                        help="score windows of this text file or folder (required with --pretrained; default for "
+                             "--from: the run's validation split)")
     parser.add_argument("--seq", type=number(int, minimum=1), default=None,
-                        help="window length in bytes, >= 1 (default: the run's --seq)")
+                        help="window length in tokens (bytes for our runs), >= 1 (default: the run's --seq; 1024 "
+                             "for --pretrained)")
     parser.add_argument("--windows", type=number(int, minimum=1), default=16,
-                        help="validation windows to score (default: %(default)s)")
+                        help="windows to score (default: %(default)s)")
     parser.add_argument("--batch", type=number(int, minimum=1), default=4,
                         help="windows per forward call (default: %(default)s)")
     parser.add_argument("--buckets", type=number(int, minimum=1), default=4,
                         help="position buckets of the per-position loss (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
+    if args.pretrained is not None and args.text is None:
+        parser.error("argument --text: required with --pretrained (a text file or folder to score)")
     try:
-        model = serving_model(args)
-        seq = args.seq if args.seq is not None else read_config(resolve_dir(args.checkpoint))["train"]["seq"]
-        windows = validation_windows(args.checkpoint, seq, args.windows)
-        result = summarize(token_losses(model, windows, batch=args.batch), args.buckets)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+        seq = args.seq or (1024 if args.pretrained else read_config(resolve_dir(args.checkpoint))["train"]["seq"])
+        model, tokenizer = serving_model(args, max_len=seq)
+        windows = (validation_windows(args.checkpoint, seq, args.windows) if args.text is None
+                   else text_windows(args.text, tokenizer, seq, args.windows))
+        unit = "byte" if tokenizer is ByteTokenizer else "token"
+        result = summarize(token_losses(model, windows, batch=args.batch), args.buckets, unit=unit)
+        if model.cfg.method != "dense":
+            result["argmax_agreement"] = argmax_agreement(model, with_method(model, "dense"), windows,
+                                                          batch=args.batch)
+    except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "window_loss"}))
-    else:
-        buckets = ", ".join(f"{x:.4f}" for x in result["bucket_loss"])
-        print(f"validation loss {result['loss']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) over "
-              f"{result['tokens']} tokens ({args.windows} windows of {seq}); by position bucket: {buckets}")
+        return 0
+    buckets = ", ".join(f"{x:.4f}" for x in result["bucket_loss"])
+    agree = (f"; argmax agrees with 16-bit attention at {result['argmax_agreement']:.2%} of positions"
+             if "argmax_agreement" in result else "")
+    print(f"loss {result['loss']:.4f} nats/{unit} ({result[f'bits_per_{unit}']:.4f} bits/{unit}, perplexity "
+          f"{result['perplexity']:.3f}) over {result['tokens']} tokens ({args.windows} windows of {seq}); by position "
+          f"bucket: {buckets}{agree}")
     return 0
 
 

@@ -18,10 +18,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import lowbit_jax as lb
-from models import TransformerLM, model_config
+from models import TransformerLM, from_pretrained, model_config, pretrained_config
 from train.checkpoint import SUBDIR, Checkpoints, read_config, resolve_dir
 from train.config import TrainConfig, check_same_architecture
-from train.data import PackedBatches, load_corpus, train_val_split
+from train.data import ByteTokenizer, PackedBatches, load_corpus, tokenize, train_val_split
 from train.metrics import MetricsLog, plot_losses
 from train.parallel import DATA_AXIS, batch_sharding, data_parallel, init_distributed, make_mesh
 
@@ -59,16 +59,15 @@ def build(cfg: TrainConfig) -> dict:
     """Model, optimizer, data and the jitted steps for a resolved config.
 
     Returns:
-      a dict: ``model_config``, ``mesh``, ``graphdef``, ``params`` (float32), ``tx``, ``schedule``,
+      a dict: ``model_config``, ``mesh``, ``graphdef``, ``params`` (float32: a pretrained model's weights with
+      ``cfg.pretrained``, else initialised from ``cfg.seed``), ``tokenizer``, ``tx``, ``schedule``,
       ``train_step(params, opt_state, batch (accum, global batch, seq + 1) int32) -> (params, opt_state,
       {"loss", "grad_norm"})`` (jitted, data parallel over ``mesh``) and ``eval_fn(params, batch) -> loss``.
     """
-    longest = {} if cfg.max_len is None else {"max_len": cfg.max_len}
-    mcfg = model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, smooth_k=cfg.smooth_k, dtype=cfg.dtype,
-                        remat=cfg.remat, fuse_qk_prologue=cfg.fuse_qk_prologue, **longest)
+    mcfg = _model_config(cfg)
     if cfg.seq > mcfg.max_len:
-        raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for preset "
-                         f"{cfg.preset!r}; set max_len to train longer sequences")
+        raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for "
+                         f"{cfg.pretrained or f'preset {cfg.preset!r}'}; set max_len to train longer sequences")
     mesh = make_mesh(cfg.devices)
     if cfg.batch % mesh.size:
         raise ValueError(f"batch ({cfg.batch}) must be divisible by the number of devices ({mesh.size})")
@@ -76,11 +75,15 @@ def build(cfg: TrainConfig) -> dict:
     if cfg.naive_backward:
         options["naive_backward"] = True
     if cfg.ds_scale != "tile":
-        head_dim = mcfg.dim // mcfg.num_heads
+        head_dim = mcfg.head_size
         options["config"] = dataclasses.replace(lb.sage_fwd_config(head_dim, True), ds_scale=cfg.ds_scale)
     if cfg.implementation == "pallas" and jax.default_backend() == "cpu":
         options["interpret"] = True
-    model = TransformerLM(mcfg, rngs=nnx.Rngs(cfg.seed), attention_options=options)
+    if cfg.pretrained:
+        model, tokenizer = from_pretrained(cfg.pretrained, attention_options=options,
+                                           **_run_options(cfg, mcfg.max_len))
+    else:
+        model, tokenizer = TransformerLM(mcfg, rngs=nnx.Rngs(cfg.seed), attention_options=options), ByteTokenizer
     graphdef, params = nnx.split(model)
     tx, schedule = make_optimizer(cfg)
     loss_fn = lambda p, t: _loss_fn(graphdef, p, t)  # noqa: E731
@@ -99,7 +102,8 @@ def build(cfg: TrainConfig) -> dict:
 
     eval_fn = jax.jit(jax.shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b[0]), DATA_AXIS), mesh=mesh,
                                     in_specs=(P(), P(None, DATA_AXIS)), out_specs=P(), check_vma=False))
-    return dict(model_config=mcfg, mesh=mesh, graphdef=graphdef, params=params, tx=tx, schedule=schedule,
+    return dict(model_config=mcfg, mesh=mesh, graphdef=graphdef, params=params, tokenizer=tokenizer, tx=tx,
+                schedule=schedule,
                 train_step=data_parallel(step_fn, mesh), eval_fn=eval_fn)
 
 
@@ -119,9 +123,18 @@ def _architecture_source(cfg: TrainConfig) -> tuple[dict, str] | None:
     return None
 
 
-def _model_config_dict(cfg: TrainConfig) -> dict:
-    longest = {} if cfg.max_len is None else {"max_len": cfg.max_len}
-    return dataclasses.asdict(model_config(cfg.preset, method=cfg.method, qk_norm=cfg.qk_norm, **longest))
+def _run_options(cfg: TrainConfig, max_len: int | None = None) -> dict:
+    """The model fields a run sets (the rest are its preset's or its pretrained model's)."""
+    longest = max_len or cfg.max_len
+    return dict(method=cfg.method, smooth_k=cfg.smooth_k, dtype=cfg.dtype, remat=cfg.remat,
+                fuse_qk_prologue=cfg.fuse_qk_prologue, **({} if longest is None else {"max_len": longest}))
+
+
+def _model_config(cfg: TrainConfig):
+    """The :class:`models.ModelConfig` a run builds: its preset's, or its pretrained model's (metadata only)."""
+    if cfg.pretrained:
+        return pretrained_config(cfg.pretrained, **_run_options(cfg))
+    return model_config(cfg.preset, qk_norm=cfg.qk_norm, **_run_options(cfg))
 
 
 def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
@@ -141,7 +154,8 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     cfg = cfg.resolved()
     saved = _architecture_source(cfg)
     if saved is not None:
-        check_same_architecture(saved[0], _model_config_dict(cfg), saved[1])
+        check_same_architecture(saved[0], dataclasses.asdict(_model_config(cfg)), saved[1],
+                                flag="pretrained" if cfg.pretrained else None)
     init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
     lead = jax.process_index() == 0  # several processes: all train and checkpoint, process 0 alone reports
     if not lead:
@@ -150,7 +164,8 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     b = build(cfg)
     corpus = load_corpus(cfg.corpus, cfg.max_corpus_mb * 2**20)
-    train_tokens, val_tokens = train_val_split(corpus)
+    train_tokens, val_tokens = train_val_split(tokenize(corpus, b["tokenizer"]))
+    unit = "byte" if b["tokenizer"] is ByteTokenizer else "token"
     data = PackedBatches(train_tokens, cfg.seq, cfg.batch, cfg.accum, cfg.seed)
     val = PackedBatches(val_tokens, cfg.seq, cfg.batch, 1, cfg.seed + 1)
     # Placed on the mesh first, so that a restore comes back with the same (global) sharding: with several
@@ -172,7 +187,7 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     metrics.truncate(start)  # steps after the checkpoint are trained again: their old records go
     shard = batch_sharding(b["mesh"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    log(f"model {cfg.preset} ({n_params / 1e6:.2f}M params, attention {cfg.method}), "
+    log(f"model {cfg.pretrained or cfg.preset} ({n_params / 1e6:.2f}M params, attention {cfg.method}), "
         f"{data.tokens_per_step} tokens/step on {b['mesh'].size} device(s), corpus {len(corpus) / 2**20:.1f} MiB")
 
     def evaluate():
@@ -210,9 +225,9 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
                       "tokens_per_s": tok_s}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 val_loss = evaluate()
-                record.update(val_loss=val_loss, val_bits_per_byte=val_loss / math.log(2))
+                record.update(val_loss=val_loss, **{f"val_bits_per_{unit}": val_loss / math.log(2)})
                 log(f"step {step + 1}: train loss {loss:.4f}, val loss {val_loss:.4f} "
-                    f"({val_loss / math.log(2):.3f} bits/byte), {tok_s:,.0f} tokens/s")
+                    f"({val_loss / math.log(2):.3f} bits/{unit}), {tok_s:,.0f} tokens/s")
             metrics.write(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
             if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:
@@ -226,7 +241,8 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
     summary = {"step": end, "loss": last_loss, "val_loss": val_loss, "tokens_per_s": tok_s,
                "checkpoint": str(ckpts.directory), "plot": str(plot), "params": n_params}
     if lead:
-        plot_losses(metrics.read(), plot, f"{cfg.preset}, attention={cfg.method}")
+        plot_losses(metrics.read(), plot, f"{Path(cfg.pretrained).name if cfg.pretrained else cfg.preset}, "
+                                          f"attention={cfg.method}")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -24,7 +24,7 @@ cannot slice a loaded tile, so the kernels load the halves from their refs; the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,16 +97,21 @@ class QKPrologue:
         return (self.q_norm, self.cos_q, self.sin_q) if which == "q" else (self.k_norm, self.cos_k, self.sin_k)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, base: float = 10000.0) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of the rotate-half RoPE angles ``position · base^(−2i/D)``.
+def rope_tables(positions: jax.Array, head_dim: int, base: float = 10000.0,
+                freq_factors: Sequence[float] | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotate-half RoPE angles ``position · base^(−2i/D) / factor_i``.
 
     Args:
       positions: int or float (S,) or (B, S).
       head_dim: D (even).
+      freq_factors: None (all 1) or D/2 divisors of the inverse frequencies (Llama-3 rope scaling, llama.cpp's
+        ``rope_freqs``).
     Returns:
       float32 (..., S, D/2) cos and sin.
     """
     inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
+    if freq_factors is not None:
+        inv_freq = inv_freq / jnp.asarray(freq_factors, F32)
     angles = positions.astype(F32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
