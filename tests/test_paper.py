@@ -56,3 +56,14 @@ def test_tiny_run_of_every_part(paper, tmp_path):
 def test_gpu_parts_are_skipped_on_a_cpu_with_a_line(paper, capsys):
     assert paper.main(["--quick", "--only", "sagebwd", "--name", "paper_skip"]) == 0
     assert "sagebwd: needs a GPU" in capsys.readouterr().out
+
+
+def test_a_long_context_run_adds_its_rows_to_the_earlier_ones(paper):
+    def part(contexts, cmd):
+        return dict(model="m.gguf", windows_per_text=1, mode="quick", command=cmd, seconds=1.0,
+                    rows=[dict(context=c, method="thrift", budget=0.0) for c in contexts])
+
+    merged = paper._merged(part([1024, 2048], "first"), part([2048, 4096], "second"))
+    assert [r["context"] for r in merged["rows"]] == [1024, 2048, 4096] and merged["commands"] == ["first", "second"]
+    other = dict(part([1024], "other"), model="n.gguf")
+    assert paper._merged(other, part([4096], "second"))["rows"] == part([4096], "")["rows"]  # another model: replaced
