@@ -45,8 +45,7 @@ import numpy as np
 from benchmarks.common import RESULTS_DIR, copy_to_out, environment
 from benchmarks.thrift_quality import gap_recovered
 from models import from_pretrained, smollm2_path
-from train.data import load_corpus, tokenize
-from train.evaluate import summarize, token_losses
+from train.evaluate import summarize, text_windows, token_losses
 from train.generate import load_model, with_method
 from train.loop import TrainConfig, TrainingDiverged, train
 
@@ -106,15 +105,6 @@ def texts() -> dict[str, Path | None]:
     return {"code": None, "docs": Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"}
 
 
-def windows_of(path: Path | None, tokenizer, seq: int, n: int) -> np.ndarray:
-    """``n`` consecutive windows of ``seq + 1`` tokens of a text file or folder (None: the built-in corpus): int32
-    (n, seq + 1)."""
-    tokens = tokenize(load_corpus(None if path is None else str(path), 16 * n * (seq + 1) + 2**16), tokenizer)
-    if len(tokens) < n * (seq + 1):
-        raise ValueError(f"{path} holds fewer than {n} windows of {seq + 1} tokens")
-    return tokens[: n * (seq + 1)].reshape(n, seq + 1).astype(np.int32)
-
-
 def _paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """Mean of a − b over windows and its standard error."""
     d = np.asarray(a) - np.asarray(b)
@@ -127,7 +117,7 @@ def thrift_part(model_path: Path, plan: Plan, log, done=lambda part: None) -> di
     dense, tok = from_pretrained(model_path, dtype="float32", max_len=max(plan.contexts))
     rows = []
     for ctx in plan.contexts:
-        windows = np.concatenate([windows_of(p, tok, ctx, plan.windows) for p in texts().values()])
+        windows = np.concatenate([text_windows(p and str(p), tok, ctx, plan.windows) for p in texts().values()])
         variants = [("thrift", 1.0), ("thrift", 0.0)] + [(m, f) for f in plan.budgets for m in ("thrift", "sparse")]
         losses = {}
         for method, f in variants:
@@ -169,11 +159,10 @@ def qat_part(model_path: Path, plan: Plan, log, tmp: Path) -> dict:
     """PTQ loss, then continued training at equal steps (Attn-QAT, naive backward, 16-bit), scored with FP4
     attention on held-out documentation."""
     dense, tok = from_pretrained(model_path, dtype="float32", max_len=plan.qat_seq)
-    held_out = windows_of(texts()["docs"], tok, plan.qat_seq, plan.qat_eval_windows)
+    held_out = text_windows(str(texts()["docs"]), tok, plan.qat_seq, plan.qat_eval_windows)
 
     def fp4_and_16bit(model):
-        return {name: float(token_losses(with_method(model, m, {"implementation": "xla"}) if m != "dense" else
-                                         with_method(model, "dense"), held_out, batch=1).mean())
+        return {name: float(token_losses(with_method(model, m, {"implementation": "xla"}), held_out, batch=1).mean())
                 for name, m in (("fp4", "qat_fp4"), ("16-bit", "dense"))}
 
     before = fp4_and_16bit(dense)
@@ -200,7 +189,7 @@ def qat_part(model_path: Path, plan: Plan, log, tmp: Path) -> dict:
                 before=before, runs=runs)
 
 
-def _pretrain(out: Path, plan: Plan, log, **opts) -> dict:
+def _pretrain(out: Path, plan: Plan, **opts) -> dict:
     """One run of our own model: final losses, largest gradient norm, the step it diverged at (None)."""
     impl = {"implementation": "xla"} if jax.default_backend() == "cpu" else {}
     cfg = TrainConfig(out=str(out), preset=plan.preset, steps=plan.gpu_steps, seq=plan.gpu_seq,
@@ -223,7 +212,7 @@ def qat_lr_part(plan: Plan, log, tmp: Path) -> dict:
         for label, opts in (("16-bit", dict(method="dense")), ("naive backward", dict(method="qat_fp4",
                                                                                        naive_backward=True)),
                             ("Attn-QAT", dict(method="qat_fp4"))):
-            res = _pretrain(tmp / f"lr{lr:g}_{label.replace(' ', '_')}", plan, log, lr=lr, **opts)
+            res = _pretrain(tmp / f"lr{lr:g}_{label.replace(' ', '_')}", plan, lr=lr, **opts)
             runs.append(dict(lr=lr, variant=label, **res))
             log(f"qat-lr part: lr {lr:g}, {label}: val {res['val_loss']}, max grad norm {res['max_grad_norm']:.3g}"
                 + (f", diverged at step {res['diverged_at']}" if res["diverged_at"] else ""))
@@ -236,8 +225,8 @@ def sagebwd_part(plan: Plan, log, tmp: Path) -> dict:
         for label, opts in (("16-bit", dict(method="dense")), ("sage", dict(method="sage")),
                             ("sage, no QK-norm", dict(method="sage", qk_norm=False)),
                             ("sage, no K-smoothing", dict(method="sage", smooth_k=False))):
-            res = _pretrain(tmp / f"accum{accum}_{label.replace(' ', '_').replace(',', '')}", plan, log,
-                            accum=accum, **opts)
+            res = _pretrain(tmp / f"accum{accum}_{label.replace(' ', '_').replace(',', '')}", plan, accum=accum,
+                            **opts)
             runs.append(dict(tokens_per_step=accum * plan.gpu_batch * plan.gpu_seq, variant=label, **res))
             log(f"sagebwd part: {runs[-1]['tokens_per_step']} tokens/step, {label}: val {res['val_loss']}")
     return dict(preset=plan.preset, steps=plan.gpu_steps, seq=plan.gpu_seq, runs=runs)

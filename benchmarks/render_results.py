@@ -23,8 +23,13 @@ def _provenance(data: dict) -> str:
 
 
 def _command_block(data: dict) -> list[str]:
-    """Provenance line and the command that produced a results file, as an indented block."""
-    return [f"{_provenance(data)}. Command (repo root, GPU machine):", "", f"    {data['command'].strip()}", ""]
+    """Provenance line (and how long it ran, where the file says) and the commands that produced a results file, as
+    an indented block."""
+    commands = data.get("commands", [data["command"]])
+    took = f", {data['seconds'] / 60:.0f} min" if "seconds" in data else ""
+    where = "GPU machine" if data["env"].get("platform") == "gpu" else data["env"].get("platform", "")
+    return [f"{_provenance(data)}{took}. Command{'s' if len(commands) > 1 else ''} (repo root, {where}):", "",
+            *(f"    {c.strip()}" for c in commands), ""]
 
 
 def _rounds_note(rows: list[dict]) -> list[str]:
@@ -691,11 +696,6 @@ def _pct(x) -> str:
 def render_paper(data: dict) -> list[str]:
     """Paper vs ours (benchmarks/paper.py): each paper's claim, our number on the same measure, and a sentence."""
     out = ["## Paper vs ours (benchmarks/paper.py)", ""]
-
-    def _command_block(d):  # the CPU parts run here, not on the GPU machine
-        commands = d.get("commands", [d["command"]])
-        return [f"{d['env']['device']}, jax {d['env']['jax']}, {d['env']['date']}, {d['seconds'] / 60:.0f} min. "
-                f"Command{'s' if len(commands) > 1 else ''} (repo root):", "", *(f"    {c}" for c in commands), ""]
 
     if "thrift" in data:
         d = data["thrift"]

@@ -89,6 +89,12 @@ class ModelConfig:
         return self.vocab_size * d + head + self.num_layers * (attn + mlp + 2 * d) + d
 
 
+#: the :class:`ModelConfig` fields that are the architecture (a checkpoint's weights fix them; the others are run
+#: options)
+ARCHITECTURE_FIELDS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "qk_norm",
+                       "rope_base", "head_dim", "norm_eps", "tie_embeddings", "qkv_bias", "rope_freq_factors")
+
+
 #: vocabularies up to this size are embedded by a one-hot product (:func:`embed_tokens`)
 ONE_HOT_MAX_VOCAB = 4096
 

@@ -8,6 +8,7 @@ import math
 from typing import Any, Callable
 
 from models import PRESETS, ModelConfig
+from models.transformer import ARCHITECTURE_FIELDS
 
 #: attention methods a run can train with (``thrift`` is training-free: it serves a trained model)
 TRAIN_METHODS = ("dense", "sage", "qat_fp4")
@@ -149,11 +150,11 @@ def _value_type(f: dataclasses.Field) -> type:
     return {"bool": bool, "int": int, "float": float}.get(text.split("|")[0].strip(), str)
 
 
-#: the model fields a checkpoint's parameters are shaped by, and the flag that sets each
-ARCHITECTURE_FLAGS = {"vocab_size": "preset", "dim": "preset", "num_layers": "preset", "num_heads": "preset",
-                      "num_kv_heads": "preset", "mlp_hidden": "preset", "qk_norm": "qk_norm", "head_dim": "pretrained",
-                      "norm_eps": "pretrained", "tie_embeddings": "pretrained", "qkv_bias": "pretrained",
-                      "rope_freq_factors": "pretrained", "rope_base": "pretrained"}
+#: the model's architecture fields, and the flag that sets each: the preset sets the sizes, --qk-norm QK-norm, and
+#: only a pretrained model (--pretrained) the rest
+_PRESET_FIELDS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden")
+ARCHITECTURE_FLAGS = {name: "qk_norm" if name == "qk_norm" else "preset" if name in _PRESET_FIELDS else "pretrained"
+                      for name in ARCHITECTURE_FIELDS}
 
 
 def check_same_architecture(saved: dict, model: dict, source: str, *, flag: str | None = None) -> None:

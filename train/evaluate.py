@@ -44,8 +44,9 @@ def validation_windows(run: str, seq: int, windows: int) -> np.ndarray:
     return val[: windows * (seq + 1)].reshape(windows, seq + 1).astype(np.int32)
 
 
-def text_windows(path: str, tokenizer, seq: int, windows: int) -> np.ndarray:
-    """The first ``windows`` non-overlapping windows of a text file or folder, tokenized: int32 (windows, seq + 1).
+def text_windows(path: str | None, tokenizer, seq: int, windows: int) -> np.ndarray:
+    """The first ``windows`` non-overlapping windows of a text file or folder (None: the built-in corpus,
+    :func:`train.data.load_corpus`), tokenized: int32 (windows, seq + 1).
 
     Raises:
       FileNotFoundError: no such path. ValueError: it holds fewer windows of ``seq + 1`` tokens.
@@ -55,43 +56,39 @@ def text_windows(path: str, tokenizer, seq: int, windows: int) -> np.ndarray:
     need = windows * (seq + 1)
     tokens = tokenize(load_corpus(path, max(2**20, 16 * need)), tokenizer)  # ≤ 16 bytes per token is ample
     if len(tokens) < need:
-        raise ValueError(f"{path} holds {len(tokens) // (seq + 1)} windows of seq + 1 = {seq + 1} tokens; asked for "
-                         f"{windows}")
+        raise ValueError(f"{path or 'the built-in corpus'} holds {len(tokens) // (seq + 1)} windows of seq + 1 = "
+                         f"{seq + 1} tokens; asked for {windows}")
     return tokens[:need].reshape(windows, seq + 1).astype(np.int32)
 
 
-def argmax_agreement(model: TransformerLM, reference: TransformerLM, windows: np.ndarray, *, batch: int) -> float:
-    """The fraction of positions at which ``model`` and ``reference`` (e.g. the same weights with 16-bit attention)
-    predict the same next token."""
-    agree = []
-    for m in (model, reference):
-        graphdef, params = nnx.split(m)
-        fn = jax.jit(lambda p, t, g=graphdef: jnp.argmax(nnx.merge(g, p)(t[:, :-1]), -1))
-        agree.append(np.concatenate([np.asarray(fn(params, jnp.asarray(windows[i:i + batch])))
-                                     for i in range(0, len(windows), batch)]))
-    return float((agree[0] == agree[1]).mean())
-
-
-def token_losses(model: TransformerLM, windows: np.ndarray, *, batch: int) -> np.ndarray:
-    """Next-token cross-entropy of every position: float64 (windows, seq), nats.
+def scores(model: TransformerLM, windows: np.ndarray, *, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Next-token cross-entropy and the argmax prediction of every position, from one forward pass per batch.
 
     Args:
       model: the LM to score with (its attention method and options as built).
       windows: int32 (N, seq + 1) from :func:`validation_windows`; inputs ``[:, :-1]``, targets ``[:, 1:]``.
       batch: windows per forward call (N need not be a multiple: the last call is shorter).
+    Returns:
+      float64 (N, seq) nats, and int32 (N, seq) predicted tokens.
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     graphdef, params = nnx.split(model)
 
     @jax.jit
-    def losses(params, tokens):
+    def losses_and_picks(params, tokens):
         logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]),
+                jnp.argmax(logits, -1).astype(jnp.int32))
 
-    out = [np.asarray(losses(params, jnp.asarray(windows[i:i + batch])), np.float64)
-           for i in range(0, len(windows), batch)]
-    return np.concatenate(out)
+    out = [losses_and_picks(params, jnp.asarray(windows[i:i + batch])) for i in range(0, len(windows), batch)]
+    return (np.concatenate([np.asarray(x, np.float64) for x, _ in out]),
+            np.concatenate([np.asarray(p) for _, p in out]))
+
+
+def token_losses(model: TransformerLM, windows: np.ndarray, *, batch: int) -> np.ndarray:
+    """Next-token cross-entropy of every position: float64 (windows, seq), nats (:func:`scores`)."""
+    return scores(model, windows, batch=batch)[0]
 
 
 def summarize(losses: np.ndarray, buckets: int = 4, *, unit: str = "byte") -> dict:
@@ -130,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         windows = (validation_windows(args.checkpoint, seq, args.windows) if args.text is None
                    else text_windows(args.text, tokenizer, seq, args.windows))
         unit = "byte" if tokenizer is ByteTokenizer else "token"
-        result = summarize(token_losses(model, windows, batch=args.batch), args.buckets, unit=unit)
-        if model.cfg.method != "dense":
-            result["argmax_agreement"] = argmax_agreement(model, with_method(model, "dense"), windows,
-                                                          batch=args.batch)
+        losses, picks = scores(model, windows, batch=args.batch)
+        result = summarize(losses, args.buckets, unit=unit)
+        if model.cfg.method != "dense":  # where 16-bit attention over the same weights predicts the same token
+            reference = scores(with_method(model, "dense"), windows, batch=args.batch)[1]
+            result["argmax_agreement"] = float((picks == reference).mean())
     except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import lowbit_jax as lb
-from models import TransformerLM, from_pretrained, model_config, pretrained_config
+from models import ModelConfig, TransformerLM, from_pretrained, model_config, pretrained_config
 from train.checkpoint import SUBDIR, Checkpoints, read_config, resolve_dir
 from train.config import TrainConfig, check_same_architecture
 from train.data import ByteTokenizer, PackedBatches, load_corpus, tokenize, train_val_split
@@ -55,8 +55,9 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     return tx, schedule
 
 
-def build(cfg: TrainConfig) -> dict:
-    """Model, optimizer, data and the jitted steps for a resolved config.
+def build(cfg: TrainConfig, *, mcfg: ModelConfig | None = None) -> dict:
+    """Model, optimizer, data and the jitted steps for a resolved config (``mcfg``: its model config, if the caller
+    has it already; a pretrained model's costs a read of the checkpoint's metadata).
 
     Returns:
       a dict: ``model_config``, ``mesh``, ``graphdef``, ``params`` (float32: a pretrained model's weights with
@@ -64,7 +65,7 @@ def build(cfg: TrainConfig) -> dict:
       ``train_step(params, opt_state, batch (accum, global batch, seq + 1) int32) -> (params, opt_state,
       {"loss", "grad_norm"})`` (jitted, data parallel over ``mesh``) and ``eval_fn(params, batch) -> loss``.
     """
-    mcfg = _model_config(cfg)
+    mcfg = mcfg or _model_config(cfg)
     if cfg.seq > mcfg.max_len:
         raise ValueError(f"seq ({cfg.seq}) exceeds the model's max_len ({mcfg.max_len}) for "
                          f"{cfg.pretrained or f'preset {cfg.preset!r}'}; set max_len to train longer sequences")
@@ -152,9 +153,10 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
       TrainingInterrupted: Ctrl-C; the last checkpoint stays.
     """
     cfg = cfg.resolved()
+    mcfg = _model_config(cfg)
     saved = _architecture_source(cfg)
     if saved is not None:
-        check_same_architecture(saved[0], dataclasses.asdict(_model_config(cfg)), saved[1],
+        check_same_architecture(saved[0], dataclasses.asdict(mcfg), saved[1],
                                 flag="pretrained" if cfg.pretrained else None)
     init_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
     lead = jax.process_index() == 0  # several processes: all train and checkpoint, process 0 alone reports
@@ -162,7 +164,7 @@ def train(cfg: TrainConfig, *, log: Callable[..., None] = print) -> dict:
         log = lambda *_, **__: None  # noqa: E731
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    b = build(cfg)
+    b = build(cfg, mcfg=mcfg)
     corpus = load_corpus(cfg.corpus, cfg.max_corpus_mb * 2**20)
     train_tokens, val_tokens = train_val_split(tokenize(corpus, b["tokenizer"]))
     unit = "byte" if b["tokenizer"] is ByteTokenizer else "token"

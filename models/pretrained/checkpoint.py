@@ -10,10 +10,6 @@ import numpy as np
 
 from models.pretrained.errors import PretrainedError
 
-#: the architecture fields a checkpoint sets on :class:`models.ModelConfig` (the rest are run options)
-ARCHITECTURE = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_hidden", "qk_norm",
-                "rope_base", "head_dim", "norm_eps", "tie_embeddings", "qkv_bias", "rope_freq_factors")
-
 
 @dataclasses.dataclass
 class Checkpoint:
@@ -21,8 +17,8 @@ class Checkpoint:
 
     Attributes:
       path: the directory or file, for messages.
-      fields: :class:`models.ModelConfig` fields of its architecture (:data:`ARCHITECTURE`) and ``max_len`` (its
-        context length).
+      fields: :class:`models.ModelConfig` fields of its architecture (:data:`models.transformer.ARCHITECTURE_FIELDS`)
+        and ``max_len`` (its context length).
       tensors: Hugging Face name (``model.layers.0.self_attn.q_proj.weight``) → (the file it is in, a function
         returning it as float32 numpy in Hugging Face's layout: Linear weights (out, in), q/k rows in the
         rotate-half order).

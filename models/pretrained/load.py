@@ -10,12 +10,12 @@ import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from models.pretrained.checkpoint import ARCHITECTURE, Checkpoint
+from models.pretrained.checkpoint import Checkpoint
 from models.pretrained.errors import PretrainedError
 from models.pretrained.gguf_file import read_gguf
 from models.pretrained.hf import read_hf
 from models.pretrained.tokenizer import TextTokenizer
-from models.transformer import ModelConfig, TransformerLM
+from models.transformer import ARCHITECTURE_FIELDS, ModelConfig, TransformerLM
 
 
 def read_checkpoint(path: str | Path, *, with_tensors: bool = True) -> Checkpoint:
@@ -38,10 +38,13 @@ def pretrained_config(path: str | Path, *, method: str = "dense", dtype: str = "
     ``overrides`` set run options (``max_len``, ``remat``, ``smooth_k``, ``fuse_qk_prologue``); architecture fields
     cannot be overridden (the weights fix them).
     """
-    fixed = sorted(set(overrides) & set(ARCHITECTURE))
+    return _config(read_checkpoint(path, with_tensors=False), method=method, dtype=dtype, **overrides)
+
+
+def _config(ckpt: Checkpoint, *, method: str, dtype: str, **overrides: Any) -> ModelConfig:
+    fixed = sorted(set(overrides) & set(ARCHITECTURE_FIELDS))
     if fixed:
         raise ValueError(f"{', '.join(fixed)} cannot be overridden: the checkpoint's weights fix them")
-    ckpt = read_checkpoint(path, with_tensors=False)
     return ModelConfig(**dict(ckpt.fields, method=method, dtype=dtype, **overrides))
 
 
@@ -135,8 +138,8 @@ def from_pretrained(path: str | Path, *, method: str = "dense", dtype: str = "bf
       PretrainedError: one line naming the file (and tensor): missing file, unsupported architecture, a tensor of
         the wrong shape, NaN weights.
     """
-    cfg = pretrained_config(path, method=method, dtype=dtype, **overrides)
     ckpt = read_checkpoint(path)
+    cfg = _config(ckpt, method=method, dtype=dtype, **overrides)
     abstract_model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0), attention_options=attention_options))
     graphdef, state = nnx.split(abstract_model)
     params = _params(ckpt, cfg, flatten_dict(nnx.to_pure_dict(state)))
