@@ -156,3 +156,21 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert "Traceback" not in err and "terminate called" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("interrupted at step ") and last.endswith("rerun the same command to resume")
+
+
+def test_ctrl_c_during_a_save_commits_the_step_then_interrupts(tmp_path, monkeypatch):
+    """A SIGINT while orbax waits for the write (where it would log a traceback and drop the step) takes effect
+    after the step is committed with its manifest."""
+    ckpts = Checkpoints(tmp_path / "checkpoints")
+    wait = ckpts.manager.wait_until_finished
+
+    def interrupted_wait():
+        os.kill(os.getpid(), signal.SIGINT)
+        wait()
+
+    monkeypatch.setattr(ckpts.manager, "wait_until_finished", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        ckpts.save(3, {"w": np.arange(4.0)}, {"note": "x"})
+    monkeypatch.undo()  # close() waits too
+    assert ckpts.steps() == [3] and (ckpts.step_dir(3) / MANIFEST).is_file()
+    ckpts.close()

@@ -10,9 +10,12 @@ complete, so a run killed inside a save leaves no partial step behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -114,11 +117,13 @@ class Checkpoints:
         return self.directory / str(step)
 
     def save(self, step: int, state: dict[str, Any], config: dict[str, Any]) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        config=ocp.args.JsonSave(config)))
-        self.manager.wait_until_finished()
-        if jax.process_index() == 0:
-            write_manifest(self.step_dir(step))
+        """Write and commit ``step``; a Ctrl-C meanwhile takes effect once it is written (:func:`_interrupt_after`)."""
+        with _interrupt_after():
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            config=ocp.args.JsonSave(config)))
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                write_manifest(self.step_dir(step))
 
     def restore(self, step: int | None, like: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """State shaped like ``like`` (abstract arrays are fine) and the saved config.
@@ -174,7 +179,26 @@ class Checkpoints:
         return target
 
     def close(self) -> None:
-        self.manager.close()
+        with _interrupt_after():
+            self.manager.close()
+
+
+@contextlib.contextmanager
+def _interrupt_after():
+    """Ctrl-C inside: the block runs to its end, then ``KeyboardInterrupt`` is raised. Orbax's wait for a save to
+    finish logs a traceback when interrupted and drops that step; deferred, the step commits whole and the CLI's
+    one-line interrupt message is all the user sees. A no-op off the main thread (signals go to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def read_config(directory: str | Path, step: int | None = None) -> dict[str, Any]:
