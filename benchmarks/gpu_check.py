@@ -133,6 +133,7 @@ def check_x64() -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shape cases only")
+    parser.add_argument("--only", nargs="+", metavar="TEXT", help="only the checks whose name contains one of these")
     args = parser.parse_args(argv)
     hopper = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
     cases = CASES[:2] if args.quick else CASES
@@ -147,6 +148,8 @@ def main(argv=None) -> int:
     checks += [(f"thrift decode T={t} Hq={hq} D{d}", functools.partial(check_decode, t, hq, d))
                for t, hq, d in ((1, 8, 128), (4, 8, 64), (2, 4, 128))]
     checks.append(("x64 mode", check_x64))
+    if args.only:
+        checks = [(name, check) for name, check in checks if any(text in name for text in args.only)]
     results, t0 = {}, time.time()
     for name, check in checks:
         try:

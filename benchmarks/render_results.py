@@ -749,6 +749,18 @@ def render_paper(data: dict) -> list[str]:
     return out + [""]
 
 
+def render_headline_decode(data: dict) -> list[str]:
+    """The headline's decode rows run again on their own (``headline.py --parts decode --name headline_decode``):
+    the decode's current default against cuDNN, when it changed after the table above was measured."""
+    out = ["### Thrift decode at the current default", "", *_command_block(data),
+           *([data["note"], ""] if data.get("note") else []),
+           "| B | cache tokens | cuDNN ms | thrift ms | ratio |", "|---|---|---|---|---|"]
+    for r in data["decode"]:
+        out.append(f"| {r['shape'][0]} | {r['shape'][1]} | {r['ms']['cudnn_bf16']:.3f} | "
+                   f"{r['ms']['thrift f=0.05']:.3f} | {r['ratio']:.2f}× |")
+    return out + [""]
+
+
 def render_headline_before(now: dict, base: dict) -> list[str]:
     """The headline's timings of this tree beside an older tree's (``headline_base.json``), back to back on one
     machine: did a change cost speed on finite inputs?"""
@@ -800,6 +812,9 @@ def main() -> None:
         base = _load("headline_base")
         if base is not None:
             lines += render_headline_before(headline, base)
+    decode = _load("headline_decode")
+    if decode is not None:
+        lines += render_headline_decode(decode)
     sections = [("attention", render_attention), ("attention_bwd", render_backward),
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),

@@ -51,9 +51,10 @@ BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
 PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
 LONG_SHAPES = [(1, 32, 8, 131072, 128, True), (1, 32, 8, 262144, 128, True)]
 DECODE_SHAPES = [(8, 32, 8, 8192, 128), (2, 32, 8, 131072, 128)]
-#: (budget, decode_splits, decode_splits_high); the first is the library default (its kernel is timed alone too)
-DECODE_VARIANTS = [(0.05, 32, 8), (0.05, 16, 4), (0.05, 64, 16), (0.25, 32, 8), (1.0, 32, 8), (1.0, 16, 32),
-                   (0.0, 32, 8)]
+#: (budget, decode_splits, decode_splits_high), None: picked per call (ThriftConfig.for_decode); the first is the
+#: library default (its kernel is timed alone too)
+DECODE_VARIANTS = [(0.05, None, None), (0.05, 32, 8), (0.05, 64, 16), (0.25, None, None), (1.0, None, None),
+                   (0.0, None, None)]
 SMOKE = dict(prefill=[(1, 4, 2, 256, 64, True)], decode=[(1, 4, 2, 256, 64)], accuracy=(1, 4, 2, 512, 64))
 
 
@@ -331,7 +332,7 @@ def decode(log, smoke):
             row["bytes"]["cudnn_bf16"] = row["bytes"]["xla_bf16"]
             row["error_vs_exact"]["cudnn_bf16"] = lb.error_metrics(cudnn(qt, cache.k, cache.v, cache.length), exact)
         for f, splits, high in DECODE_VARIANTS:
-            name = f"thrift_f{f:g}_s{splits}_h{high}"
+            name = f"thrift_f{f:g}_s{splits or 'auto'}_h{high or 'auto'}"
             cfg = dataclasses.replace(lb.ThriftConfig(), decode_splits=splits if not smoke else 2,
                                       decode_splits_high=high if not smoke else 2)
             try:
@@ -366,6 +367,8 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
 
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     rows = t * (hq // cache.num_kv_heads)
+    cfg = cfg.for_decode(batch=q.shape[0], kv_heads=cache.num_kv_heads, head_rows=rows,
+                         max_blocks=cache.k.shape[1] // cache.block, budget=budget)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block,
                                             interpret=impl.get("interpret", False))

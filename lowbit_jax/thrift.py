@@ -217,7 +217,9 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
         max-over-heads q·k̄ come from the 16-bit cache, the rest and the trailing partial block from the
         4-bit one (docs/spec.md, ThriftAttention).
       scale: softmax scale, default D**-0.5. implementation, interpret: as :func:`thrift_attention`.
-      config: ``block`` must equal ``cache.block``; ``decode_splits`` (key ranges) is part of the numerics.
+      config: ``block`` must equal ``cache.block``; ``decode_splits`` (key ranges) is part of the numerics, and
+        left ``None`` it is picked from the batch, the heads and the cache's capacity
+        (:meth:`ThriftConfig.for_decode`).
     Returns:
       (B, T, Hq, D) in q's dtype.
     Raises:
@@ -255,6 +257,9 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
 @functools.partial(jax.jit, static_argnames=("budget", "scale", "implementation", "interpret", "config"))
 def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
             config: ThriftConfig):
+    b, t, hq, _ = q.shape
+    config = config.for_decode(batch=b, kv_heads=cache.num_kv_heads, head_rows=t * (hq // cache.num_kv_heads),
+                               max_blocks=cache.k.shape[1] // cache.block, budget=budget)
     o = implementation_for(implementation, interpret).decode(q, cache, budget=budget, scale=scale, config=config,
                                                              interpret=interpret)
     usable = (cache.length >= q.shape[1]) & ~cache.overflow  # traced: NaN instead of values from a bad state

@@ -9,6 +9,7 @@ explicitly.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -298,6 +299,25 @@ def qat_config(head_dim: int, causal: bool, device_kind: str | None = None) -> Q
     return TUNED_QAT.get((device_kind, head_dim, causal), QatConfig())
 
 
+#: the decode's split-KV grid: about this many programs (a few per SM of an H100/H200), at least this many key blocks
+#: a run, and a 16-bit key block's bytes over a 4-bit one's (2 bytes a value against 0.5 + 1/16)
+DECODE_PROGRAMS = 1024
+DECODE_MIN_BLOCKS = 4
+DECODE_BYTES_RATIO = 2 / (0.5 + 1 / 16)
+#: ThriftConfig fields whose None is resolved per call
+_BY_CALL = ("decode_warps", "decode_splits", "decode_splits_high")
+
+
+def _floor_pow2(n: int) -> int:
+    """The largest power of two ≤ n (n ≥ 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def _round_pow2(x: float) -> int:
+    """The power of two nearest x on a log scale (1 for x ≤ 1)."""
+    return 1 << max(0, round(math.log2(x))) if x > 1 else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class ThriftConfig:
     """Blocks and launch parameters of the ThriftAttention kernels (docs/spec.md, ThriftAttention).
@@ -305,7 +325,8 @@ class ThriftConfig:
     ``block`` and ``decode_splits`` are part of the numerics: the selection scores blocks of ``block``
     queries and keys, FQ(P) is taken relative to the running row max at each key block, and the decode
     kernel's online softmax restarts in each of its ``decode_splits`` runs of 4-bit blocks. Both
-    implementations ("pallas" and "xla") therefore take the same config.
+    implementations ("pallas" and "xla") therefore take the same config, with the decode's ``None`` fields
+    resolved by :meth:`for_decode` from the call's shape.
 
     Attributes:
       block: queries and keys per selection block, also the prefill kernel's query and key tile (32, 64 or
@@ -325,6 +346,9 @@ class ThriftConfig:
         instead of (query blocks × key blocks). Not numerics: every chunking gives the same output.
       decode_splits: runs of 4-bit key blocks of the split-KV decode kernel (flash-decoding), combined at the
         end with the ``decode_splits_high`` runs of 16-bit blocks (which change only the summation order).
+        ``None`` (default): enough runs to fill a GPU at the call's batch, heads and cache size
+        (:meth:`for_decode`), so the outputs depend on the batch size and cache capacity at FP4-rounding level;
+        set both for outputs that do not.
       decode_warps, decode_stages: the decode kernel's launch parameters; ``None`` (default) picks them by its
         query rows per program (:meth:`decode_launch`).
     """
@@ -339,9 +363,8 @@ class ThriftConfig:
     select_whole: int = 1024
     select_warps: int = 4
     prefill_chunk: int = 256
-    # (32, 8) splits: fewer were slower at 128k tokens, more slower at 8k (docs/performance.md)
-    decode_splits: int = 32
-    decode_splits_high: int = 8
+    decode_splits: int | None = None
+    decode_splits_high: int | None = None
     decode_warps: int | None = None
     decode_stages: int | None = None
 
@@ -350,7 +373,7 @@ class ThriftConfig:
                      "select_whole", "select_warps", "prefill_chunk", "decode_splits", "decode_splits_high",
                      "decode_warps"):
             value = getattr(self, name)
-            if value is None and name == "decode_warps":  # None: by the rows per program (decode_launch)
+            if value is None and name in _BY_CALL:  # None: picked per call (decode_launch, for_decode)
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not _is_pow2(value):
                 raise ValueError(f"ThriftConfig.{name} must be a power of two, got {value!r}")
@@ -378,6 +401,24 @@ class ThriftConfig:
         warps, stages = (2, 2) if row_tile <= 16 else (4, 3)
         return (warps if self.decode_warps is None else self.decode_warps,
                 stages if self.decode_stages is None else self.decode_stages)
+
+    def for_decode(self, *, batch: int, kv_heads: int, head_rows: int, max_blocks: int,
+                   budget: float) -> "ThriftConfig":
+        """This config with ``decode_splits`` and ``decode_splits_high`` set for one decode call.
+
+        Fields already set are kept. Unset: about :data:`DECODE_PROGRAMS` programs in all, at least
+        :data:`DECODE_MIN_BLOCKS` key blocks of the cache's ``max_blocks`` each, shared between the 4-bit and the
+        16-bit runs by the bytes the ``budget`` makes them read (a 16-bit block has 3.56× a 4-bit block's bytes).
+        Powers of two. ``head_rows``: the query rows per kv head (tokens × group).
+        """
+        if self.decode_splits is not None and self.decode_splits_high is not None:
+            return self
+        per_split = batch * kv_heads * -(-head_rows // 64)  # programs per split: one per 64-row tile
+        total = _floor_pow2(min(max(DECODE_PROGRAMS // per_split, 2), max(max_blocks // DECODE_MIN_BLOCKS, 2)))
+        high_share = budget * DECODE_BYTES_RATIO / (budget * DECODE_BYTES_RATIO + (1.0 - budget))
+        high = self.decode_splits_high or min(_round_pow2(total * high_share), total)
+        low = self.decode_splits or _round_pow2(total - high)
+        return dataclasses.replace(self, decode_splits=low, decode_splits_high=high)
 
     @property
     def pad(self) -> int:

@@ -142,6 +142,9 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
       acc (B, Hkv, splits, R_pad, D) float32 (unnormalized), m and l (B, Hkv, splits, R_pad) float32 (base 2),
       splits = ``config.decode_splits + config.decode_splits_high``.
     """
+    if config.decode_splits is None or config.decode_splits_high is None:
+        raise ValueError("the decode kernel takes a config with decode_splits and decode_splits_high set "
+                         "(ThriftConfig.for_decode)")
     b, hkv, r_pad, d = q_rows.shape
     s_max = k16.shape[1]
     splits = config.decode_splits + config.decode_splits_high

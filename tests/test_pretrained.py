@@ -187,3 +187,18 @@ def test_clis_take_a_pretrained_model(files, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("class")
     with pytest.raises(SystemExit, match="2"):  # one source
         qat.main(["--pretrained", gguf_path, "--from", str(run)])
+
+
+def test_serving_reads_a_pretrained_checkpoint_once(files, monkeypatch, capsys):
+    """generate --pretrained reads the file's metadata once (a GGUF vocabulary takes seconds to read), though it both
+    caps the caches at the checkpoint's context and builds the model."""
+    from models.pretrained import load
+    from train import generate
+
+    reads = []
+    real = load.read_gguf
+    monkeypatch.setattr(load, "read_gguf", lambda *a, **kw: reads.append(a) or real(*a, **kw))
+    gguf_path = str(files["llama"][1]["gguf"][0])
+    assert generate.main(["--pretrained", gguf_path, "--prompt", "def", "--tokens", "2", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+    assert len(reads) == 1

@@ -22,7 +22,7 @@ from lowbit_jax.thrift_reference import (
     valid_key_blocks,
 )
 
-SMALL = lb.ThriftConfig(block=32, quant_block=32, decode_splits=4)
+SMALL = lb.ThriftConfig(block=32, quant_block=32, decode_splits=4, decode_splits_high=8)
 
 
 def thrift(q, k, v, impl, **options):
@@ -508,6 +508,62 @@ def test_decode_launch_by_rows_per_program():
     assert lb.ThriftConfig(decode_warps=8).decode_launch(16) == (8, 2)
     assert lb.ThriftConfig(decode_stages=1).decode_launch(64) == (4, 1)
     assert thrift_backends.decode_layout(1 * 4)[1] == 16 and thrift_backends.decode_layout(40 * 4)[1] == 64
+
+
+@pytest.mark.parametrize("batch, kv_heads, head_rows, max_blocks, budget, want", [
+    (8, 8, 4, 128, 0.05, (16, 2)),  # 64 programs a split: 16 + 2 splits fill about 1024 programs
+    (2, 8, 4, 2048, 0.05, (64, 8)),  # fewer sequences, longer caches: more splits
+    (8, 8, 4, 24, 0.05, (4, 1)),  # at least 4 key blocks a split
+    (8, 8, 4, 128, 1.0, (1, 16)),  # f = 1: the 16-bit runs take the splits
+    (8, 8, 4, 128, 0.0, (16, 1)),
+    (8, 8, 160, 512, 0.05, (4, 1)),  # 160 rows: three 64-row tiles a head
+])
+def test_decode_splits_fill_the_gpu_by_call(batch, kv_heads, head_rows, max_blocks, budget, want):
+    """ThriftConfig.for_decode: unset split counts are powers of two that give about DECODE_PROGRAMS programs
+    (the 16-bit runs a share by the bytes the budget reads), never fewer than DECODE_MIN_BLOCKS blocks a run
+    at the cache's capacity; set ones are kept."""
+    from pallas_kernels import configs
+
+    cfg = lb.ThriftConfig().for_decode(batch=batch, kv_heads=kv_heads, head_rows=head_rows, max_blocks=max_blocks,
+                                       budget=budget)
+    assert (cfg.decode_splits, cfg.decode_splits_high) == want
+    total = cfg.decode_splits + cfg.decode_splits_high
+    assert total * batch * kv_heads * -(-head_rows // 64) <= 2 * configs.DECODE_PROGRAMS
+    kept = lb.ThriftConfig(decode_splits=2).for_decode(batch=batch, kv_heads=kv_heads, head_rows=head_rows,
+                                                               max_blocks=max_blocks, budget=budget)
+    assert kept.decode_splits == 2 and kept.decode_splits_high == want[1]
+    both = lb.ThriftConfig(decode_splits=2, decode_splits_high=4)
+    assert both.for_decode(batch=batch, kv_heads=kv_heads, head_rows=head_rows, max_blocks=max_blocks,
+                           budget=budget) is both
+
+
+def test_decode_kernel_refuses_unresolved_splits():
+    from pallas_kernels.thrift_decode import thrift_decode as decode_kernel
+
+    q, k, v = make_qkv(1, 64, 64, 4, 2, 64, seed=3)
+    cache = filled_cache(k, v, 64)
+    order, n_high = thrift_backends.decode_order(q[:, -1:], cache, budget=0.3, block=32, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, order, n_high, 16)
+    with pytest.raises(ValueError, match="for_decode"):
+        decode_kernel(*args, scale=0.125, config=lb.ThriftConfig(block=32, quant_block=32), row_tile=16,
+                      interpret=INTERPRET)
+
+
+def test_decode_default_splits_are_the_references():
+    """With the split counts left to the call (several splits here: 16 key blocks, 4 a run), the kernel and the
+    reference resolve the same ones: outputs equal to float rounding; a different split count is a different
+    (FP4-rounding) result, so the test would see the two disagree."""
+    q, k, v = make_qkv(1, 512, 512, 8, 2, 64, seed=31)
+    cache = filled_cache(k, v, 512, max_len=512)
+    cfg = lb.ThriftConfig(block=32, quant_block=32)
+    resolved = cfg.for_decode(batch=1, kv_heads=2, head_rows=4, max_blocks=16, budget=0.25)
+    assert resolved.decode_splits > 1
+    run = functools.partial(lb.thrift_decode, q[:, -1:], cache, budget=0.25)
+    got = run(config=cfg, implementation="pallas", interpret=INTERPRET)
+    want = run(config=cfg, implementation="xla")
+    other = run(config=dataclasses.replace(resolved, decode_splits=1), implementation="xla")
+    assert metrics(got, want)[1] < 1e-5
+    assert metrics(other, want)[1] > 1e-4
 
 
 @pytest.mark.parametrize("t, hq", [(1, 8), (17, 8)])  # 4 of 16 rows; 68 rows in two 64-row tiles

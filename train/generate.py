@@ -107,9 +107,9 @@ def serving_model(args: argparse.Namespace, *, max_len: int | None = None):
                            warn=lambda line: print(line, file=sys.stderr))
         return model, run_tokenizer(args.checkpoint)
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    longest = {} if max_len is None else {"max_len": min(max_len, pretrained_config(args.pretrained).max_len)}
-    return from_pretrained(args.pretrained, method=args.method or "dense", dtype=dtype, attention_options=options,
-                           **longest)
+    ckpt = read_checkpoint(args.pretrained)  # once: its metadata (a GGUF vocabulary takes seconds) serves both calls
+    longest = {} if max_len is None else {"max_len": min(max_len, pretrained_config(ckpt).max_len)}
+    return from_pretrained(ckpt, method=args.method or "dense", dtype=dtype, attention_options=options, **longest)
 
 
 def generate(model: TransformerLM, prompt: str, num_tokens: int, *, temperature: float = 0.8, top_k: int = 40,

@@ -31,14 +31,16 @@ def read_checkpoint(path: str | Path, *, with_tensors: bool = True) -> Checkpoin
     return read_gguf(p, with_tensors=with_tensors)
 
 
-def pretrained_config(path: str | Path, *, method: str = "dense", dtype: str = "bfloat16",
+def pretrained_config(path: str | Path | Checkpoint, *, method: str = "dense", dtype: str = "bfloat16",
                       **overrides: Any) -> ModelConfig:
-    """The :class:`models.ModelConfig` of a checkpoint (metadata only, no tensor read).
+    """The :class:`models.ModelConfig` of a checkpoint (metadata only, no tensor read; ``path`` may be a checkpoint
+    :func:`read_checkpoint` has read already).
 
     ``overrides`` set run options (``max_len``, ``remat``, ``smooth_k``, ``fuse_qk_prologue``); architecture fields
     cannot be overridden (the weights fix them).
     """
-    return _config(read_checkpoint(path, with_tensors=False), method=method, dtype=dtype, **overrides)
+    ckpt = path if isinstance(path, Checkpoint) else read_checkpoint(path, with_tensors=False)
+    return _config(ckpt, method=method, dtype=dtype, **overrides)
 
 
 def _config(ckpt: Checkpoint, *, method: str, dtype: str, **overrides: Any) -> ModelConfig:
@@ -119,14 +121,15 @@ def _params(ckpt: Checkpoint, cfg: ModelConfig, abstract: dict) -> dict:
     return out
 
 
-def from_pretrained(path: str | Path, *, method: str = "dense", dtype: str = "bfloat16",
+def from_pretrained(path: str | Path | Checkpoint, *, method: str = "dense", dtype: str = "bfloat16",
                     attention_options: dict | None = None,
                     **overrides: Any) -> tuple[TransformerLM, TextTokenizer]:
     """A pretrained Llama-family model (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3) and its tokenizer.
 
     Args:
       path: a Hugging Face directory (config.json, *.safetensors with or without an index, tokenizer.json) or a
-        GGUF file (quantized tensors are dequantized; llama.cpp's q/k row order is undone).
+        GGUF file (quantized tensors are dequantized; llama.cpp's q/k row order is undone), or such a checkpoint as
+        :func:`read_checkpoint` returns it (read once by a caller that also wants its config).
       method: the attention method ("dense", "sage", "qat_fp4", "thrift"); any works on the loaded weights.
       dtype: compute dtype ("bfloat16", "float16", "float32"); parameters are float32.
       attention_options: keyword options of the attention function (e.g. ``{"budget": 0.1}`` for thrift).
@@ -138,7 +141,7 @@ def from_pretrained(path: str | Path, *, method: str = "dense", dtype: str = "bf
       PretrainedError: one line naming the file (and tensor): missing file, unsupported architecture, a tensor of
         the wrong shape, NaN weights.
     """
-    ckpt = read_checkpoint(path)
+    ckpt = path if isinstance(path, Checkpoint) else read_checkpoint(path)
     cfg = _config(ckpt, method=method, dtype=dtype, **overrides)
     abstract_model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0), attention_options=attention_options))
     graphdef, state = nnx.split(abstract_model)
