@@ -367,8 +367,7 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
 
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     rows = t * (hq // cache.num_kv_heads)
-    cfg = cfg.for_decode(batch=q.shape[0], kv_heads=cache.num_kv_heads, head_rows=rows,
-                         max_blocks=cache.k.shape[1] // cache.block, budget=budget)
+    cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block,
                                             interpret=impl.get("interpret", False))

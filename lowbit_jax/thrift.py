@@ -254,18 +254,24 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
     return _decode(q, cache, budget=budget, scale=scale, implementation=impl, interpret=interpret, config=config)
 
 
+def decode_config(q: jax.Array, cache: ThriftKVCache, *, budget: float, config: ThriftConfig) -> ThriftConfig:
+    """``config`` with the decode's split counts resolved for new tokens ``q`` (B, T, Hq, D) over ``cache``
+    (:meth:`ThriftConfig.for_decode`: by batch, kv heads, rows per kv head and the cache's capacity)."""
+    b, t, hq, _ = q.shape
+    return config.for_decode(batch=b, kv_heads=cache.num_kv_heads, head_rows=t * (hq // cache.num_kv_heads),
+                             max_blocks=cache.k.shape[1] // cache.block, budget=budget)
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "scale", "implementation", "interpret", "config"))
 def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
             config: ThriftConfig):
-    b, t, hq, _ = q.shape
-    config = config.for_decode(batch=b, kv_heads=cache.num_kv_heads, head_rows=t * (hq // cache.num_kv_heads),
-                               max_blocks=cache.k.shape[1] // cache.block, budget=budget)
+    config = decode_config(q, cache, budget=budget, config=config)
     o = implementation_for(implementation, interpret).decode(q, cache, budget=budget, scale=scale, config=config,
                                                              interpret=interpret)
     usable = (cache.length >= q.shape[1]) & ~cache.overflow  # traced: NaN instead of values from a bad state
     return jnp.where(usable, o, jnp.nan).astype(q.dtype)
 
 
-__all__ = ["MAX_DECODE_ROWS", "ThriftConfig", "ThriftKVCache", "ThriftOptions", "thrift_attention", "thrift_decode",
-           "thrift_forward", "thrift_select"]
+__all__ = ["MAX_DECODE_ROWS", "ThriftConfig", "ThriftKVCache", "ThriftOptions", "decode_config", "thrift_attention",
+           "thrift_decode", "thrift_forward", "thrift_select"]
 

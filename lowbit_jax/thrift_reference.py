@@ -364,10 +364,7 @@ def decode_reference(q: jax.Array, k16: jax.Array, v16: jax.Array, k4: jax.Array
     hkv = k16.shape[2]
     group = hq // hkv
     bk = config.block
-    lo_splits, hi_splits = config.decode_splits, config.decode_splits_high
-    if lo_splits is None or hi_splits is None:
-        raise ValueError("decode_reference takes a config with decode_splits and decode_splits_high set "
-                         "(ThriftConfig.for_decode)")
+    lo_splits, hi_splits = config.split_counts()
     nkb = k16.shape[1] // bk
     dt = mma_dtype(q.dtype)
     rows = decode_rows(q.astype(jnp.float32), hkv, group * t)

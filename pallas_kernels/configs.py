@@ -420,6 +420,14 @@ class ThriftConfig:
         low = self.decode_splits or _round_pow2(total - high)
         return dataclasses.replace(self, decode_splits=low, decode_splits_high=high)
 
+    def split_counts(self) -> tuple[int, int]:
+        """(``decode_splits``, ``decode_splits_high``) of a config :meth:`for_decode` has resolved; ValueError if
+        either is still None (the decode kernel and its reference need the numbers)."""
+        if self.decode_splits is None or self.decode_splits_high is None:
+            raise ValueError("the decode takes a config with decode_splits and decode_splits_high set "
+                             "(ThriftConfig.for_decode)")
+        return self.decode_splits, self.decode_splits_high
+
     @property
     def pad(self) -> int:
         """Sequence padding of the head-major operands: a multiple of the block and of the quantize pass."""

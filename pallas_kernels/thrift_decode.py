@@ -142,15 +142,13 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
       acc (B, Hkv, splits, R_pad, D) float32 (unnormalized), m and l (B, Hkv, splits, R_pad) float32 (base 2),
       splits = ``config.decode_splits + config.decode_splits_high``.
     """
-    if config.decode_splits is None or config.decode_splits_high is None:
-        raise ValueError("the decode kernel takes a config with decode_splits and decode_splits_high set "
-                         "(ThriftConfig.for_decode)")
+    splits_low, splits_high = config.split_counts()
     b, hkv, r_pad, d = q_rows.shape
     s_max = k16.shape[1]
-    splits = config.decode_splits + config.decode_splits_high
+    splits = splits_low + splits_high
     n_rt = r_pad // row_tile
-    kernel = functools.partial(_decode_kernel, block=config.block, splits_low=config.decode_splits,
-                               splits_high=config.decode_splits_high, score_scale=scale * LOG2E, dtype=q_rows.dtype,
+    kernel = functools.partial(_decode_kernel, block=config.block, splits_low=splits_low,
+                               splits_high=splits_high, score_scale=scale * LOG2E, dtype=q_rows.dtype,
                                skip_padding=rows is not None and rows < r_pad, interpret=interpret)
     row = lambda bi, x, s: (bi, x // n_rt, x % n_rt, 0)  # noqa: E731
     q_spec = pl.BlockSpec((None, None, row_tile, d), row)
