@@ -3,6 +3,7 @@
 Usage (on the GPU machine, repo root):
     PYTHONPATH=. python benchmarks/attention.py            # sweep tiles, full table, accuracy
     PYTHONPATH=. python benchmarks/attention.py --quick    # two shapes, for iterating
+    PYTHONPATH=. python benchmarks/attention.py --quant-sweep   # the quantize kernels' warps alone
 
 Prints tables and writes benchmarks/results/attention.json (and $OUT/attention.json);
 ``python benchmarks/render_results.py`` turns the JSON into RESULTS.md.
@@ -24,7 +25,8 @@ import numpy as np
 
 import lowbit_jax as lb
 from benchmarks.common import attention_flops, carried_part, environment, rerun_part, time_fn, write_json
-from lowbit_jax import sage as sage_mod
+from lowbit_jax import sage as sage_mod, sage_backends
+from pallas_kernels import quantize
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -43,6 +45,9 @@ QUICK_SHAPES = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True)]
 SWEEP_D128 = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 256, 4, 2), (128, 256, 8, 2)]
 SWEEP_D64 = [(128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
 XLA_SCORE_BYTES_LIMIT = 60e9
+#: (B, H, S, D) and warps of the quantize kernels' sweep (``--quant-sweep``)
+QUANT_SHAPES = [(4, 32, 4096, 128), (1, 32, 16384, 128), (8, 32, 2048, 64)]
+QUANT_WARPS = (2, 4, 8, 16)
 
 
 def make_inputs(key, b, h, s, d, dtype=jnp.bfloat16, k_outlier=0.0):
@@ -99,15 +104,13 @@ def sage_parts(q, k, v, causal, config, interpret=False, backend="library"):
     opts = sage_mod.resolve_options(q, k, v, causal=causal, scale=None, smooth_k=True, smooth_q=False,
                                     qk_granularity="per_block", implementation="pallas", interpret=interpret,
                                     config=config)
-    # V̂ᵀ's key order as the library gives it to its kernel
-    orders = sage_mod.operand_orders(sage_mod.Padded.of_inputs(q, k, opts.config), opts)
-    quant = jax.jit(functools.partial(sage_mod.quantize_pallas, scale=opts.scale, smooth_k=True, smooth_q=False,
-                                      per_block=True, config=opts.config, orders=orders._replace(q_t=False),
-                                      interpret=interpret))
+    call = sage_backends.SageCall.of_inputs(q, k, opts)
+    forward, v_order = sage_backends.forward_for(call), sage_backends.orders_for(call).v  # as the library picks
+    quant = jax.jit(lambda q, k, v: forward.quantize(q, k, v, None, opts, transposed=False, v_order=v_order,
+                                                     q_t_order=False))
     ops = jax.block_until_ready(quant(q, k, v))
-    kern = jax.jit(lambda o: sage_mod.attend_quantized(o, None, opts=opts, out_dtype=q.dtype,
-                                                       v_operand_order=orders.v)[0])
-    return quant, kern, ops, "mosaic" if sage_mod._mosaic_forward(sage_mod.Padded.of_operands(ops), opts) else "triton"
+    kern = jax.jit(lambda o: forward.attend(o, None, opts, q.dtype, v_order)[0])
+    return quant, kern, ops, forward.name
 
 
 def sweep(shapes, configs_for_d, log):
@@ -131,6 +134,31 @@ def sweep(shapes, configs_for_d, log):
             if key not in best or ms < best[key][1]:
                 best[key] = (cfg, ms)
     return {k: v[0] for k, v in best.items()}, rows
+
+
+def quant_sweep(shapes, log):
+    """Each quantize kernel of the forward alone, by warps: Q's, K/V's (V̂ᵀ in operand order, as the Mosaic forward
+    takes it) and K/V's with the backward's K̂ᵀ too. ms and GB/s of the bytes it reads and writes (16-bit in,
+    INT8 out; the scales are left out: under 1%)."""
+    rows = []
+    for b, h, s, d in shapes:
+        q, k, v = make_inputs(jax.random.PRNGKey(0), b, h, s, d)
+        n = b * h * s * d
+        cfg = sage_fwd_config(d, False)
+        k_mean, v_scale = jax.jit(functools.partial(quantize.sage_channel_stats, smooth_k=True))(k, v)
+        kv = functools.partial(quantize.sage_quantize_kv, block=cfg.block_k, per_block=True, v_operand_order=True)
+        for warps in QUANT_WARPS:
+            kernels = {
+                "q": (functools.partial(quantize.sage_quantize_q, block=cfg.block_q, per_block=True,
+                                        smooth_block=False, out_scale=d**-0.5), (q,), 3 * n),
+                "kv": (kv, (k, v, k_mean, v_scale), 6 * n),
+                "kv + K̂ᵀ": (functools.partial(kv, transposed=True), (k, v, k_mean, v_scale), 7 * n),
+            }
+            for name, (fn, args, nbytes) in kernels.items():
+                ms = time_fn(jax.jit(functools.partial(fn, num_warps=warps)), *args)
+                rows.append(dict(b=b, h=h, s=s, d=d, kernel=name, warps=warps, ms=ms, gbps=nbytes / ms / 1e6))
+                log(f"  quant B{b} H{h} S{s} D{d} {name} {warps} warps: {ms:.4f} ms {nbytes / ms / 1e6:.0f} GB/s")
+    return rows
 
 
 def accuracy(b, h, s, d, causal, config, log):
@@ -235,6 +263,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="use the configs' heuristic instead of a sweep")
     parser.add_argument("--name", default="attention", help="results file name")
     parser.add_argument("--skip-checks", action="store_true", help="skip the small-shape correctness checks")
+    parser.add_argument("--quant-sweep", action="store_true",
+                        help="only the quantize kernels by warps, written to <name>_quant_sweep.json")
     parser.add_argument("--checks-only", action="store_true",
                         help="only the small-shape correctness checks, written into the existing results file")
     args = parser.parse_args(argv)
@@ -247,6 +277,12 @@ def main(argv=None) -> int:
 
     env = environment()
     log(f"# {env}")
+    if args.quant_sweep:
+        payload = dict(env=env, command="PYTHONPATH=. python benchmarks/attention.py --quant-sweep",
+                       rows=quant_sweep(QUANT_SHAPES, log))
+        for p in write_json(f"{args.name}_quant_sweep", payload):
+            log(f"wrote {p}")
+        return 0
     if args.checks_only:  # re-run the checks into the existing results file (the table stays as it was)
         payload = rerun_part(args.name, "checks", check_small(log),
                              command="PYTHONPATH=. python benchmarks/attention.py --checks-only", env=env)

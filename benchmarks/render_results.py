@@ -46,6 +46,32 @@ def _rounds_note(rows: list[dict]) -> list[str]:
             "is shown.", ""]
 
 
+def render_quant_sweep(data: dict) -> list[str]:
+    """The quantize kernels by warps (``attention.py --quant-sweep``): ms and GB/s per shape and kernel, the
+    config's choice (``sage_fwd_config`` on the device that ran) in bold."""
+    rows = data["rows"]
+    warps = sorted({r["warps"] for r in rows})
+    out = ["## SageAttention quantize kernels by warps", "", *_command_block(data),
+           "Each kernel alone: ms and GB/s of the bytes it reads and writes (16-bit in, INT8 out). `kv` writes "
+           "K̂ and V̂ᵀ (the forward's), `kv + K̂ᵀ` also the backward's K̂ᵀ. In bold: the warps "
+           "`sage_fwd_config` picks (`quant_warps` for Q, `kv_quant_warps` for K/V).", "",
+           "| B, H, S, D | kernel | " + " | ".join(f"{w} warps" for w in warps) + " |",
+           "|---|---|" + "---|" * len(warps)]
+    from pallas_kernels.configs import sage_fwd_config
+
+    for key in dict.fromkeys((r["b"], r["h"], r["s"], r["d"], r["kernel"]) for r in rows):
+        cfg = sage_fwd_config(key[3], False, data["env"]["device"])
+        chosen = cfg.quant_warps if key[4] == "q" else cfg.kv_quant_warps
+        cells = []
+        for w in warps:
+            r = next((r for r in rows if (r["b"], r["h"], r["s"], r["d"], r["kernel"], r["warps"]) == (*key, w)),
+                     None)
+            cell = "" if r is None else f"{r['ms']:.3f} ({r['gbps']:.0f})"
+            cells.append(f"**{cell}**" if cell and w == chosen else cell)
+        out.append(f"| {', '.join(map(str, key[:4]))} | {key[4]} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def render_attention(data: dict) -> list[str]:
     out = [
         "## INT8 SageAttention forward",
@@ -815,7 +841,8 @@ def main() -> None:
     decode = _load("headline_decode")
     if decode is not None:
         lines += render_headline_decode(decode)
-    sections = [("attention", render_attention), ("attention_bwd", render_backward),
+    sections = [("attention", render_attention), ("attention_quant_sweep", render_quant_sweep),
+                ("attention_bwd", render_backward),
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),
                 ("attention_bwd_dq_sweep", lambda data: render_backward_sweep(data, "SageBwd dQ-kernel tile sweep")),

@@ -167,6 +167,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
         m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         beta = jnp.exp2(m_cur - m_new_ref)  # the row max of this tile's P̃ (≤ 2^LAZY_RESCALE_BITS)
         l_new = l_prev + beta * jnp.sum(e, axis=1)
+        if c is not None:  # a non-finite scale makes l NaN: the signs of the scores alone could leave a row looking
+            l_new = l_new + (c - c)  # masked (max −inf, l 0, O 0), as a NaN in K did when its codes shared one sign
         p_smem = None if p_smem2 is None else p_smem2.at[wg]
         p8 = int8.encode_unit_interval(e, truncating_convert=True)
         p8 = (operand_order.register_operand if operand else register_operand)(p8, p_smem, interpret)

@@ -149,14 +149,16 @@ def test_config_fitted_to_short_sequences():
 
 def test_kv_quantize_kernel_takes_its_own_warps(monkeypatch):
     """``kv_quant_warps`` launches the K/V quantize kernel (None: ``quant_warps``), ``quant_warps`` Q's; the H200
-    entries take 8 for K/V at head dim 128 only; not a power of two is rejected."""
+    and H100 entries (and the default for other devices) take 8 for K/V at head dim 128 only; not a power of two is
+    rejected."""
     from pallas_kernels import quantize as quantize_kernels
 
     assert lb.SageFwdConfig(quant_warps=2).kv_quant_warps == 2
     with pytest.raises(ValueError, match="kv_quant_warps"):
         lb.SageFwdConfig(kv_quant_warps=6)
-    assert [lb.sage_fwd_config(d, c, "NVIDIA H200").kv_quant_warps for d in (64, 128) for c in (False, True)] == [
-        4, 4, 8, 8]
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "another GPU"):
+        assert [lb.sage_fwd_config(d, c, kind).kv_quant_warps for d in (64, 128) for c in (False, True)] == [
+            4, 4, 8, 8], kind
     seen = {}
     for name in ("sage_quantize_q", "sage_quantize_kv"):
         real = getattr(quantize_kernels, name)
@@ -230,3 +232,19 @@ def test_channel_stats_kernel_matches_xla(s, chunk, smooth_k):
         np.testing.assert_allclose(np.asarray(k_mean), np.asarray(ref_mean), rtol=2e-6, atol=1e-7)
     else:
         assert k_mean is None and ref_mean is None
+
+
+@pytest.mark.parametrize("backend", ["library", "triton"])
+def test_benchmark_parts_give_the_library_output(backend):
+    """benchmarks/attention.py times the quantize pass and the attention kernel apart (``sage_parts``, with the
+    backend the library picks or the Triton one its tile sweep tunes); run one after the other they give what
+    ``sage_attention`` gives."""
+    from benchmarks.attention import sage_parts
+
+    q, k, v = make_qkv(1, 128, 128, 2, 2, 64, dtype=jnp.bfloat16, seed=3)
+    cfg = dataclasses.replace(lb.SageFwdConfig(block_q=64, block_k=128), fwd_backend="mosaic")
+    quant, kern, ops, name = sage_parts(q, k, v, False, cfg, interpret=INTERPRET, backend=backend)
+    assert name == ("mosaic" if backend == "library" else "triton")
+    want = lb.sage_attention(q, k, v, implementation="pallas", interpret=INTERPRET,
+                             config=cfg if backend == "library" else dataclasses.replace(cfg, fwd_backend="triton"))
+    np.testing.assert_array_equal(np.asarray(kern(quant(q, k, v)), np.float32), np.asarray(want, np.float32))
