@@ -105,3 +105,27 @@ def test_quantizers_keep_a_nonfinite_group_nonfinite(bad):
     assert (~np.isfinite(fq[0, :16])).all() and np.isfinite(fq[0, 16:]).all() and np.isfinite(fq[1]).all()
     t = lb.nvfp4.quantize(jnp.asarray(x))
     assert np.isnan(np.asarray(t.scales, np.float32)[0, 0])
+
+
+def test_mosaic_forward_shows_a_nonfinite_scale_whatever_the_codes():
+    """On the GPU a NaN in K became INT8 codes of one sign (the conversion's result for NaN) under an infinite
+    per-block scale: every score of a row then had the same sign, a row whose scores were all negative looked
+    fully masked (row max −inf) and came out 0 with LSE +inf. The Mosaic forward makes such rows NaN from the
+    non-finite scale itself, whatever the codes; here the codes are set so (the interpreter's NaN conversion gives
+    other codes)."""
+    from pallas_kernels import sage_fwd_mosaic
+
+    rng = np.random.default_rng(3)
+    b, s, h, d = 1, 128, 2, 64
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
+    config = lb.SageFwdConfig(block_q=64, block_k=128)
+    _, _, ops = lb.sage_forward(q, k, v, causal=True, config=config, implementation="xla")
+    k8 = ops.k.at[:, 0].set(0).at[:, 0, :, 3].set(-127)  # head 0: channel 3 at −127, the rest 0
+    q8 = ops.q.at[..., 3].set(jnp.abs(ops.q[..., 3]) + 1)  # positive: every score of head 0 negative
+    k_scale = ops.k_scale.at[:, 0].set(jnp.inf)
+    o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(
+        q8, ops.q_scale, k8, k_scale, ops.vt, ops.v_scale, sq_len=s, sk_len=s, causal=True, out_dtype=jnp.bfloat16,
+        config=config, per_block=True, interpret=INTERPRET)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    assert np.isnan(lse[:, 0]).all() and not np.isfinite(o[:, :, 0]).any()
+    assert np.isfinite(lse[:, 1]).all() and np.isfinite(o[:, :, 1]).all()
