@@ -147,13 +147,13 @@ def quant_sweep(shapes, log):
         cfg = sage_fwd_config(d, False)
         k_mean, v_scale = jax.jit(functools.partial(quantize.sage_channel_stats, smooth_k=True))(k, v)
         kv = functools.partial(quantize.sage_quantize_kv, block=cfg.block_k, per_block=True, v_operand_order=True)
+        kernels = {
+            "q": (functools.partial(quantize.sage_quantize_q, block=cfg.block_q, per_block=True, smooth_block=False,
+                                    out_scale=d**-0.5), (q,), 3 * n),
+            "kv": (kv, (k, v, k_mean, v_scale), 6 * n),
+            "kv + K̂ᵀ": (functools.partial(kv, transposed=True), (k, v, k_mean, v_scale), 7 * n),
+        }
         for warps in QUANT_WARPS:
-            kernels = {
-                "q": (functools.partial(quantize.sage_quantize_q, block=cfg.block_q, per_block=True,
-                                        smooth_block=False, out_scale=d**-0.5), (q,), 3 * n),
-                "kv": (kv, (k, v, k_mean, v_scale), 6 * n),
-                "kv + K̂ᵀ": (functools.partial(kv, transposed=True), (k, v, k_mean, v_scale), 7 * n),
-            }
             for name, (fn, args, nbytes) in kernels.items():
                 ms = time_fn(jax.jit(functools.partial(fn, num_warps=warps)), *args)
                 rows.append(dict(b=b, h=h, s=s, d=d, kernel=name, warps=warps, ms=ms, gbps=nbytes / ms / 1e6))

@@ -101,7 +101,9 @@ def _exact_oracle():
     """The test suite's float64 oracle (tests/oracle/exact.py), in which masked pairs take no part: the reference
     of the non-finite contract (docs/spec.md). ``lb.reference_attention`` would not do: its P·V multiplies a
     masked pair's zero by a NaN in V and reports rows that never see the damaged key."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
     from oracle import exact
 
     return exact

@@ -59,15 +59,14 @@ def render_quant_sweep(data: dict) -> list[str]:
            "|---|---|" + "---|" * len(warps)]
     from pallas_kernels.configs import sage_fwd_config
 
-    for key in dict.fromkeys((r["b"], r["h"], r["s"], r["d"], r["kernel"]) for r in rows):
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["b"], r["h"], r["s"], r["d"], r["kernel"]), {})[r["warps"]] = r
+    for key, by_warps in by_key.items():
         cfg = sage_fwd_config(key[3], False, data["env"]["device"])
         chosen = cfg.quant_warps if key[4] == "q" else cfg.kv_quant_warps
-        cells = []
-        for w in warps:
-            r = next((r for r in rows if (r["b"], r["h"], r["s"], r["d"], r["kernel"], r["warps"]) == (*key, w)),
-                     None)
-            cell = "" if r is None else f"{r['ms']:.3f} ({r['gbps']:.0f})"
-            cells.append(f"**{cell}**" if cell and w == chosen else cell)
+        cells = [f"{by_warps[w]['ms']:.3f} ({by_warps[w]['gbps']:.0f})" if w in by_warps else "" for w in warps]
+        cells = [f"**{c}**" if c and w == chosen else c for c, w in zip(cells, warps)]
         out.append(f"| {', '.join(map(str, key[:4]))} | {key[4]} | " + " | ".join(cells) + " |")
     return out + [""]
 
@@ -114,7 +113,7 @@ def render_attention(data: dict) -> list[str]:
     if sweep and not data.get("sweep"):
         out += ["", f"The sweep below is from an earlier run ({sweep['env']['date']}, "
                 f"`{sweep['command'].strip()}`, host-synchronised per-call timing); its winners are "
-                "`TUNED_SAGE_FWD` in pallas_kernels/configs.py."]
+                "the default of `sage_fwd_config` in pallas_kernels/configs.py."]
         sweep = sweep["sweep"]
     if sweep:
         out += ["", "### Tile sweep (attention kernel alone)", "", "| shape | tiles | ms | TOP/s |",

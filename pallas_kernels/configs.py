@@ -147,20 +147,18 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _hopper_sage_fwd(head_dim: int) -> SageFwdConfig:
-    """The Hopper forward config: the tiles measured best on the H200 (benchmarks/attention.py, attention_bwd.py),
-    64 × 128 forward tiles with 4 warps and 3 stages, 64 × 64 backward tiles, the dQ kernel with 3 stages; the K/V
-    quantize kernel with 8 warps above head dim 64, 4 at 64, on the H200 and the H100 (its 128 × 128 tiles per
-    program: with 4 warps, on the H100, it took 1.5× as long, 2.9× with the backward's K̂ᵀ)."""
+def _measured_sage_fwd(head_dim: int) -> SageFwdConfig:
+    """The forward config up to head dim 128: the tiles measured best on the H200 (benchmarks/attention.py,
+    attention_bwd.py), 64 × 128 forward tiles with 4 warps and 3 stages, 64 × 64 backward tiles, the dQ kernel with 3
+    stages; the K/V quantize kernel with 8 warps above head dim 64, 4 at 64, on the H200 and the H100 (its 128 × 128
+    tiles per program: with 4 warps, on the H100, it took 1.5× as long, 2.9× with the backward's K̂ᵀ)."""
     return SageFwdConfig(block_q=64, block_k=128, num_warps=4, num_stages=3, dq_stages=3,
                          kv_quant_warps=8 if head_dim > 64 else 4)
 
 
-#: Key: (device_kind, head_dim, causal): the devices the configs were measured on.
-TUNED_SAGE_FWD: dict[tuple[str, int, bool], SageFwdConfig] = {
-    (kind, d, c): _hopper_sage_fwd(d)
-    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3") for d in (64, 128) for c in (False, True)
-}
+#: Per-device exceptions to the measured default, key (device_kind, head_dim, causal): none today, the H200 and the
+#: H100 measured best with the same values (:func:`_measured_sage_fwd`).
+TUNED_SAGE_FWD: dict[tuple[str, int, bool], SageFwdConfig] = {}
 
 
 def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None) -> SageFwdConfig:
@@ -179,9 +177,8 @@ def sage_fwd_config(head_dim: int, causal: bool, device_kind: str | None = None)
     tuned = TUNED_SAGE_FWD.get((device_kind, head_dim, causal))
     if tuned is not None:
         return tuned
-    # the measured tiles (above) for the head dims they cover
     if head_dim <= 128:
-        return _hopper_sage_fwd(head_dim)
+        return _measured_sage_fwd(head_dim)
     return SageFwdConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
 
 

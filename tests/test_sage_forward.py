@@ -148,9 +148,8 @@ def test_config_fitted_to_short_sequences():
 
 
 def test_kv_quantize_kernel_takes_its_own_warps(monkeypatch):
-    """``kv_quant_warps`` launches the K/V quantize kernel (None: ``quant_warps``), ``quant_warps`` Q's; the H200
-    and H100 entries (and the default for other devices) take 8 for K/V at head dim 128 only; not a power of two is
-    rejected."""
+    """``kv_quant_warps`` launches the K/V quantize kernel (None: ``quant_warps``), ``quant_warps`` Q's; on the H200
+    and the H100 (the default of every device) K/V takes 8 at head dim 128 only; not a power of two is rejected."""
     from pallas_kernels import quantize as quantize_kernels
 
     assert lb.SageFwdConfig(quant_warps=2).kv_quant_warps == 2
