@@ -4,6 +4,7 @@ Usage (on the GPU machine, repo root):
     PYTHONPATH=. python benchmarks/attention.py            # sweep tiles, full table, accuracy
     PYTHONPATH=. python benchmarks/attention.py --quick    # two shapes, for iterating
     PYTHONPATH=. python benchmarks/attention.py --quant-sweep   # the quantize kernels' warps alone
+    PYTHONPATH=. python benchmarks/attention.py --pv-formats    # the whole op with INT8 vs e4m3 P·V
 
 Prints tables and writes benchmarks/results/attention.json (and $OUT/attention.json);
 ``python benchmarks/render_results.py`` turns the JSON into RESULTS.md.
@@ -24,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import attention_flops, carried_part, environment, rerun_part, time_fn, write_json
+from benchmarks.common import (attention_flops, carried_part, environment, rerun_part, time_fn, time_rounds,
+                               write_json)
 from lowbit_jax import sage as sage_mod, sage_backends
 from pallas_kernels import quantize
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
@@ -48,6 +50,12 @@ XLA_SCORE_BYTES_LIMIT = 60e9
 #: (B, H, S, D) and warps of the quantize kernels' sweep (``--quant-sweep``)
 QUANT_SHAPES = [(4, 32, 4096, 128), (1, 32, 16384, 128), (8, 32, 2048, 64)]
 QUANT_WARPS = (2, 4, 8, 16)
+#: (B, H, S, D, causal) of ``--pv-formats``: the shapes of the SageAttention issue, both masks
+PV_SHAPES = [(4, 32, 4096, 128, c) for c in (False, True)] + [(1, 32, 16384, 128, c) for c in (False, True)] + [
+    (8, 32, 2048, 64, c) for c in (False, True)]
+#: (B, H, S, D, K outlier) of ``--pv-formats``' accuracy against exact float64 attention (the issue's gate shape)
+PV_ACCURACY = [(1, 8, 4096, 128, 0.0), (1, 8, 4096, 128, 10.0)]
+PV_ROUNDS = 5
 
 
 def make_inputs(key, b, h, s, d, dtype=jnp.bfloat16, k_outlier=0.0):
@@ -161,6 +169,63 @@ def quant_sweep(shapes, log):
     return rows
 
 
+def _fwd_bwd(f):
+    """Jitted o and the pullback of a cotangent: one training step's attention."""
+    def run(q, k, v, do):
+        o, pull = jax.vjp(f, q, k, v)
+        return o, pull(do)
+    return jax.jit(run)
+
+
+def pv_formats(shapes, accuracy_cases, log):
+    """The whole op (quantization included), forward and fwd+bwd, with ``pv_format`` "int8" and "e4m3" (the rest of
+    the device's ``sage_fwd_config``) against cuDNN bf16, interleaved rounds; and O, dQ, dK, dV cos-sim of each
+    against exact float64 attention (jax x64 on the GPU), non-causal and causal."""
+    rows, acc = [], []
+    for b, h, s, d, causal in shapes:
+        q, k, v = make_inputs(jax.random.PRNGKey(0), b, h, s, d)
+        do = jax.random.normal(jax.random.PRNGKey(5), q.shape, jnp.float32).astype(q.dtype)
+        base = sage_fwd_config(d, causal)
+        fwd = {"cudnn": jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                  implementation="cudnn"))}
+        fwd.update({fmt: jax.jit(functools.partial(lb.sage_attention, causal=causal,
+                                                   config=dataclasses.replace(base, pv_format=fmt)))
+                    for fmt in ("int8", "e4m3")})
+        timed = {name: (f, (q, k, v)) for name, f in fwd.items()}
+        timed.update({f"{name} fwd+bwd": (_fwd_bwd(f), (q, k, v, do)) for name, f in fwd.items()})
+        ms, _ = time_rounds(timed, PV_ROUNDS)
+        rows.append(dict(b=b, h=h, s=s, d=d, causal=causal, ms=ms, rounds=PV_ROUNDS))
+        log(f"  pv B{b} H{h} S{s} D{d} causal={causal}: " + " ".join(f"{n} {t:.3f}" for n, t in ms.items()))
+    for b, h, s, d, outlier in accuracy_cases:
+        q, k, v = make_inputs(jax.random.PRNGKey(7), b, h, s, d, k_outlier=outlier)
+        do = jax.random.normal(jax.random.PRNGKey(8), q.shape, jnp.float32).astype(q.dtype)
+        for causal in (False, True):
+            with jax.enable_x64(True):
+                exact = _fwd_bwd(functools.partial(_exact_f64, causal=causal))(
+                    *(x.astype(jnp.float64) for x in (q, k, v, do)))
+                exact = [np.asarray(x) for x in (exact[0], *exact[1])]
+            for fmt in ("int8", "e4m3"):
+                cfg = dataclasses.replace(sage_fwd_config(d, causal), pv_format=fmt)
+                got = _fwd_bwd(lambda q, k, v: lb.sage_attention(q, k, v, causal=causal, config=cfg))(q, k, v, do)
+                cos = {name: _cos(g, w) for name, g, w in zip(("o", "dq", "dk", "dv"), (got[0], *got[1]), exact)}
+                acc.append(dict(b=b, h=h, s=s, d=d, k_outlier=outlier, causal=causal, pv_format=fmt, cos=cos))
+                log(f"  pv accuracy B{b} H{h} S{s} D{d} outlier {outlier} causal={causal} {fmt}: {cos}")
+    return rows, acc
+
+
+def _exact_f64(q, k, v, causal):
+    """Softmax attention in float64 (x64 on; equal head counts, Sq = Sk): the accuracy reference."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 def accuracy(b, h, s, d, causal, config, log):
     rows = []
     for label, outlier in (("normal", 0.0), ("k_outlier_10x", 10.0)):
@@ -265,6 +330,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-checks", action="store_true", help="skip the small-shape correctness checks")
     parser.add_argument("--quant-sweep", action="store_true",
                         help="only the quantize kernels by warps, written to <name>_quant_sweep.json")
+    parser.add_argument("--pv-formats", action="store_true",
+                        help="only the op with INT8 vs e4m3 P·V against cuDNN, written to <name>_pv_formats.json")
     parser.add_argument("--checks-only", action="store_true",
                         help="only the small-shape correctness checks, written into the existing results file")
     args = parser.parse_args(argv)
@@ -281,6 +348,13 @@ def main(argv=None) -> int:
         payload = dict(env=env, command="PYTHONPATH=. python benchmarks/attention.py --quant-sweep",
                        rows=quant_sweep(QUANT_SHAPES, log))
         for p in write_json(f"{args.name}_quant_sweep", payload):
+            log(f"wrote {p}")
+        return 0
+    if args.pv_formats:
+        rows, acc = pv_formats(PV_SHAPES, PV_ACCURACY, log)
+        payload = dict(env=env, command="PYTHONPATH=. python benchmarks/attention.py --pv-formats", rows=rows,
+                       accuracy=acc)
+        for p in write_json(f"{args.name}_pv_formats", payload):
             log(f"wrote {p}")
         return 0
     if args.checks_only:  # re-run the checks into the existing results file (the table stays as it was)

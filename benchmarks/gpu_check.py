@@ -56,9 +56,12 @@ def _rel(a, b) -> float:
 
 
 def backends(method: str, backend: str):
-    """The keyword options that put every kernel of ``method`` on ``backend``."""
+    """The keyword options that put every kernel of ``method`` on ``backend`` ("mosaic e4m3": Sage with
+    ``pv_format="e4m3"``)."""
     if method == "sage":
-        return dict(config=lb.SageFwdConfig(fwd_backend=backend, dkdv_backend=backend, dq_backend=backend))
+        backend, *fmt = backend.split()
+        return dict(config=lb.SageFwdConfig(fwd_backend=backend, dkdv_backend=backend, dq_backend=backend,
+                                            pv_format=fmt[0] if fmt else "int8"))
     if method == "qat":
         return dict(config=lb.QatConfig(fwd_backend=backend, bwd_backend=backend))
     return {}
@@ -149,7 +152,10 @@ def main(argv=None) -> int:
     cases = CASES[:2] if args.quick else CASES
     checks = []
     for method in ("sage", "qat", "thrift"):
-        for backend in (("mosaic", "triton") if hopper and method != "thrift" else ("triton",)):
+        kernels = ("mosaic", "triton") if hopper and method != "thrift" else ("triton",)
+        if method == "sage" and hopper:  # and the FP8 P·V (sage_fwd_config's choice there) on each backend
+            kernels += ("mosaic e4m3", "triton e4m3")
+        for backend in kernels:
             checks += [(f"{method} {backend} {case}", functools.partial(check_attention, method, backend, case))
                        for case in cases]
             checks += [(f"{method} {backend} non-finite {which}", functools.partial(check_nonfinite, method,

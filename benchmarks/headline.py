@@ -36,10 +36,13 @@ DECODE = [(8, 8192), (2, 131072)]
 def _inputs(b, h, s, d, hkv=None, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
     hkv = hkv or h
-    q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16)
+    # drawn in float32, then rounded: jax's bfloat16 normal draws take only 128 distinct values, whose rounding
+    # errors repeat instead of averaging out (e4m3 P·V measured O 0.995 on them against 0.9993 on these)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    q = normal(keys[0], (b, s, h, d))
+    k = normal(keys[1], (b, s, hkv, d))
+    v = normal(keys[2], (b, s, hkv, d))
+    do = normal(keys[3], (b, s, h, d))
     return q, k, v, do
 
 

@@ -71,6 +71,31 @@ def render_quant_sweep(data: dict) -> list[str]:
     return out + [""]
 
 
+def render_pv_formats(data: dict) -> list[str]:
+    """The Sage op with INT8 vs e4m3 P·V (``attention.py --pv-formats``): ms and the ratio to cuDNN bf16 (> 1:
+    faster), forward and fwd+bwd; then the cos-sim of each against exact attention."""
+    rounds = sorted({r["rounds"] for r in data["rows"]})
+    out = ["## SageAttention: INT8 or e4m3 P·V (whole op)", "", *_command_block(data),
+           f"Whole op, quantization included, the device's `sage_fwd_config` with `pv_format` set; cuDNN bf16 in "
+           f"the same {'/'.join(map(str, rounds))} interleaved rounds (medians). Cells: ms (× cuDNN, > 1 is faster).",
+           "", "| B, H, S, D, causal | cuDNN fwd | INT8 fwd | e4m3 fwd | cuDNN fwd+bwd | INT8 fwd+bwd | e4m3 fwd+bwd |",
+           "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        ms = r["ms"]
+        cell = lambda name, base: f"{ms[name]:.3f} ({ms[base] / ms[name]:.2f}×)"  # noqa: E731
+        out.append(f"| {r['b']}, {r['h']}, {r['s']}, {r['d']}, {'causal' if r['causal'] else 'full'} | "
+                   f"{ms['cudnn']:.3f} | {cell('int8', 'cudnn')} | {cell('e4m3', 'cudnn')} | "
+                   f"{ms['cudnn fwd+bwd']:.3f} | {cell('int8 fwd+bwd', 'cudnn fwd+bwd')} | "
+                   f"{cell('e4m3 fwd+bwd', 'cudnn fwd+bwd')} |")
+    out += ["", "Cos-sim against exact float64 attention (gates: O ≥ 0.999, dV ≥ 0.998, dQ and dK ≥ 0.99):", "",
+            "| B, H, S, D | K outlier | causal | P·V | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|---|"]
+    for a in data.get("accuracy", []):
+        c = a["cos"]
+        out.append(f"| {a['b']}, {a['h']}, {a['s']}, {a['d']} | {a['k_outlier']:g} | {a['causal']} | "
+                   f"{a['pv_format']} | {c['o']:.5f} | {c['dq']:.5f} | {c['dk']:.5f} | {c['dv']:.5f} |")
+    return out + [""]
+
+
 def render_attention(data: dict) -> list[str]:
     out = [
         "## INT8 SageAttention forward",
@@ -840,7 +865,8 @@ def main() -> None:
     decode = _load("headline_decode")
     if decode is not None:
         lines += render_headline_decode(decode)
-    sections = [("attention", render_attention), ("attention_quant_sweep", render_quant_sweep),
+    sections = [("attention", render_attention), ("attention_pv_formats", render_pv_formats),
+                ("attention_quant_sweep", render_quant_sweep),
                 ("attention_bwd", render_backward),
                 ("attention_bwd_backends", render_backend_splits),
                 ("attention_bwd_sweep", render_backward_sweep),

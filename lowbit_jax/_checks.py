@@ -98,6 +98,17 @@ def check_implementation(implementation: str | None, interpret: bool) -> str:
     return implementation
 
 
+def check_fp8_device(name: str, fmt: str, implementation: str, interpret: bool) -> None:
+    """An e4m3 operand format (``name``) needs FP8 conversions: an sm_89+ GPU for the Pallas kernels (Triton and
+    Mosaic GPU refuse to lower them below), or the interpreter, or the XLA reference."""
+    if fmt != "e4m3" or implementation != "pallas" or interpret:
+        return
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
+        raise ValueError(f"{name}='e4m3' needs an sm_89+ GPU for the Pallas kernels (this one is sm_{cc}); use "
+                         f"{name}='int8'")
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

@@ -66,7 +66,8 @@ def sage_attention(
 ) -> jax.Array:
     """INT8 attention (SageAttention forward, SageBwd backward); differentiable.
 
-    Layout as ``jax.nn.dot_product_attention``. GQA/MQA: Hq a multiple of Hkv.
+    Layout as ``jax.nn.dot_product_attention``. GQA/MQA: Hq a multiple of Hkv. Q·Kᵀ is INT8; P·V is INT8 or, with
+    ``config.pv_format="e4m3"`` (the default on Hopper, where it is faster), FP8 e4m3 (docs/spec.md).
 
     Args:
       q: (B, Sq, Hq, D) bfloat16, float16 or float32.
@@ -84,8 +85,8 @@ def sage_attention(
         ``interpret=True``), "xla" (the pure-JAX reference, same quantization),
         or None: pallas on GPU, xla elsewhere.
       interpret: run the Pallas kernels in interpret mode (CPU testing).
-      config: tile configuration; default from :func:`sage_fwd_config`. Part of
-        the numerics (per-tile scales), so compare implementations with one config.
+      config: tile configuration and P·V format; default from :func:`sage_fwd_config` (per device). Part of
+        the numerics (per-tile scales, ``pv_format``), so compare implementations with one config.
       prologue: QK-norm and/or RoPE to apply to q and k first
         (:class:`pallas_kernels.numerics.qk_prologue.QKPrologue`): q and k are then the model's pre-norm
         projections, and the norm and rotation run inside the quantization kernels (the values of
@@ -157,6 +158,7 @@ def resolve_options(q, k, v, *, causal=False, scale=None, smooth_k=True, smooth_
         config = sage_fwd_config(shape.head_dim, causal)
     elif not isinstance(config, SageFwdConfig):
         raise TypeError(f"config must be a SageFwdConfig, got {type(config).__name__}")
+    _checks.check_fp8_device("config.pv_format", config.pv_format, impl, interpret)
     return SageOptions(
         causal=causal, scale=scale, smooth_k=smooth_k, smooth_q=smooth_q,
         per_block=qk_granularity == "per_block", implementation=impl, interpret=interpret,

@@ -176,7 +176,8 @@ def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, tr
                     q_t_order=False, prologue: QKPrologue | None = None, interpret=False) -> SageOperands:
     """Quantize with the fused Pallas kernels (:mod:`pallas_kernels.quantize`); V̂ᵀ's keys and Q̂ᵀ's queries in
     operand order where asked; q and k through ``prologue`` first, inside the kernels."""
-    k_mean, v_scale = quantize_kernels.sage_channel_stats(k, v, prologue, smooth_k=smooth_k, interpret=interpret)
+    k_mean, v_scale = quantize_kernels.sage_channel_stats(k, v, prologue, smooth_k=smooth_k,
+                                                          v_format=config.pv_format, interpret=interpret)
     q_warps = config.quant_warps if prologue is None else max(config.quant_warps, quantize_kernels.PROLOGUE_WARPS)
     q8, qs, q_mean, q8_t = quantize_kernels.sage_quantize_q(
         q, prologue, block=config.block_q, per_block=per_block, smooth_block=smooth_q, out_scale=scale * LOG2E,
@@ -184,7 +185,7 @@ def quantize_pallas(q, k, v, *, scale, smooth_k, smooth_q, per_block, config, tr
     )
     k8, ks, vt8, k8_t = quantize_kernels.sage_quantize_kv(
         k, v, k_mean, v_scale, prologue, block=config.block_k, per_block=per_block, transposed=transposed,
-        v_operand_order=v_order, num_warps=config.kv_quant_warps, interpret=interpret,
+        v_operand_order=v_order, v_format=config.pv_format, num_warps=config.kv_quant_warps, interpret=interpret,
     )
     return SageOperands(q8, qs, k8, ks, vt8, v_scale, q_mean, q8_t, k8_t)
 
@@ -231,7 +232,7 @@ def dequantized_operands(ops: SageOperands, *, sq_len: int, sk_len: int, scale: 
     if ops.q_mean is not None:
         q = q + jnp.repeat(ops.q_mean, q.shape[2] // ops.q_mean.shape[2], axis=2)
     k = int8.dequantize(ops.k, ops.k_scale[..., None])
-    v = int8.dequantize(jnp.swapaxes(ops.vt, 2, 3), ops.v_scale[:, :, None, :])
+    v = int8.dequantize(jnp.swapaxes(ops.vt, 2, 3), ops.v_scale[:, :, None, :])  # INT8 or e4m3 codes
     to_bshd = lambda x, n: jnp.swapaxes(x, 1, 2)[:, :n].astype(dtype)  # noqa: E731
     return to_bshd(q, sq_len), to_bshd(k, sk_len), to_bshd(v, sk_len)
 

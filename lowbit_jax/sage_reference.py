@@ -11,8 +11,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_kernels.numerics import int8, sage_tiles, smoothing
+from pallas_kernels.numerics import e4m3, int8, sage_tiles, smoothing
 from pallas_kernels.numerics.sage_tiles import SageOperands
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.numerics.tile_ranges import visible
@@ -20,10 +21,11 @@ from pallas_kernels.numerics.tile_ranges import visible
 LOG2E = math.log2(math.e)
 
 
-def channel_stats(k: jax.Array, v: jax.Array, smooth_k: bool) -> tuple[jax.Array | None, jax.Array]:
-    """K's token mean (B, Hkv, D) f32 if smoothing, and V's per-channel scale (B, Hkv, D) f32."""
+def channel_stats(k: jax.Array, v: jax.Array, smooth_k: bool,
+                  v_format: str = "int8") -> tuple[jax.Array | None, jax.Array]:
+    """K's token mean (B, Hkv, D) f32 if smoothing, and V's per-channel scale (B, Hkv, D) f32 for ``v_format``."""
     k_mean = smoothing.token_mean(k) if smooth_k else None
-    return k_mean, sage_tiles.v_channel_scale(v)
+    return k_mean, sage_tiles.v_channel_scale(v, v_format)
 
 
 def to_tiles(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -45,7 +47,7 @@ def quantize_reference(q, k, v, *, scale, smooth_k, smooth_q, per_block, config,
       :class:`SageOperands` (with Q̂ᵀ, K̂ᵀ when ``transposed``).
     """
     del interpret
-    k_mean, v_scale = channel_stats(k, v, smooth_k)
+    k_mean, v_scale = channel_stats(k, v, smooth_k, config.pv_format)
     b, _, hq, d = q.shape
     hkv = k.shape[2]
     qt, qvalid = to_tiles(q, config.block_q)
@@ -57,7 +59,7 @@ def quantize_reference(q, k, v, *, scale, smooth_k, smooth_q, per_block, config,
     k8, ks, _ = sage_tiles.quantize_qk_tile(kt, kvalid, kmean_b, per_block=per_block, smooth_block=False,
                                             out_scale=1.0)
     vt, _ = to_tiles(v, config.block_k)
-    v8 = sage_tiles.quantize_v_tile(vt, kvalid, v_scale[:, :, None, None, :])
+    v8 = sage_tiles.quantize_v_tile(vt, kvalid, v_scale[:, :, None, None, :], config.pv_format)
     sk_pad = kt.shape[2] * config.block_k
     q8 = q8.reshape(b, hq, -1, d)
     k8 = k8.reshape(b, hkv, sk_pad, d)
@@ -93,7 +95,8 @@ def sage_attention_reference(
     """Pure-JAX twin of :func:`pallas_kernels.sage_fwd.sage_attention_fwd` (same arguments).
 
     Not online: all key tiles at once, each with its own row max (which is what
-    the kernel's per-tile P scale is), then merged exactly as the online softmax.
+    the kernel's per-tile P scale is), then merged exactly as the online softmax. With e4m3 codes in ``vt8``
+    (``config.pv_format``), P̃ of each tile is taken at the running max up to it (a cumulative max over tiles).
     """
     b, hq, sq_pad, d = q8.shape
     group = hq // k8.shape[1]
@@ -105,6 +108,7 @@ def sage_attention_reference(
     mask = visible(jnp.arange(sq_pad)[:, None], jnp.arange(sk_pad)[None, :], sq_len, sk_len, causal)
     mask = jnp.broadcast_to(mask, (sq_pad, sk_pad)).reshape(sq_pad, nkb, bk)
     if k_per_block and bias is None:
+        s = None
         c = q_scale[..., None] * k_scale.reshape(b, hq, nkb, bk)[:, :, None, :, 0]  # (B,H,Sq,nkb)
         x = int8.int32_as_biased_float(s_int).reshape(b, hq, sq_pad, nkb, bk)
         x = jnp.where(mask, x, -jnp.inf)
@@ -113,12 +117,16 @@ def sage_attention_reference(
         mx = jnp.where(mx == -jnp.inf, int8.MAGIC, mx)
         e = jnp.exp2((x - mx[..., None]) * c[..., None])
     else:
+        c = None
         s = s_int.astype(jnp.float32) * q_scale[..., None] * k_scale[:, :, None, :]
         if bias is not None:
             s = s + jnp.repeat(bias, bq, axis=2)
         s = jnp.where(mask, s.reshape(b, hq, sq_pad, nkb, bk), -jnp.inf)
         m_cur = jnp.max(s, axis=-1)
         e = jnp.exp2(s - jnp.where(m_cur == -jnp.inf, 0.0, m_cur)[..., None])
+    if vt8.dtype == e4m3.DTYPE:
+        return _e4m3_pv(s_int, c if k_per_block and bias is None else None, s, m_cur, mask, vt8, v_scale,
+                        sq_len=sq_len, out_dtype=out_dtype, bk=bk)
     m = jnp.max(m_cur, axis=-1)
     m_ref = jnp.where(m == -jnp.inf, 0.0, m)
     beta = jnp.exp2(m_cur - m_ref[..., None])
@@ -128,6 +136,36 @@ def sage_attention_reference(
     acc = jnp.sum(pv.astype(jnp.float32) * (beta * (1.0 / int8.QMAX))[..., None], axis=3)
     o = acc * int8.reciprocal_or_zero(l)[..., None] * v_scale[:, :, None, :]
     lse = sage_tiles.base2_lse(m, l)
+    o = jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
+    return o, lse[..., :sq_len]
+
+
+def _e4m3_pv(s_int, c, s, m_cur, mask, vt8, v_scale, *, sq_len, out_dtype, bk):
+    """The e4m3 P·V of :func:`sage_attention_reference`: P̃ of key tile n at the running row max M_n (the
+    maximum of the tiles' maxima up to n), as e4m3 codes of P̃·448; O = Σ_n exp2(M_n − M)·(P̂_n V̂_n) with each
+    tile's product summed in float32, l = Σ_n exp2(M_n − M)·Σ P̃_n·448 (unquantized)."""
+    b, hq, sq_pad, nkb = m_cur.shape
+    d = vt8.shape[2]
+    run = lax.cummax(m_cur, axis=3)  # M_n
+    run_ref = jnp.where(run == -jnp.inf, 0.0, run)
+    if c is not None:  # per-block scales: the scores stay unscaled until the exponent (as the kernels)
+        x = int8.int32_as_biased_float(s_int).reshape(b, hq, sq_pad, nkb, bk) - int8.MAGIC
+        x = jnp.where(mask, x * c[..., None], -jnp.inf)
+    else:
+        x = s
+    e = jnp.exp2(x - (run_ref - e4m3.LOG2_MAX)[..., None])  # P̃·448 ∈ [0, 448]
+    m = run[..., -1]
+    m_ref = jnp.where(m == -jnp.inf, 0.0, m)
+    gamma = jnp.exp2(run_ref - m_ref[..., None])  # tile n's weight at the final max
+    l = jnp.sum(gamma * jnp.sum(e, axis=-1), axis=-1)
+    if c is not None:  # a non-finite scale makes the row NaN (as the kernels): its scores' signs could hide it
+        l = l + jnp.sum(c - c, axis=-1)
+    p8 = e4m3.encode_probabilities(e).astype(jnp.float32)
+    v = vt8.reshape(b, hq, d, nkb, bk).astype(jnp.float32)
+    pv = jnp.einsum("bhqnk,bhdnk->bhqnd", p8, v, precision=lax.Precision.HIGHEST)
+    acc = jnp.sum(pv * gamma[..., None], axis=3)
+    o = acc * int8.reciprocal_or_zero(l)[..., None] * v_scale[:, :, None, :]
+    lse = sage_tiles.base2_lse(m - e4m3.LOG2_MAX, l)
     o = jnp.swapaxes(o, 1, 2)[:, :sq_len].astype(out_dtype)
     return o, lse[..., :sq_len]
 

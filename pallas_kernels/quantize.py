@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.numerics import int8, sage_tiles
+from pallas_kernels.numerics import e4m3, int8, sage_tiles
 from pallas_kernels.numerics.qk_prologue import QKPrologue
 from pallas_kernels import qk_prologue as qk_prologue_kernels
 from pallas_kernels._triton import compiler_params, load_rows, pl, row_mask
@@ -141,7 +141,7 @@ def sage_quantize_q(
 
 
 def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, smooth, transposed,
-                        v_operand_order, pro):
+                        v_operand_order, v_format, pro):
     refs = list(refs)
     valid = row_mask(pl.program_id(2) * block, block, seq_len)
     mask = valid if ragged else None
@@ -160,11 +160,11 @@ def _quantize_kv_kernel(k_ref, v_ref, *refs, seq_len, block, ragged, per_block, 
     if transposed:
         qk_prologue_kernels.store_parts(kt_ref, _parts(codes, lambda c: c.T), axis=0)
     v = load_rows(v_ref, mask)
-    vt_ref[...] = _transposed(sage_tiles.quantize_v_tile(v, valid, vscale_ref[...]), v_operand_order)
+    vt_ref[...] = _transposed(sage_tiles.quantize_v_tile(v, valid, vscale_ref[...], v_format), v_operand_order)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "v_operand_order", "num_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "per_block", "transposed", "v_operand_order", "v_format",
+                                             "num_warps", "interpret"))
 def sage_quantize_kv(
     k: jax.Array,
     v: jax.Array,
@@ -176,24 +176,26 @@ def sage_quantize_kv(
     per_block: bool,
     transposed: bool = False,
     v_operand_order: bool = False,
+    v_format: str = "int8",
     num_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Quantize K (after smoothing) and V (transposed) to INT8 in one pass.
+    """Quantize K (after smoothing) to INT8 and V (transposed) to INT8 or e4m3 in one pass.
 
     Args:
       k, v: (B, Sk, Hkv, D) bf16/fp16/fp32 (k before QK-norm and RoPE with a prologue).
       k_mean: float32 (B, Hkv, D) token mean of K (after the prologue), or None for no smoothing.
-      v_scale: float32 (B, Hkv, D) per-channel V scale.
+      v_scale: float32 (B, Hkv, D) per-channel V scale (:func:`sage_channel_stats` with the same ``v_format``).
       block: keys per program and per K quantization block.
       per_block: one K scale per block instead of per token.
       transposed: also write K̂ᵀ (B, Hkv, D, Sk_pad) for the backward's dQ = dS·K.
       v_operand_order: V̂ᵀ's keys in :mod:`pallas_kernels.operand_order` (what the Mosaic forward takes;
         ``block`` a multiple of 16).
+      v_format: V̂'s codes, "int8" or "e4m3" (``SageFwdConfig.pv_format``).
       prologue: QK-norm and RoPE to apply to K first (its k side), or None.
     Returns:
       K̂ int8 (B, Hkv, Sk_pad, D), its float32 scale (B, Hkv, Sk_pad),
-      V̂ᵀ int8 (B, Hkv, D, Sk_pad), and K̂ᵀ or None.
+      V̂ᵀ int8 or float8_e4m3fn (B, Hkv, D, Sk_pad), and K̂ᵀ or None.
     """
     b, s, h, d = k.shape
     if v_operand_order:
@@ -208,7 +210,7 @@ def sage_quantize_kv(
     in_specs = [row_spec, row_spec, *pro_specs] + [head_vec_spec] * (2 if smooth else 1)
     kernel = functools.partial(
         _quantize_kv_kernel, seq_len=s, block=block, ragged=s % block != 0, per_block=per_block, smooth=smooth,
-        transposed=transposed, v_operand_order=v_operand_order,
+        transposed=transposed, v_operand_order=v_operand_order, v_format=v_format,
         pro=qk_prologue_kernels.prologue_flags(prologue, interpret),
     )
     out_specs = [
@@ -219,11 +221,11 @@ def sage_quantize_kv(
     out_shape = [
         jax.ShapeDtypeStruct((b, h, s_pad, d), jnp.int8),
         jax.ShapeDtypeStruct((b, h, s_pad), jnp.float32),
-        jax.ShapeDtypeStruct((b, h, d, s_pad), jnp.int8),
+        jax.ShapeDtypeStruct((b, h, d, s_pad), e4m3.DTYPE if v_format == "e4m3" else jnp.int8),
     ]
-    if transposed:
+    if transposed:  # K̂ᵀ: V̂ᵀ's layout, INT8
         out_specs.append(out_specs[2])
-        out_shape.append(out_shape[2])
+        out_shape.append(jax.ShapeDtypeStruct((b, h, d, s_pad), jnp.int8))
     outs = pl.pallas_call(
         kernel,
         grid=(b, h, nblk),
@@ -260,13 +262,14 @@ def _channel_stats_kernel(*refs, chunk, seq_len, ragged, smooth, pro):
     vmax_ref[...] = jnp.max(int8.magnitude(load_rows(v_ref, valid).astype(jnp.float32)), axis=0, keepdims=True)
 
 
-@functools.partial(jax.jit, static_argnames=("smooth_k", "chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("smooth_k", "v_format", "chunk", "num_warps", "interpret"))
 def sage_channel_stats(
     k: jax.Array,
     v: jax.Array,
     prologue: QKPrologue | None = None,
     *,
     smooth_k: bool,
+    v_format: str = "int8",
     chunk: int | None = None,
     num_warps: int = STATS_WARPS,
     interpret: bool = False,
@@ -282,11 +285,12 @@ def sage_channel_stats(
     Args:
       k, v: (B, Sk, Hkv, D) bf16/fp16/fp32.
       smooth_k: whether K's mean is wanted (K-smoothing); without it K is not read.
+      v_format: the format V is quantized to ("int8" or "e4m3"), which sets its scale.
       prologue: QK-norm and RoPE applied to K before its mean (its k side), or None.
       chunk: tokens per program (None: :data:`STATS_CHUNK`, :data:`PROLOGUE_STATS_CHUNK` with a prologue).
     Returns:
-      float32 (B, Hkv, D) K mean or None, float32 (B, Hkv, D) V scale (``int8.scale_from_amax`` of |V|'s
-      maximum over tokens).
+      float32 (B, Hkv, D) K mean or None, float32 (B, Hkv, D) V scale (``sage_tiles.v_scale_from_amax`` of
+      |V|'s maximum over tokens).
     """
     b, s, h, d = v.shape
     if chunk is None:
@@ -308,4 +312,4 @@ def sage_channel_stats(
         name="sage_channel_stats",
     )(*((k, v, *pro_args) if smooth_k else (v,)))
     k_mean = jnp.sum(outs[0], axis=2) / s if smooth_k else None
-    return k_mean, int8.scale_from_amax(jnp.max(outs[-1], axis=2))
+    return k_mean, sage_tiles.v_scale_from_amax(jnp.max(outs[-1], axis=2), v_format)

@@ -13,6 +13,10 @@ row max, a subtract and a multiply, exp2, the row sum, one FFMA that rounds P to
 INT8. Key tiles are split into unmasked ones (no mask arithmetic) and the few
 masked ones (ragged tail, causal diagonal).
 
+With e4m3 V̂ᵀ (``SageFwdConfig.pv_format="e4m3"``) P̃ is taken at the running row max and coded e4m3, and the
+product runs as a bf16 dot of the e4m3 values (exact products, so the FP8 numerics on any GPU; sm_89+ for the
+conversions).
+
 Inputs come from :mod:`pallas_kernels.quantize`; validation is the caller's.
 """
 
@@ -24,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.numerics import int8, sage_tiles
+from pallas_kernels.numerics import e4m3, int8, sage_tiles
 from pallas_kernels._triton import compiler_params, pl, row_mask, store_rows
 from pallas_kernels.configs import SageFwdConfig
 from pallas_kernels.numerics.tile_ranges import key_tile_range, visible
@@ -34,7 +38,7 @@ _DOT_NT = (((1,), (1,)), ((), ()))  # contract the last dim of both operands (K-
 
 def _sage_fwd_kernel(
     q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, *refs,
-    block_q, block_k, sq_len, sk_len, causal, k_per_block, has_bias, n_qblocks,
+    block_q, block_k, sq_len, sk_len, causal, k_per_block, has_bias, n_qblocks, e4m3_pv,
 ):
     if has_bias:
         bias_ref, o_ref, lse_ref = refs
@@ -70,7 +74,6 @@ def _sage_fwd_kernel(
             m_cur = (mx - int8.MAGIC) * c
             if masked:
                 mx = jnp.where(mx == -jnp.inf, int8.MAGIC, mx)
-            e = jnp.exp2((x - mx[:, None]) * c[:, None])
         else:
             s = s_int.astype(jnp.float32) * qs[:, None] * ks_ref[pl.ds(start, block_k)][None, :]
             if has_bias:
@@ -78,14 +81,28 @@ def _sage_fwd_kernel(
             if masked:
                 s = jnp.where(mask, s, -jnp.inf)
             m_cur = jnp.max(s, axis=1)
-            m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
-            e = jnp.exp2(s - m_ref[:, None])
         m_new = jnp.maximum(m_prev, m_cur)
         if masked:
             m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         else:
             m_new_ref = m_new
         alpha = jnp.exp2(m_prev - m_new_ref)
+        if e4m3_pv:  # P̃·448 at the running max, e4m3 codes
+            scores = (x - int8.MAGIC) * c[:, None] if fast else s
+            e = jnp.exp2(scores - (m_new_ref - e4m3.LOG2_MAX)[:, None])
+            vt = vt_ref[:, pl.ds(start, block_k)]
+            # e4m3 × e4m3 products are exact in bf16 × bf16 → f32: a bf16 dot keeps the FP8 numerics on any GPU
+            pv = lax.dot_general(e4m3.encode_probabilities(e).astype(jnp.bfloat16), vt.astype(jnp.bfloat16),
+                                 _DOT_NT, preferred_element_type=jnp.float32)
+            l_new = l_prev * alpha + jnp.sum(e, axis=1)
+            if fast:  # a non-finite scale makes the row NaN: its scores' signs alone could make it look masked
+                l_new = l_new + (c - c)
+            return acc * alpha[:, None] + pv, m_new, l_new
+        if fast:
+            e = jnp.exp2((x - mx[:, None]) * c[:, None])
+        else:
+            m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
+            e = jnp.exp2(s - m_ref[:, None])
         beta = jnp.exp2(m_cur - m_new_ref)  # = row max of this tile's P̃
         l_new = l_prev * alpha + beta * jnp.sum(e, axis=1)
         p8 = int8.encode_unit_interval(e, truncating_convert=True)
@@ -106,7 +123,7 @@ def _sage_fwd_kernel(
         carry = lax.fori_loop(n_unmasked, n_total, functools.partial(step, masked=True), carry)
     acc, m, l = carry
     o = acc * int8.reciprocal_or_zero(l)[:, None] * vs_ref[...][None, :]
-    lse = sage_tiles.base2_lse(m, l)
+    lse = sage_tiles.base2_lse(m - e4m3.LOG2_MAX if e4m3_pv else m, l)  # l sums P̃·448 with e4m3
     ragged = sq_len % block_q != 0
     store_rows(o_ref, o.astype(o_ref.dtype), row_mask(q_start, block_q, sq_len) if ragged else None)
     store_rows(lse_ref, lse, (rows < sq_len) if ragged else None)
@@ -138,7 +155,9 @@ def sage_attention_fwd(
     Args:
       q8: int8 (B, Hq, Sq_pad, D); q_scale float32 (B, Hq, Sq_pad) incl. scale·log2 e.
       k8: int8 (B, Hkv, Sk_pad, D); k_scale float32 (B, Hkv, Sk_pad).
-      vt8: int8 (B, Hkv, D, Sk_pad); v_scale float32 (B, Hkv, D).
+      vt8: int8 or float8_e4m3fn (B, Hkv, D, Sk_pad); v_scale float32 (B, Hkv, D). With e4m3 codes
+        (``SageFwdConfig.pv_format``), P̃ is taken at the running row max as e4m3 codes of P̃·448
+        (:mod:`pallas_kernels.numerics.e4m3`).
       bias: float32 (B, Hq, Sq_pad // block_q, Sk_pad) added to the base-2
         scores of each query block (Q-smoothing), or None.
       sq_len, sk_len: real lengths (padding beyond them is ignored).
@@ -180,6 +199,7 @@ def sage_attention_fwd(
         k_per_block=k_per_block,
         has_bias=bias is not None,
         n_qblocks=nqb,
+        e4m3_pv=vt8.dtype == e4m3.DTYPE,
     )
     o, lse = pl.pallas_call(
         kernel,

@@ -22,6 +22,9 @@ skips the tiles past its own last row's diagonal and, in the last CTA, every til
 Causal at head dim 64, O and l are rescaled only when a row max grows past its reference by 2^8
 (FlashAttention-4's conditional rescaling, :func:`rescales_lazily`).
 
+With e4m3 V̂ᵀ (``SageFwdConfig.pv_format``) P·V is an FP8 ``wgmma`` instead (:func:`_attend_e4m3`): P̃ at the
+running max, no int32 → float conversion and no rescale of the product, each tile's product added to O in float32.
+
 Not covered (:func:`supports`; the Triton kernel runs instead): Q-smoothing bias, head dims other than 64/128, key
 tiles other than 64/128, Sq_pad not a multiple of 128.
 """
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.numerics import int8, sage_tiles
+from pallas_kernels.numerics import e4m3, int8, sage_tiles
 from pallas_kernels import operand_order
 from pallas_kernels._mosaic import (
     ForwardLaunch, PingPong, col_vector, cols_of, compute_pipeline, copy_in, copy_out, forward_cta, guarded_step,
@@ -87,10 +90,12 @@ def _skipped_step(carry):
 @dataclasses.dataclass(frozen=True)
 class FwdParams(ForwardLaunch):
     """:class:`~pallas_kernels._mosaic.ForwardLaunch` and ``scalar_scales`` (per-block Q/K scales read as one scalar
-    per step), ``operand`` (V̂ᵀ's keys in :mod:`pallas_kernels.operand_order`)."""
+    per step), ``operand`` (V̂ᵀ's keys in :mod:`pallas_kernels.operand_order`), ``e4m3`` (V̂ᵀ holds e4m3 codes:
+    the FP8 P·V of :func:`_attend_e4m3`)."""
 
     scalar_scales: bool
     operand: bool
+    e4m3: bool = False
 
 
 def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *, p: FwdParams, q_tiles, q_scales,
@@ -106,7 +111,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
     shape = (TILE, block_k)
     pp = PingPong(sched, wg, wgs == 2)
     skips = not pp.enabled  # three warpgroups: each skips the steps that are empty for its rows
-    lazy = rescales_lazily(head_dim, causal)
+    lazy = rescales_lazily(head_dim, causal) and not p.e4m3  # e4m3 codes need P̃ ≤ 1 at the reference max
     in_specs = [*key_step_specs(block_k, head_dim), transposed_step_spec(block_k, head_dim)]
 
     b, h, hkv, q_start, rows, n_steps, masked = forward_cta(p, q_ref.shape[2], k_ref.shape[2], wg, TILE)
@@ -124,7 +129,7 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
         o = acc * rows_of(int8.reciprocal_or_zero(l), acc.shape) * cols_of(col_vector(vs_smem2.at[wg]), acc.shape)
         o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
         o_smem[...] = o.astype(o_smem.dtype)
-        lse_smem[...] = sage_tiles.base2_lse(m, l)
+        lse_smem[...] = sage_tiles.base2_lse(m - e4m3.LOG2_MAX if p.e4m3 else m, l)  # l sums P̃·448 with e4m3
         copy_out(((o_smem, o_ref.at[b, rows, h]), (lse_smem, lse_ref.at[b, h, rows])))
 
     def step(idx, k_smem, ks_smem, vt_smem, *consumed_and_carry):
@@ -149,6 +154,8 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
         m_cur = jnp.max(s, axis=1)
         if c is not None:
             m_cur = m_cur * c
+        if p.e4m3:
+            return _attend_e4m3(s, c, m_cur, carry, vt_smem, p_smem2, wg, operand, pp, masked, interpret)
         m_ref = jnp.where(m_cur == -jnp.inf, 0.0, m_cur) if masked else m_cur
         e = jnp.exp2((s if c is None else s * c) - rows_of(m_ref, shape))  # s·c − m: one FFMA
         out_shape = (TILE, head_dim)
@@ -186,6 +193,31 @@ def _fwd_kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, *,
     pipeline(k_ref.at[b, hkv], ks_ref.at[b, hkv], vt_ref.at[b, hkv])
 
 
+def _attend_e4m3(s, c, m_cur, carry, vt_smem, p_smem2, wg, operand, pp, masked, interpret):
+    """The rest of a key step with e4m3 P·V (``FwdParams.e4m3``): P̃ at the running row max as e4m3 codes of
+    P̃·448, the tile's FP8 product summed in float32 by the tensor cores and added to O (two-level accumulation:
+    Hopper's FP8 ``wgmma`` keeps fewer accumulator bits than float32, which O carried in it across tiles loses)."""
+    acc, m_prev, l_prev = carry
+    m_new = jnp.maximum(m_prev, m_cur)
+    m_new_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m_prev - m_new_ref)
+    m_e = m_new_ref - e4m3.LOG2_MAX
+    e = jnp.exp2((s if c is None else s * c) - rows_of(m_e, s.shape))  # s·c − m: one FFMA; P̃·448 ∈ [0, 448]
+    l_new = l_prev * alpha + jnp.sum(e, axis=1)
+    if c is not None:  # a non-finite scale makes the row NaN (see attend)
+        l_new = l_new + (c - c)
+    p_smem = None if p_smem2 is None else p_smem2.at[wg]
+    p8 = e4m3.encode_probabilities(e)
+    p8 = (operand_order.register_operand if operand else register_operand)(p8, p_smem, interpret)
+    if p_smem is not None:
+        acc, alpha, l_new = pp.values(acc, alpha, l_new)
+    else:
+        p8, acc, alpha, l_new = pp.values(p8, acc, alpha, l_new)
+    pp.sync()
+    pv = matmul(acc.shape, jnp.float32, p8, vt_smem.T)
+    return acc * rows_of(alpha, acc.shape) + pv, m_new, l_new
+
+
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "out_dtype", "config", "per_block",
                                              "v_operand_order", "interpret"))
 def sage_attention_fwd_mosaic(
@@ -198,7 +230,8 @@ def sage_attention_fwd_mosaic(
     Args:
       q8: int8 (B, Hq, Sq_pad, D); q_scale float32 (B, Hq, Sq_pad) incl. scale·log2 e.
       k8: int8 (B, Hkv, Sk_pad, D); k_scale float32 (B, Hkv, Sk_pad).
-      vt8: int8 (B, Hkv, D, Sk_pad); v_scale float32 (B, Hkv, D).
+      vt8: int8 or float8_e4m3fn (B, Hkv, D, Sk_pad) (e4m3: FP8 P·V, :func:`_attend_e4m3`); v_scale float32
+        (B, Hkv, D).
       sq_len, sk_len, causal: real lengths and the bottom-right aligned causal mask.
       out_dtype: dtype of o (bf16/fp16/fp32).
       config: ``block_k`` is the P quantization tile (64 or 128).
@@ -221,14 +254,14 @@ def sage_attention_fwd_mosaic(
     params = FwdParams(wgs=wgs, stages=STAGES, group=hq // hkv, block_k=config.block_k, head_dim=d, sq_len=sq_len,
                        sk_len=sk_len, causal=causal, offset=sk_len - sq_len,
                        scalar_scales=per_block and config.block_q % TILE == 0, operand=v_operand_order,
-                       interpret=interpret)
+                       interpret=interpret, e4m3=vt8.dtype == e4m3.DTYPE)
     kernel = functools.partial(_fwd_kernel, p=params)
     scratch = dict(q_tiles=wg_tiles(wgs, TILE, jnp.int8, d), q_scales=plgpu.SMEM((wgs, TILE), f32),
                    v_scales=plgpu.SMEM((wgs, d), f32), o_tiles=plgpu.SMEM((wgs, TILE, d), out_dtype),
                    lse=plgpu.SMEM((wgs, TILE), f32), barriers=plgpu.Barrier(num_barriers=(3, wgs)),
                    schedule=schedule_barrier())
     if int8_operand_in_smem(interpret):
-        scratch["p_tiles"] = wg_tiles(wgs, TILE, jnp.int8, config.block_k)
+        scratch["p_tiles"] = wg_tiles(wgs, TILE, vt8.dtype, config.block_k)
     q8, q_scale = pad_rows(q8, rows.q, axis=2), pad_rows(q_scale, rows.q, axis=2)
     out_type = [jax.ShapeDtypeStruct((b, rows.o, hq, d), out_dtype),
                 jax.ShapeDtypeStruct((b, hq, rows.row_outputs), f32)]

@@ -288,19 +288,22 @@ def test_sage_backward_lowers_to_mosaic_gpu(causal, ds_scale, sq, d, granularity
     assert outputs and outputs.group(1).count("tensor<") == 3 + fused
 
 
-@pytest.mark.parametrize("d, causal, sq, granularity", [
-    (128, False, 384, "per_block"), (128, True, 380, "per_token"), (64, True, 380, "per_block"),
-    (64, False, 640, "per_token")])
-def test_sage_forward_lowers_to_mosaic_gpu(d, causal, sq, granularity):
+@pytest.mark.parametrize("d, causal, sq, granularity, pv_format", [
+    (128, False, 384, "per_block", "e4m3"), (128, True, 380, "per_token", "e4m3"), (64, True, 380, "per_block", "e4m3"),
+    (64, False, 640, "per_token", "e4m3"), (128, True, 384, "per_block", "int8"), (64, False, 380, "per_token", "int8")])
+def test_sage_forward_lowers_to_mosaic_gpu(d, causal, sq, granularity, pv_format):
     """fwd_backend="mosaic" (the Hopper default at head dims 64 and 128): the quantize kernels stay Triton,
     the attention is a Mosaic GPU call; per-block scales take the one-scalar-product path. Sq = 380 is
-    not a multiple of the 8 rows a tiled TMA store needs (only lowering catches that)."""
-    cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), fwd_backend="mosaic")
+    not a multiple of the 8 rows a tiled TMA store needs (only lowering catches that). Both P·V formats: e4m3
+    (the Hopper default; V̂ᵀ then leaves the K/V quantize kernel as float8_e4m3fn) and INT8."""
+    cfg = dataclasses.replace(lb.sage_fwd_config(d, causal, "NVIDIA H200"), fwd_backend="mosaic",
+                              pv_format=pv_format)
     specs, opts = specs_and_options(sq, 512, 8, 2, d, causal, granularity, False, cfg)
     text = lower_for_h200(lambda q, k, v: sage_mod._forward(q, k, v, opts=opts, transposed=False), *specs)
     assert text.count(TRITON_CALL) == 3  # sage_channel_stats, sage_quantize_q, sage_quantize_kv; no Triton attention
     assert all(name in text for name in ("sage_channel_stats", "sage_quantize_q", "sage_quantize_kv"))
     assert mosaic_named(text, "sage_attention_fwd")
+    assert ("f8E4M3FN" in text) == (pv_format == "e4m3")
 
 
 @pytest.mark.parametrize("method", ["sage", "qat"])

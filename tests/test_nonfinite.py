@@ -33,6 +33,7 @@ def _inputs(which: str):
 
 METHODS = {
     "sage": lb.sage_attention,
+    "sage_e4m3": lambda q, k, v, **kw: lb.sage_attention(q, k, v, config=lb.SageFwdConfig(pv_format="e4m3"), **kw),
     "qat": lb.qat_attention,
     "thrift": lambda q, k, v, **kw: lb.thrift_attention(q, k, v, budget=0.25, **kw),
 }
@@ -63,7 +64,7 @@ def _check(ours, ref, method, which):
     o_bad = ~np.isfinite(ours[0][:2])
     if which == "q":  # a query's damage: its own row, or (sage, per-block scales) its 64-row quantization block
         rows = np.nonzero(o_bad.any(axis=(0, 2, 3)))[0]
-        allowed = set(range(64, 128)) if method == "sage" else {ROW}
+        allowed = set(range(64, 128)) if method.startswith("sage") else {ROW}
         assert set(rows) <= allowed, f"damage outside the documented blast radius: rows {sorted(set(rows))}"
         assert not o_bad[:, :, 1:].any(), "a query's damage reached another head"
 
@@ -107,25 +108,33 @@ def test_quantizers_keep_a_nonfinite_group_nonfinite(bad):
     assert np.isnan(np.asarray(t.scales, np.float32)[0, 0])
 
 
-def test_mosaic_forward_shows_a_nonfinite_scale_whatever_the_codes():
+@pytest.mark.parametrize("kernel, pv_format", [("mosaic", "int8"), ("mosaic", "e4m3"), ("triton", "int8"),
+                                               ("triton", "e4m3"), ("xla", "e4m3")])
+def test_forward_shows_a_nonfinite_scale_whatever_the_codes(kernel, pv_format):
     """On the GPU a NaN in K became INT8 codes of one sign (the conversion's result for NaN) under an infinite
     per-block scale: every score of a row then had the same sign, a row whose scores were all negative looked
-    fully masked (row max −inf) and came out 0 with LSE +inf. The Mosaic forward makes such rows NaN from the
-    non-finite scale itself, whatever the codes; here the codes are set so (the interpreter's NaN conversion gives
-    other codes)."""
-    from pallas_kernels import sage_fwd_mosaic
+    fully masked (row max −inf) and came out 0 with LSE +inf (the Mosaic forward; with e4m3 P·V, whose P̃ is taken
+    at the running max, the Triton one too). The forwards make such rows NaN from the non-finite scale itself,
+    whatever the codes; here the codes are set so (the interpreter's NaN conversion gives other codes)."""
+    from pallas_kernels import sage_fwd, sage_fwd_mosaic
+    from lowbit_jax.sage_reference import sage_attention_reference
 
     rng = np.random.default_rng(3)
     b, s, h, d = 1, 128, 2, 64
     q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
-    config = lb.SageFwdConfig(block_q=64, block_k=128)
+    config = lb.SageFwdConfig(block_q=64, block_k=128, pv_format=pv_format)
     _, _, ops = lb.sage_forward(q, k, v, causal=True, config=config, implementation="xla")
     k8 = ops.k.at[:, 0].set(0).at[:, 0, :, 3].set(-127)  # head 0: channel 3 at −127, the rest 0
     q8 = ops.q.at[..., 3].set(jnp.abs(ops.q[..., 3]) + 1)  # positive: every score of head 0 negative
     k_scale = ops.k_scale.at[:, 0].set(jnp.inf)
-    o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(
-        q8, ops.q_scale, k8, k_scale, ops.vt, ops.v_scale, sq_len=s, sk_len=s, causal=True, out_dtype=jnp.bfloat16,
-        config=config, per_block=True, interpret=INTERPRET)
+    kw = dict(sq_len=s, sk_len=s, causal=True, out_dtype=jnp.bfloat16, config=config)
+    args = (q8, ops.q_scale, k8, k_scale, ops.vt, ops.v_scale)
+    if kernel == "mosaic":
+        o, lse = sage_fwd_mosaic.sage_attention_fwd_mosaic(*args, per_block=True, interpret=INTERPRET, **kw)
+    elif kernel == "triton":
+        o, lse = sage_fwd.sage_attention_fwd(*args, None, k_per_block=True, interpret=INTERPRET, **kw)
+    else:
+        o, lse = sage_attention_reference(*args, None, k_per_block=True, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert np.isnan(lse[:, 0]).all() and not np.isfinite(o[:, :, 0]).any()
     assert np.isfinite(lse[:, 1]).all() and np.isfinite(o[:, :, 1]).all()

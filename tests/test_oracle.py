@@ -17,6 +17,8 @@ import pytest
 
 import lowbit_jax as lb
 from attention_base import INTERPRET
+from lowbit_jax import sage as sage_mod
+from lowbit_jax.sage_backends import SageCall, forward_for
 from oracle import exact, quantized
 
 #: (B, Sq, Sk, Hq, Hkv, D, causal): ragged, GQA, causal with Sq ≠ Sk, both head dims
@@ -48,13 +50,27 @@ def _impls():
 @pytest.mark.parametrize("impl", _impls())
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("per_block", [True, False])
-def test_sage_forward_is_the_oracles(impl, case, per_block):
+@pytest.mark.parametrize("pv_format", ["int8", "e4m3"])
+def test_sage_forward_is_the_oracles(impl, case, per_block, pv_format):
     q, k, v, _ = _inputs(case)
-    cfg = lb.SageFwdConfig(block_q=64, block_k=64)
+    cfg = lb.SageFwdConfig(block_q=64, block_k=64, pv_format=pv_format)
     got = lb.sage_attention(q, k, v, causal=case[6], qk_granularity="per_block" if per_block else "per_token",
                             implementation=impl, interpret=INTERPRET and impl == "pallas", config=cfg)
     want = quantized.bf16(quantized.sage_forward(*_f64(q, k, v), causal=case[6], block_q=64, block_k=64,
-                                                 per_block=per_block))
+                                                 per_block=per_block, pv_format=pv_format))
+    assert _rel_l1(got, want) <= 2e-4
+
+
+@pytest.mark.parametrize("case", [CASES[1], (1, 128, 200, 4, 2, 64, True)])
+def test_mosaic_e4m3_forward_is_the_oracles(case):
+    """The Mosaic GPU forward's FP8 P·V (two-level accumulation, P̃ at the running max), interpreted."""
+    q, k, v, _ = _inputs(case)
+    cfg = lb.SageFwdConfig(block_q=64, block_k=64, pv_format="e4m3", fwd_backend="mosaic")
+    opts = sage_mod.resolve_options(q, k, v, causal=case[6], implementation="pallas", interpret=INTERPRET, config=cfg)
+    assert forward_for(SageCall.of_inputs(q, k, opts)).name == "mosaic"
+    got = lb.sage_attention(q, k, v, causal=case[6], implementation="pallas", interpret=INTERPRET, config=cfg)
+    want = quantized.bf16(quantized.sage_forward(*_f64(q, k, v), causal=case[6], block_q=64, block_k=64,
+                                                 pv_format="e4m3"))
     assert _rel_l1(got, want) <= 2e-4
 
 
@@ -74,6 +90,7 @@ def _cos(a, b) -> float:
 
 
 @pytest.mark.parametrize("method, floors", [("sage", (0.9995, 0.998, 0.998, 0.9995)),
+                                            ("sage_e4m3", (0.999, 0.998, 0.998, 0.9995)),
                                             ("qat", (0.955, 0.93, 0.95, 0.955)),
                                             ("thrift", (0.97, 0.9999, 0.9999, 0.9999))])
 @pytest.mark.parametrize("impl", _impls())
@@ -82,7 +99,9 @@ def test_gradients_follow_exact_attentions(method, floors, impl):
     measured quantization error's floor (thrift's gradient is exact attention's, straight-through)."""
     case = CASES[0]
     q, k, v, do = _inputs(case, seed=1)
+    e4m3 = lb.SageFwdConfig(pv_format="e4m3")
     fn = {"sage": lb.sage_attention, "qat": lb.qat_attention,
+          "sage_e4m3": lambda *a, **kw: lb.sage_attention(*a, config=e4m3, **kw),
           "thrift": lambda *a, **kw: lb.thrift_attention(*a, budget=0.25, **kw)}[method]
     kw = dict(causal=case[6], implementation=impl, interpret=INTERPRET and impl == "pallas")
     o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)

@@ -172,12 +172,15 @@ MOSAIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_CASES)
-def test_mosaic_kernel_gradients_match_xla_backward(case):
+@pytest.mark.parametrize("case, pv_format", [(c, "int8") for c in MOSAIC_CASES]
+                         + [(MOSAIC_CASES[0], "e4m3"), (MOSAIC_CASES[3], "e4m3")])
+def test_mosaic_kernel_gradients_match_xla_backward(case, pv_format):
+    """``pv_format="e4m3"``: the forward's FP8 P·V, and the backward's Ṽ from e4m3 codes (the fused dQ's pair-ordered
+    Ṽ from the Triton pass, D64; the XLA-dequantized one, D128 per token)."""
     b, sq, sk, hq, hkv, d, causal, dtype, gran = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype=dtype, seed=sq + 3 * sk, k_outlier=3.0)
     do = cotangent(q)
-    kw = dict(qk_granularity=gran, config=MOSAIC, causal=causal)
+    kw = dict(qk_granularity=gran, config=dataclasses.replace(MOSAIC, pv_format=pv_format), causal=causal)
     g_m = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, **kw)
     g_x = grads(q, k, v, do, implementation="xla", **kw)  # the Triton kernels are held to it by the base tests
     for name, m, x in zip(("o", "dq", "dk", "dv"), g_m, g_x):

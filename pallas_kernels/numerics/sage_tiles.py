@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.numerics import int8
+from pallas_kernels.numerics import e4m3, int8
 from pallas_kernels.numerics.smoothing import masked_tile_mean
 
 
@@ -100,36 +100,47 @@ def quantize_qk_tile(
     return (codes if parts else codes[0]), scale * out_scale, bmean
 
 
-def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array) -> jax.Array:
-    """INT8 codes of a V tile with a given per-channel scale.
+#: formats of V̂ and P̂ in the forward's P·V product (``SageFwdConfig.pv_format``)
+PV_FORMATS = ("int8", "e4m3")
+
+
+def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array, fmt: str = "int8") -> jax.Array:
+    """Codes of a V tile with a given per-channel scale: INT8 (the paper's) or e4m3 (:mod:`.e4m3`).
 
     Args:
       v: (..., rows, D) any float dtype.
       valid: bool (..., rows, 1).
-      v_scale: float32 (..., 1, D), from :func:`v_channel_scale`.
+      v_scale: float32 (..., 1, D), from :func:`v_channel_scale` of the same ``fmt``.
+      fmt: one of :data:`PV_FORMATS`.
     Returns:
-      int8 (..., rows, D), invalid rows zero.
+      int8 or float8_e4m3fn (..., rows, D), invalid rows zero.
     """
     vf = jnp.where(valid, v.astype(jnp.float32), 0.0)
-    return int8.encode_with_scale(vf, v_scale)
+    return (e4m3.encode_with_scale if fmt == "e4m3" else int8.encode_with_scale)(vf, v_scale)
 
 
-def v_channel_scale(v: jax.Array) -> jax.Array:
-    """Per-channel INT8 scale of V over all tokens.
+def v_scale_from_amax(amax: jax.Array, fmt: str = "int8") -> jax.Array:
+    """V's per-channel scale from its per-channel amax: amax/127 (INT8) or amax/448 (e4m3)."""
+    return (e4m3.scale_from_amax if fmt == "e4m3" else int8.scale_from_amax)(amax)
+
+
+def v_channel_scale(v: jax.Array, fmt: str = "int8") -> jax.Array:
+    """Per-channel scale of V over all tokens (:func:`v_scale_from_amax`).
 
     Args:
       v: (B, Sk, Hkv, D) any float dtype.
+      fmt: one of :data:`PV_FORMATS`.
     Returns:
       float32 (B, Hkv, D).
     """
-    return int8.scale_from_amax(jnp.max(int8.magnitude(v), axis=1))  # exact in v's dtype
+    return v_scale_from_amax(jnp.max(int8.magnitude(v), axis=1), fmt)  # exact in v's dtype
 
 
 def dequantize_v_t(vt8: jax.Array, v_scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Ṽᵀ = V̂ᵀ·s_V rounded to ``dtype``: SageBwd's 16-bit operand of dP = dO·Ṽᵀ.
 
     Args:
-      vt8: int8 (..., D, S) codes (V̂ transposed); v_scale: float32 (..., D) per channel.
+      vt8: int8 or e4m3 (..., D, S) codes (V̂ transposed); v_scale: float32 (..., D) per channel.
       dtype: dO's dtype.
     Returns:
       (..., D, S) in ``dtype``. The backward kernels call it on a tile, the reference on

@@ -82,9 +82,15 @@ def fake_quant_p_bf16(p: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- SageAttention
 
 
+def e4m3_signed(x: np.ndarray) -> np.ndarray:
+    """Round to e4m3fn with sign, saturating at ±448."""
+    return np.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
 def sage_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, per_block: bool = True,
-                 smooth_k: bool = True, scale: float | None = None) -> np.ndarray:
-    """SageAttention's INT8 forward (docs/spec.md): o (B, Sq, Hq, D) float64."""
+                 smooth_k: bool = True, scale: float | None = None, pv_format: str = "int8") -> np.ndarray:
+    """SageAttention's forward (docs/spec.md): o (B, Sq, Hq, D) float64. ``pv_format="e4m3"``: P·V in FP8 e4m3,
+    P̃ at the running row max times 448 and V per channel over all tokens scaled so its amax is 448."""
     qh, kh, vh = _heads(q, k, v)
     b, h, sq, d = qh.shape
     sk = kh.shape[2]
@@ -104,8 +110,13 @@ def sage_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, per_block
 
     q8, sq_scale = per_rows(qh, block_q)
     k8, sk_scale = per_rows(kh, block_k)
-    v_scale = int8_scale(np.abs(vh).max(axis=2, keepdims=True))  # per channel over all tokens
-    v8 = int8_codes(vh, v_scale)
+    vmax = np.abs(vh).max(axis=2, keepdims=True)  # per channel over all tokens
+    if pv_format == "e4m3":
+        v_scale = np.where(vmax == 0, 1.0, f32(f32(vmax) * f32(1.0 / 448.0)))
+        v8 = e4m3_signed(f32(vh * f32(1.0 / v_scale)))
+    else:
+        v_scale = int8_scale(vmax)
+        v8 = int8_codes(vh, v_scale)
     mask = visible(sq, sk, causal)
     c = scale * LOG2E
     acc = np.zeros((b, h, sq, d))
@@ -119,10 +130,16 @@ def sage_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, per_block
         m_new = np.maximum(m, m_tile)
         ref = np.where(np.isneginf(m_new), 0.0, m_new)
         tile_ref = np.where(np.isneginf(m_tile), 0.0, m_tile)
+        alpha = np.exp2(np.where(np.isneginf(m), ref, m) - ref)
+        if pv_format == "e4m3":  # P̃ at the running max: its 1 maps to 448
+            e = np.exp2(s - ref[..., None]) * 448.0
+            acc = acc * alpha[..., None] + np.einsum("bhqk,bhkd->bhqd", e4m3(e), v8[:, :, cols])
+            l = l * alpha + e.sum(axis=-1)
+            m = m_new
+            continue
         e = np.exp2(s - tile_ref[..., None])  # the tile's own row max maps to 1
         p8 = np.floor(e * 127.0 + 0.5)  # ties: the library rounds half to even (measure-zero here)
         beta = np.exp2(tile_ref - ref)
-        alpha = np.exp2(np.where(np.isneginf(m), ref, m) - ref)
         acc = acc * alpha[..., None] + np.einsum("bhqk,bhkd->bhqd", p8, v8[:, :, cols]) * (beta / 127.0)[..., None]
         l = l * alpha + beta * e.sum(axis=-1)
         m = m_new
