@@ -18,8 +18,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.numerics import int8
-
 #: e4m3's largest finite value: the code of a channel's amax and of P̃ = 1
 MAX = 448.0
 #: log2(MAX): P̃·448 = exp2(S − m + LOG2_MAX), the factor folded into the exponent
@@ -56,9 +54,4 @@ def encode_probabilities(e: jax.Array) -> jax.Array:
     return e.astype(DTYPE)
 
 
-def dequantize(codes: jax.Array, scale: jax.Array) -> jax.Array:
-    """``codes · scale`` in float32 (e4m3 or INT8 codes: every code is exact in float32)."""
-    return int8.dequantize(codes, scale)
-
-
-__all__ = ["DTYPE", "LOG2_MAX", "MAX", "dequantize", "encode_probabilities", "encode_with_scale", "scale_from_amax"]
+__all__ = ["DTYPE", "LOG2_MAX", "MAX", "encode_probabilities", "encode_with_scale", "scale_from_amax"]
