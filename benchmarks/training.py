@@ -2,6 +2,7 @@
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/training.py                 # preset 50m, sequence 2048
+    PYTHONPATH=. python benchmarks/training.py --preset 300m --batch 2   # head dim 128, sequence 8192
     PYTHONPATH=. python benchmarks/training.py --smoke         # tiny model, runs anywhere
     PYTHONPATH=. python benchmarks/training.py --methods dense sage sage:row qat_fp4
                                     # METHOD:DS_SCALE = sage with TrainConfig.ds_scale (dS per row)
@@ -17,7 +18,7 @@ because back-to-back single windows drifted by up to 35% on the lent H200.
 Each row also gives the compiled step's XLA temporary memory (``memory_analysis().temp_size_in_bytes``:
 activations, residuals and workspaces; parameters and optimizer state are arguments, not temporaries),
 which is what ``ModelConfig.remat`` trades against time.
-Writes benchmarks/results/training.json (and $OUT/training.json).
+Writes benchmarks/results/training.json (training_<preset>.json for other presets; and the same under $OUT).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import environment, write_json
+from models.presets import PRESETS
 from train.data import PackedBatches, load_corpus
 from train.loop import TrainConfig, build
 
@@ -94,6 +96,8 @@ def ratios_to_dense(times: dict[str, list[float]]) -> dict[str, list[float]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--preset", default="50m", choices=sorted(PRESETS), help="model size")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's max_len)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed window")
     parser.add_argument("--rounds", type=int, default=3, help="timed windows per method, interleaved")
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu" and not args.smoke:
         print("benchmarks/training.py needs a GPU (or --smoke)")
         return 2
-    preset, seq, batch = ("tiny", 128, 8) if args.smoke else ("50m", 2048, args.batch)
+    preset, batch = ("tiny", 8) if args.smoke else (args.preset, args.batch)
+    seq = 128 if args.smoke else (args.seq or PRESETS[preset].max_len)
     steps, rounds = (2, 2) if args.smoke else (args.steps, args.rounds)
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/training.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), rows=[], rounds=rounds, steps_per_round=steps)
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
     payload["vs_dense_rounds"] = ratios_to_dense(times)
     payload["vs_dense"] = {m: float(np.median(r)) for m, r in payload["vs_dense_rounds"].items()}
     payload["sage_vs_dense"] = payload["vs_dense"].get("sage")
-    write_json("training_smoke" if args.smoke else "training", payload)
+    write_json("training_smoke" if args.smoke else ("training" if preset == "50m" else f"training_{preset}"), payload)
     print("tokens/s relative to dense (median of per-round ratios): "
           + ", ".join(f"{m} {r:.2f}" for m, r in payload["vs_dense"].items()))
     np.testing.assert_(all(np.isfinite(r["final_loss"]) for r in payload["rows"]))
