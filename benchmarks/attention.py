@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import (attention_flops, carried_part, environment, rerun_part, time_fn, time_rounds,
-                               write_json)
+from benchmarks.common import (attention_flops, carried_part, environment, fwd_bwd, rerun_part, time_fn,
+                               time_rounds, write_json)
 from lowbit_jax import sage as sage_mod, sage_backends
 from pallas_kernels import quantize
 from pallas_kernels.configs import SageFwdConfig, sage_fwd_config
@@ -169,14 +169,6 @@ def quant_sweep(shapes, log):
     return rows
 
 
-def _fwd_bwd(f):
-    """Jitted o and the pullback of a cotangent: one training step's attention."""
-    def run(q, k, v, do):
-        o, pull = jax.vjp(f, q, k, v)
-        return o, pull(do)
-    return jax.jit(run)
-
-
 def pv_formats(shapes, accuracy_cases, log):
     """The whole op (quantization included), forward and fwd+bwd, with ``pv_format`` "int8" and "e4m3" (the rest of
     the device's ``sage_fwd_config``) against cuDNN bf16, interleaved rounds; and O, dQ, dK, dV cos-sim of each
@@ -192,7 +184,7 @@ def pv_formats(shapes, accuracy_cases, log):
                                                    config=dataclasses.replace(base, pv_format=fmt)))
                     for fmt in ("int8", "e4m3")})
         timed = {name: (f, (q, k, v)) for name, f in fwd.items()}
-        timed.update({f"{name} fwd+bwd": (_fwd_bwd(f), (q, k, v, do)) for name, f in fwd.items()})
+        timed.update({f"{name} fwd+bwd": (fwd_bwd(f), (q, k, v, do)) for name, f in fwd.items()})
         ms, _ = time_rounds(timed, PV_ROUNDS)
         rows.append(dict(b=b, h=h, s=s, d=d, causal=causal, ms=ms, rounds=PV_ROUNDS))
         log(f"  pv B{b} H{h} S{s} D{d} causal={causal}: " + " ".join(f"{n} {t:.3f}" for n, t in ms.items()))
@@ -201,13 +193,12 @@ def pv_formats(shapes, accuracy_cases, log):
         do = jax.random.normal(jax.random.PRNGKey(8), q.shape, jnp.float32).astype(q.dtype)
         for causal in (False, True):
             with jax.enable_x64(True):
-                exact = _fwd_bwd(functools.partial(_exact_f64, causal=causal))(
-                    *(x.astype(jnp.float64) for x in (q, k, v, do)))
-                exact = [np.asarray(x) for x in (exact[0], *exact[1])]
+                exact = [np.asarray(x) for x in fwd_bwd(functools.partial(_exact_f64, causal=causal))(
+                    *(x.astype(jnp.float64) for x in (q, k, v, do)))]
             for fmt in ("int8", "e4m3"):
                 cfg = dataclasses.replace(sage_fwd_config(d, causal), pv_format=fmt)
-                got = _fwd_bwd(lambda q, k, v: lb.sage_attention(q, k, v, causal=causal, config=cfg))(q, k, v, do)
-                cos = {name: _cos(g, w) for name, g, w in zip(("o", "dq", "dk", "dv"), (got[0], *got[1]), exact)}
+                got = fwd_bwd(lambda q, k, v: lb.sage_attention(q, k, v, causal=causal, config=cfg))(q, k, v, do)
+                cos = {name: float(lb.cos_sim(g, w)) for name, g, w in zip(("o", "dq", "dk", "dv"), got, exact)}
                 acc.append(dict(b=b, h=h, s=s, d=d, k_outlier=outlier, causal=causal, pv_format=fmt, cos=cos))
                 log(f"  pv accuracy B{b} H{h} S{s} D{d} outlier {outlier} causal={causal} {fmt}: {cos}")
     return rows, acc
@@ -219,11 +210,6 @@ def _exact_f64(q, k, v, causal):
     if causal:
         s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-
-
-def _cos(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def accuracy(b, h, s, d, causal, config, log):

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
 from benchmarks.common import (
-    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, rerun_part, time_fn,
-    time_rounds, write_json,
+    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, fwd_bwd, rerun_part,
+    time_fn, time_rounds, write_json,
 )
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -92,16 +92,6 @@ def attention_fn(method: str, d: int, causal: bool):
 
         return functools.partial(pallas_attention.mha, segment_ids=None, sm_scale=d**-0.5, causal=causal)
     raise ValueError(method)
-
-
-def fwd_bwd(fn):
-    """jitted (q, k, v, do) → (o, dq, dk, dv)."""
-
-    def run(q, k, v, do):
-        o, vjp = jax.vjp(fn, q, k, v)
-        return (o, *vjp(do))
-
-    return jax.jit(run)
 
 
 def methods_for(b, h, s, d, causal):

@@ -29,8 +29,8 @@ import numpy as np
 import lowbit_jax as lb
 
 from benchmarks.attention import make_inputs
-from benchmarks.attention_bwd import attention_fn, fwd_bwd
-from benchmarks.common import environment, write_json
+from benchmarks.attention_bwd import attention_fn
+from benchmarks.common import environment, fwd_bwd, write_json
 from benchmarks.dq_kernel import method_fn
 from benchmarks.profiling import grouped, kinds_in_group, profile_calls
 from benchmarks.render_results import kinds_by_spread

@@ -20,6 +20,16 @@ def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> f
     return flops / 2 if causal else flops
 
 
+def fwd_bwd(fn: Callable) -> Callable:
+    """jitted (q, k, v, do) → (o, dq, dk, dv): one training step's attention, ``jax.vjp`` and the pullback."""
+
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return (o, *vjp(do))
+
+    return jax.jit(run)
+
+
 def time_fn(fn: Callable, *args, warmup: int = 3, iters: int = 10, batches: int = 5) -> float:
     """Device time per call in ms: median over ``batches`` of ``iters`` back-to-back calls.
 

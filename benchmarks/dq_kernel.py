@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
-from benchmarks.attention_bwd import attention_fn, fwd_bwd
-from benchmarks.common import RESULTS_DIR, attention_flops, environment, time_fn, write_json
+from benchmarks.attention_bwd import attention_fn
+from benchmarks.common import RESULTS_DIR, attention_flops, environment, fwd_bwd, time_fn, write_json
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 

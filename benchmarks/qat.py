@@ -30,10 +30,9 @@ import jax.numpy as jnp
 
 import lowbit_jax as lb
 from benchmarks.attention import make_inputs
-from benchmarks.attention_bwd import fwd_bwd
 from benchmarks.common import (
-    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, time_fn, time_rounds,
-    write_json,
+    ROUND_WARMUP, ROUNDS, attention_flops, carried_part, compiled_entries, environment, fwd_bwd, time_fn,
+    time_rounds, write_json,
 )
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
