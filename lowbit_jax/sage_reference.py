@@ -107,15 +107,12 @@ def sage_attention_reference(
     s_int = jnp.einsum("bhqd,bhkd->bhqk", q8, k8, preferred_element_type=jnp.int32)
     mask = visible(jnp.arange(sq_pad)[:, None], jnp.arange(sk_pad)[None, :], sq_len, sk_len, causal)
     mask = jnp.broadcast_to(mask, (sq_pad, sk_pad)).reshape(sq_pad, nkb, bk)
-    if k_per_block and bias is None:
-        s = None
+    if k_per_block and bias is None:  # the scores stay unscaled until the exponent (as the kernels)
         c = q_scale[..., None] * k_scale.reshape(b, hq, nkb, bk)[:, :, None, :, 0]  # (B,H,Sq,nkb)
         x = int8.int32_as_biased_float(s_int).reshape(b, hq, sq_pad, nkb, bk)
         x = jnp.where(mask, x, -jnp.inf)
         mx = jnp.max(x, axis=-1)
         m_cur = (mx - int8.MAGIC) * c
-        mx = jnp.where(mx == -jnp.inf, int8.MAGIC, mx)
-        e = jnp.exp2((x - mx[..., None]) * c[..., None])
     else:
         c = None
         s = s_int.astype(jnp.float32) * q_scale[..., None] * k_scale[:, :, None, :]
@@ -123,10 +120,14 @@ def sage_attention_reference(
             s = s + jnp.repeat(bias, bq, axis=2)
         s = jnp.where(mask, s.reshape(b, hq, sq_pad, nkb, bk), -jnp.inf)
         m_cur = jnp.max(s, axis=-1)
-        e = jnp.exp2(s - jnp.where(m_cur == -jnp.inf, 0.0, m_cur)[..., None])
     if vt8.dtype == e4m3.DTYPE:
-        return _e4m3_pv(s_int, c if k_per_block and bias is None else None, s, m_cur, mask, vt8, v_scale,
-                        sq_len=sq_len, out_dtype=out_dtype, bk=bk)
+        scores = s if c is None else jnp.where(mask, (x - int8.MAGIC) * c[..., None], -jnp.inf)
+        return _e4m3_pv(scores, c, m_cur, vt8, v_scale, sq_len=sq_len, out_dtype=out_dtype)
+    if c is None:
+        e = jnp.exp2(s - jnp.where(m_cur == -jnp.inf, 0.0, m_cur)[..., None])
+    else:
+        mx = jnp.where(mx == -jnp.inf, int8.MAGIC, mx)
+        e = jnp.exp2((x - mx[..., None]) * c[..., None])
     m = jnp.max(m_cur, axis=-1)
     m_ref = jnp.where(m == -jnp.inf, 0.0, m)
     beta = jnp.exp2(m_cur - m_ref[..., None])
@@ -140,20 +141,17 @@ def sage_attention_reference(
     return o, lse[..., :sq_len]
 
 
-def _e4m3_pv(s_int, c, s, m_cur, mask, vt8, v_scale, *, sq_len, out_dtype, bk):
-    """The e4m3 P·V of :func:`sage_attention_reference`: P̃ of key tile n at the running row max M_n (the
-    maximum of the tiles' maxima up to n), as e4m3 codes of P̃·448; O = Σ_n exp2(M_n − M)·(P̂_n V̂_n) with each
-    tile's product summed in float32, l = Σ_n exp2(M_n − M)·Σ P̃_n·448 (unquantized)."""
-    b, hq, sq_pad, nkb = m_cur.shape
+def _e4m3_pv(scores, c, m_cur, vt8, v_scale, *, sq_len, out_dtype):
+    """The e4m3 P·V of :func:`sage_attention_reference` from the scaled, masked base-2 scores (B, H, Sq_pad, tiles,
+    block_k), their per-tile scales ``c`` (None if scaled per token) and row maxima ``m_cur``: P̃ of key tile n at
+    the running row max M_n (the maximum of the tiles' maxima up to n), as e4m3 codes of P̃·448;
+    O = Σ_n exp2(M_n − M)·(P̂_n V̂_n) with each tile's product summed in float32, l = Σ_n exp2(M_n − M)·Σ P̃_n·448
+    (unquantized)."""
+    b, hq, sq_pad, nkb, bk = scores.shape
     d = vt8.shape[2]
     run = lax.cummax(m_cur, axis=3)  # M_n
     run_ref = jnp.where(run == -jnp.inf, 0.0, run)
-    if c is not None:  # per-block scales: the scores stay unscaled until the exponent (as the kernels)
-        x = int8.int32_as_biased_float(s_int).reshape(b, hq, sq_pad, nkb, bk) - int8.MAGIC
-        x = jnp.where(mask, x * c[..., None], -jnp.inf)
-    else:
-        x = s
-    e = jnp.exp2(x - (run_ref - e4m3.LOG2_MAX)[..., None])  # P̃·448 ∈ [0, 448]
+    e = jnp.exp2(scores - (run_ref - e4m3.LOG2_MAX)[..., None])  # P̃·448 ∈ [0, 448]
     m = run[..., -1]
     m_ref = jnp.where(m == -jnp.inf, 0.0, m)
     gamma = jnp.exp2(run_ref - m_ref[..., None])  # tile n's weight at the final max
