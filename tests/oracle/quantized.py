@@ -44,8 +44,8 @@ def int8_scale(amax: np.ndarray) -> np.ndarray:
 
 
 def e4m3(x: np.ndarray) -> np.ndarray:
-    """Round non-negative values to e4m3fn, saturating at 448."""
-    return np.minimum(x, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    """Round to e4m3fn with sign, saturating at ±448."""
+    return np.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
 def e2m1(x: np.ndarray) -> np.ndarray:
@@ -82,11 +82,6 @@ def fake_quant_p_bf16(p: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- SageAttention
 
 
-def e4m3_signed(x: np.ndarray) -> np.ndarray:
-    """Round to e4m3fn with sign, saturating at ±448."""
-    return np.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-
-
 def sage_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, per_block: bool = True,
                  smooth_k: bool = True, scale: float | None = None, pv_format: str = "int8") -> np.ndarray:
     """SageAttention's forward (docs/spec.md): o (B, Sq, Hq, D) float64. ``pv_format="e4m3"``: P·V in FP8 e4m3,
@@ -113,7 +108,7 @@ def sage_forward(q, k, v, *, causal: bool, block_q: int, block_k: int, per_block
     vmax = np.abs(vh).max(axis=2, keepdims=True)  # per channel over all tokens
     if pv_format == "e4m3":
         v_scale = np.where(vmax == 0, 1.0, f32(f32(vmax) * f32(1.0 / 448.0)))
-        v8 = e4m3_signed(f32(vh * f32(1.0 / v_scale)))
+        v8 = e4m3(f32(vh * f32(1.0 / v_scale)))
     else:
         v_scale = int8_scale(vmax)
         v8 = int8_codes(vh, v_scale)
