@@ -13,7 +13,7 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(dim=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_hidden=704, max_len=512),
     # ~50M parameters, the GPU benchmark model (issue: tokens/s and MFU at sequence 2048)
     "50m": ModelConfig(dim=640, num_layers=11, num_heads=10, num_kv_heads=5, mlp_hidden=1728, max_len=2048),
-    # ~300M parameters at head dim 128 and sequence 8k: a model whose step attention weighs more in
+    # ~300M parameters at head dim 128 and sequence 8k: a model in whose training step attention weighs more
     "300m": ModelConfig(dim=1024, num_layers=24, num_heads=8, num_kv_heads=4, mlp_hidden=2816, max_len=8192),
 }
 
