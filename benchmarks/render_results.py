@@ -575,23 +575,30 @@ def render_thrift(data: dict) -> list[str]:
                   + f"; {ratio:.2f}× cuDNN; q, k, v take {r['args_mib']:.0f} MiB.", ""]
     dec = data.get("decode", [])
     if dec:
-        lines += ["**Decode** (one new token per sequence over a full cache; ms, K/V bytes read per second, rel-L2 "
-                  "of O vs exact on heavy-hitter inputs; thrift_f<budget>_s<4-bit splits>_h<16-bit splits>; "
-                  "f = 1 is the kernel's 16-bit path alone; xla_bf16 and cudnn_bf16: `jax.nn.dot_product_attention` "
-                  "over the 16-bit cache, XLA's over all of it, cuDNN's over the filled length "
-                  "(`key_value_seq_lengths`)" + (
+        lines += ["**Decode** (T new tokens per sequence over a full cache, T = 1 unless the shape says; ms, bytes "
+                  "moved per second — for thrift the K/V codes, scales and 16-bit blocks it reads plus the block "
+                  "means, the query and the split-KV partial outputs written and read back, for the bf16 methods "
+                  "the whole K and V —, rel-L2 of O vs exact on heavy-hitter inputs; "
+                  "thrift_f<budget>_s<4-bit splits>_h<16-bit splits>; f = 1 is the kernel's 16-bit path alone; "
+                  "xla_bf16 and cudnn_bf16: `jax.nn.dot_product_attention` over the 16-bit cache, XLA's over all "
+                  "of it, cuDNN's over the filled length (`key_value_seq_lengths`; for T > 1 without the causal "
+                  "mask among the new tokens, so a timing baseline only)" + (
                       f"; each figure the median of {dec[0]['rounds']} rounds that time every variant in turn"
                       if dec[0].get("rounds", 1) > 1 else "") + "):", "",
                   "| shape | variant | ms | vs XLA bf16 | vs cuDNN bf16 | GB/s | rel-L2 |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in dec:
-            shape = f"B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}"
+            shape = f"B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}" + (
+                f" T{r['t']}" if r.get("t", 1) > 1 else "")
             vs_cudnn = r.get("vs_cudnn_bf16") or {}
             for m, t in r["ms"].items():
-                lines.append(f"| {shape} | {m} | {t:.3f} | {r['vs_xla_bf16'].get(m, 0):.2f}× | "
+                vs_xla = r["vs_xla_bf16"].get(m)
+                lines.append(f"| {shape} | {m} | {t:.3f} | " + (f"{vs_xla:.2f}× | " if vs_xla else "– | ")
                              + (f"{vs_cudnn[m]:.2f}× | " if m in vs_cudnn else "– | ")
                              + f"{r['gbps'].get(m, 0):.0f} | {r['error_vs_exact'][m]['rel_l2']:.4f} |")
-        alone = [f"{m} at B{r['b']} S{r['s']} {t:.3f} ms" for r in dec for m, t in r.get("kernel_ms", {}).items()]
+        alone = [f"{m} at B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']}"
+                 + (f" T{r['t']}" if r.get("t", 1) > 1 else "") + f" {t:.3f} ms"
+                 for r in dec for m, t in r.get("kernel_ms", {}).items()]
         b16, b4 = dec[0]["cache_bytes"]["16bit"], dec[0]["cache_bytes"]["4bit"]
         lines += ["", (f"The split-KV kernel alone (selection, row layout and combine outside): {'; '.join(alone)}. "
                        if alone else "") + f"Cache: the 4-bit part adds {b4 / b16:.1%} to the 16-bit one (plus the "

@@ -50,12 +50,16 @@ SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep", "decode_
 BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
 PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
 LONG_SHAPES = [(1, 32, 8, 131072, 128, True), (1, 32, 8, 262144, 128, True)]
-DECODE_SHAPES = [(8, 32, 8, 8192, 128), (2, 32, 8, 131072, 128)]
+#: (B, Hq, Hkv, S, D, new tokens): every variant below
+DECODE_SHAPES = [(8, 32, 8, 8192, 128, 1), (8, 32, 8, 32768, 128, 1), (2, 32, 8, 131072, 128, 1)]
+#: MHA, head dim 64 and 2–8 new tokens (speculative decoding): the default and the 16-bit path only
+DECODE_EXTRA_SHAPES = [(8, 32, 32, 32768, 128, 1), (8, 32, 8, 32768, 64, 1), (8, 32, 8, 32768, 128, 2),
+                       (8, 32, 8, 32768, 128, 4), (8, 32, 8, 32768, 128, 8)]
 #: (budget, decode_splits, decode_splits_high), None: picked per call (ThriftConfig.for_decode); the first is the
 #: library default (its kernel is timed alone too)
 DECODE_VARIANTS = [(0.05, None, None), (0.05, 32, 8), (0.05, 64, 16), (0.25, None, None), (1.0, None, None),
                    (0.0, None, None)]
-SMOKE = dict(prefill=[(1, 4, 2, 256, 64, True)], decode=[(1, 4, 2, 256, 64)], accuracy=(1, 4, 2, 512, 64))
+SMOKE = dict(prefill=[(1, 4, 2, 256, 64, True)], decode=[(1, 4, 2, 256, 64, 1)], accuracy=(1, 4, 2, 512, 64))
 
 
 def inputs(key, b, hq, hkv, s, d, heavy: bool, dtype=jnp.bfloat16):
@@ -258,7 +262,7 @@ def decode_sweep(log, smoke):
     impl = dict(implementation="pallas", interpret=True) if smoke else {}
     launches = [(2, 2)] if smoke else [(2, 2), (4, 2), (2, 3), (4, 3), (1, 2)]
     rows = []
-    for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
+    for b, hq, hkv, s, d, _ in SMOKE["decode"] if smoke else DECODE_SHAPES[::2]:
         q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
         for tokens, budget in DECODE_SWEEP[:1] if smoke else DECODE_SWEEP:
             row_tile = thrift_backends.decode_layout(tokens * hq // hkv)[1]
@@ -294,14 +298,23 @@ def prefill_parts(q, k, v, causal, budget, impl, iters):
             "prefill_kernel": time_fn(kern, q, *operands, order, warmup=1, iters=iters, batches=3)}
 
 
-def decode_bytes(cache: lb.ThriftKVCache, selected: np.ndarray) -> dict[str, float]:
-    """K and V bytes one decode step reads: 16-bit for the selected blocks, 4-bit (codes + scales) else."""
+def decode_bytes(cache: lb.ThriftKVCache, selected: np.ndarray, q: jax.Array | None = None,
+                 splits: int = 0) -> dict[str, float]:
+    """Bytes one decode step moves. "kv": K and V, 16-bit for the selected blocks, 4-bit (codes + scales)
+    else; "thrift": those plus the block means the selection reads, the query, and the split-KV partial
+    outputs (acc, m, l in float32 of each of ``splits`` runs, written by the kernel and read by the combine);
+    "bf16": the whole 16-bit K and V."""
     b, hkv, nkb = selected.shape
     d, blk = cache.head_dim, cache.block
     per16 = 2 * blk * d * cache.k.dtype.itemsize
     per4 = 2 * (blk * d // 2 + blk * d // 16)
     n16 = int(selected.sum())
-    return {"thrift": n16 * per16 + (b * hkv * nkb - n16) * per4, "bf16": b * hkv * nkb * per16}
+    kv = n16 * per16 + (b * hkv * nkb - n16) * per4
+    extra = cache.k_mean.size * cache.k_mean.dtype.itemsize
+    if q is not None:
+        rows = q.shape[1] * q.shape[2]  # tokens × query heads
+        extra += q.size * q.dtype.itemsize + 2 * b * splits * rows * (d + 2) * 4
+    return {"kv": kv, "thrift": kv + extra, "bf16": b * hkv * nkb * per16}
 
 
 #: timing rounds of the decode section: each round times every variant once, a variant's figure is its median
@@ -311,27 +324,30 @@ DECODE_ROUNDS = 3
 def decode(log, smoke):
     rows = []
     impl = dict(implementation="pallas", interpret=True) if smoke else {}
-    for b, hq, hkv, s, d in SMOKE["decode"] if smoke else DECODE_SHAPES:
+    shapes = [(x, DECODE_VARIANTS) for x in DECODE_SHAPES] + [(x, [DECODE_VARIANTS[0], (1.0, None, None)])
+                                                             for x in DECODE_EXTRA_SHAPES]
+    for (b, hq, hkv, s, d, t), variants in [(x, DECODE_VARIANTS[:1]) for x in SMOKE["decode"]] if smoke else shapes:
         q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
-        qt = q[:, -1:]
+        qt = q[:, -t:]
         iters = 3 if smoke else 20
-        row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, ms={}, kernel_ms={}, bytes={}, errors={},
+        row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, t=t, ms={}, kernel_ms={}, bytes={}, errors={},
                    cache_bytes=cache.nbytes(), rounds=1 if smoke else DECODE_ROUNDS)
         exact = exact_attention(qt, k, v, True)
         row["error_vs_exact"] = {}
         timed = {}  # name -> (fn, args): timed in interleaved rounds once every variant has compiled
-        if not smoke:
+        if not smoke and t == 1 and (b, hq, hkv, s, d, t) in DECODE_SHAPES:
             xla = jax.jit(lambda q, kc, vc: jax.nn.dot_product_attention(q, kc, vc, is_causal=False))
             timed["xla_bf16"] = (xla, (qt, cache.k, cache.v))
             row["bytes"]["xla_bf16"] = 2 * cache.k.size * cache.k.dtype.itemsize
             row["error_vs_exact"]["xla_bf16"] = lb.error_metrics(xla(qt, cache.k, cache.v), exact)
+        if not smoke:
             # cuDNN's flash attention over the filled length (the models' 16-bit decode, models.cached_attention)
             cudnn = jax.jit(lambda q, kc, vc, n: jax.nn.dot_product_attention(
                 q, kc, vc, key_value_seq_lengths=jnp.full((q.shape[0],), n, jnp.int32), implementation="cudnn"))
             timed["cudnn_bf16"] = (cudnn, (qt, cache.k, cache.v, cache.length))
-            row["bytes"]["cudnn_bf16"] = row["bytes"]["xla_bf16"]
+            row["bytes"]["cudnn_bf16"] = 2 * cache.k.size * cache.k.dtype.itemsize  # T > 1: no mask among the new
             row["error_vs_exact"]["cudnn_bf16"] = lb.error_metrics(cudnn(qt, cache.k, cache.v, cache.length), exact)
-        for f, splits, high in DECODE_VARIANTS:
+        for f, splits, high in variants:
             name = f"thrift_f{f:g}_s{splits or 'auto'}_h{high or 'auto'}"
             cfg = dataclasses.replace(lb.ThriftConfig(), decode_splits=splits if not smoke else 2,
                                       decode_splits_high=high if not smoke else 2)
@@ -340,7 +356,9 @@ def decode(log, smoke):
                 o = fn(qt, cache)
                 timed[name] = (fn, (qt, cache))
                 sel = np.asarray(decode_selection(qt, cache.k_mean, cache.length, budget=f, block=cfg.block))
-                row["bytes"][name] = decode_bytes(cache, sel)["thrift"]
+                resolved = thrift_mod.decode_config(qt, cache, budget=f, config=cfg)
+                moved = decode_bytes(cache, sel, qt, sum(resolved.split_counts()))
+                row["bytes"][name], row.setdefault("kv_bytes", {})[name] = moved["thrift"], moved["kv"]
                 row["error_vs_exact"][name] = lb.error_metrics(o, exact)
                 if (f, splits, high) == DECODE_VARIANTS[0]:
                     row["kernel_ms"][name] = decode_kernel_ms(qt, cache, f, cfg, impl, iters)

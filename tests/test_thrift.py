@@ -311,6 +311,8 @@ DECODE_CASES = [  # (B, filled before, T new, Hq, Hkv, D, budget)
     (1, 77, 3, 8, 2, 128, 0.0),
     (1, 77, 3, 8, 2, 128, 1.0),
     (1, 30, 2, 2, 2, 64, 0.5),  # no complete block before the new tokens
+    (1, 100, 3, 4, 2, 64, 0.3),  # 6 rows: the softmax on the first 8 of the 16-row tile, 2 of them padding
+    (2, 120, 1, 2, 2, 128, 0.2),  # MHA, one token: one softmax row
 ]
 
 
