@@ -855,6 +855,27 @@ def _superseded(data: dict) -> list[str]:
     return ["", f"**Superseded in part:** {data['superseded']}"] if data.get("superseded") else []
 
 
+def render_activations(data: dict) -> list[str]:
+    """SageAttention's error on a pretrained model's real q, k, v and dO (benchmarks/activations.py)."""
+    b, s, h, d = data["shape"]
+    out = ["### SageAttention on real activations (benchmarks/activations.py)", "", *_command_block(data),
+           f"q, k, v (after RoPE) and dO (the next-token loss's gradient at each attention output) of {data['source']}, "
+           f"{data['dtype']}, B{b} S{s} H{h}/{data['kv_shape'][2]} D{d}; cos-sim vs exact fp32 attention of causal "
+           "SageAttention/SageBwd through the reference (the kernels' quantization), INT8 and e4m3 P·V; the "
+           "paper's SageBwd on real activations beside them.", "",
+           "| layer | INT8 O | dQ | dK | dV | e4m3 O | dQ | dK | dV |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def cells(e):
+        return " | ".join(f"{e[fmt][g]:.5f}" for fmt in ("int8", "e4m3") for g in ("O", "dQ", "dK", "dV"))
+
+    for r in data["rows"]:
+        out.append(f"| {r['layer']} | {cells(r['errors'])} |")
+    out += [f"| mean | {cells(data['mean'])} |", f"| worst | {cells(data['worst'])} |",
+            "| paper (SageBwd) | " + " | ".join(f"{data['paper'][g]:.4f}" for g in ("O", "dQ", "dK", "dV"))
+            + " | | | | |", ""]
+    return out
+
+
 def _load(name: str) -> dict | None:
     path = HERE / "results" / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -884,7 +905,7 @@ def main() -> None:
                 ("dq_kernel", render_dq_kernel),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation),
                 ("thrift", render_thrift), ("serving", render_serving),
-                ("serving_prefill", render_serving_prefill)]
+                ("serving_prefill", render_serving_prefill), ("activations", render_activations)]
     for name, render in sections:
         data = _load(name)
         if data is not None:
