@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
+import models.attention as attention_module
 from benchmarks.common import environment, write_json
 from lowbit_jax.diagnostics import attention_error_report
 from pallas_kernels.configs import SageFwdConfig
@@ -36,16 +38,14 @@ GRADS = ("O", "dQ", "dK", "dV")
 def probed_loss(model, tokens: jax.Array):
     """``loss(probes) -> (mean next-token cross-entropy, [(q, k, v) of each layer])`` of ``model`` on ``tokens``
     (B, S), each layer's attention output plus ``probes[layer]`` (B, S, Hq, D): at zero probes its gradient is dO."""
-    import models.attention as attention_module
-    from flax import nnx
-
     graph, state = nnx.split(model)
+    attend = attention_module.dense_attention
 
     def loss(probes):
         seen = []
 
         def probed(q, k, v, *, causal):
-            o = attention_module.lb.dense_attention(q, k, v, causal=causal) + probes[len(seen)].astype(q.dtype)
+            o = attend(q, k, v, causal=causal) + probes[len(seen)].astype(q.dtype)
             seen.append((q, k, v))
             return o
 
@@ -60,7 +60,7 @@ def probed_loss(model, tokens: jax.Array):
 def zero_probes(model, tokens: jax.Array) -> list[jax.Array]:
     """One float32 zero (B, S, Hq, D) per layer: the probes of :func:`probed_loss`."""
     cfg = model.cfg
-    shape = (tokens.shape[0], tokens.shape[1], cfg.num_heads, cfg.head_dim or cfg.dim // cfg.num_heads)
+    shape = (tokens.shape[0], tokens.shape[1], cfg.num_heads, cfg.head_size)
     return [jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers)]
 
 
@@ -91,8 +91,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     log = functools.partial(print, flush=True)
     if args.smoke:
-        from flax import nnx
-
         from models import ModelConfig, TransformerLM
         cfg = ModelConfig(vocab_size=97, dim=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_hidden=256,
                           max_len=64, method="dense", qk_norm=False, dtype="float32")
@@ -124,8 +122,9 @@ def main(argv=None) -> int:
     worst = {fmt: {g: min(r["errors"][fmt][g] for r in rows) for g in GRADS} for fmt in FORMATS}
     mean = {fmt: {g: float(np.mean([r["errors"][fmt][g] for r in rows])) for g in GRADS} for fmt in FORMATS}
     payload = dict(env=environment(), source=source, dtype=str(captured[0][0].dtype),
-                   shape=list(captured[0][0].shape), kv_shape=list(captured[0][1].shape), rows=rows, worst=worst, mean=mean,
-                   paper=PAPER, command="PYTHONPATH=. python benchmarks/activations.py" + (" --smoke" * args.smoke))
+                   shape=list(captured[0][0].shape), kv_shape=list(captured[0][1].shape), rows=rows, worst=worst,
+                   mean=mean, paper=PAPER,
+                   command="PYTHONPATH=. python benchmarks/activations.py" + (" --smoke" * args.smoke))
     write_json("activations_smoke" if args.smoke else "activations", payload)
     return 0
 
