@@ -56,8 +56,8 @@ def filled_caches(model: TransformerLM, batch: int, length: int, seed: int = 0) 
         shape, dt = (b, length, h, d), jnp.dtype(model.cfg.dtype)
         k = jax.random.normal(keys[2 * i], shape, dt)
         v = jax.random.normal(keys[2 * i + 1], shape, dt)
-        filled.append({"k": cache["k"].at[:, :length].set(k), "v": cache["v"].at[:, :length].set(v),
-                       "length": jnp.asarray(length, jnp.int32)} if dense else cache.append(k, v))
+        filled.append(dict(cache, k=cache["k"].at[:, :length].set(k), v=cache["v"].at[:, :length].set(v),
+                           length=jnp.asarray(length, jnp.int32)) if dense else cache.append(k, v))
     return filled
 
 

@@ -464,3 +464,18 @@ def test_cached_attention_of_a_long_prompt_holds_a_bounded_score_tensor():
     temp = lambda fn: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
     chunked, whole = temp(cached_attention), temp(lowbit_jax.dense._masked_attention)
     assert whole > 4 * 2**30 * 0.6 and chunked < 2**30
+
+
+def test_serving_benchmark_decodes_filled_caches_as_the_model_does():
+    """benchmarks/serving.py's filled caches are the model's own cache structure (they once lacked a key the
+    16-bit append reads), and every method decodes from the same cached keys: thrift with every block in
+    16-bit (f = 1) picks dense's greedy tokens."""
+    from benchmarks import serving
+
+    model = models.TransformerLM(models.model_config("tiny", method="dense", max_len=256), rngs=nnx.Rngs(0))
+    empty, filled = model.init_cache(2), serving.filled_caches(model, 2, 100)
+    assert jax.tree.structure(filled) == jax.tree.structure(empty)
+    assert all(int(c["length"]) == 100 for c in filled)
+    row = serving.run("tiny", 2, 100, steps=1, rounds=1, budgets=(1.0,),
+                      impl=dict(implementation="pallas", interpret=True), log=lambda *_: None)
+    assert row["first_tokens"]["thrift f=1"] == row["first_tokens"]["dense"]
