@@ -224,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--steps", type=int, default=50, help="decode steps per method per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS),
+                        help="thrift's 16-bit budgets f (each method holds its own caches: fewer fit longer ones)")
     parser.add_argument("--smoke", action="store_true", help="preset tiny, B2, a 200-token cache, 2 steps")
     parser.add_argument("--prefill", action="store_true", help="a prompt through the cache (op and model)")
     args = parser.parse_args(argv)
@@ -242,7 +244,8 @@ def main(argv=None) -> int:
         impl = dict(implementation="pallas", interpret=True)
     env = environment()
     print(f"# {env}")
-    rows = [run(args.preset, args.batch, n, steps=args.steps, rounds=args.rounds, impl=impl) for n in args.lengths]
+    rows = [run(args.preset, args.batch, n, steps=args.steps, rounds=args.rounds, budgets=tuple(args.budgets),
+                impl=impl) for n in args.lengths]
     payload = dict(env=env, command=command.strip(), rows=rows)
     for p in write_json("serving_smoke" if args.smoke else "serving", payload):
         print(f"wrote {p}")
