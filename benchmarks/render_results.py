@@ -354,7 +354,8 @@ def render_qat_training(runs: list[dict]) -> list[str]:
 
 
 def render_training(data: dict) -> list[str]:
-    out = ["", "## Training step throughput (dense vs sage attention, same run)", "",
+    r0 = data["rows"][0]
+    out = ["", f"## Training step throughput, preset {r0['preset']} (dense vs sage attention, same run)", "",
            f"{_provenance(data)}. Command: `{data['command'].strip()}`. Jitted train step (fwd + bwd + AdamW, bf16 compute), "
            "MFU = (6·N + 6·L·S·d) FLOPs per token × tokens/s / 989 TFLOP/s. dense = cuDNN flash attention."
            + " sage: the model hands q and k to `sage_attention` before QK-norm and RoPE (`lb.QKPrologue`: the "
