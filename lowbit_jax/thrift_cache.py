@@ -30,13 +30,16 @@ touches from the 16-bit values, so a partially filled group is always the quanti
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit_jax._checks import check_bool, check_implementation
 from lowbit_jax._x32 import x32
 from pallas_kernels.numerics import nvfp4
+from pallas_kernels.thrift_append import thrift_append_token
 from lowbit_jax.thrift_reference import check_key_blocks
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -113,11 +116,15 @@ class ThriftKVCache:
                 "k_mean": size(self.k_mean)}
 
     @x32
-    def append(self, k_new: jax.Array, v_new: jax.Array) -> "ThriftKVCache":
+    def append(self, k_new: jax.Array, v_new: jax.Array, *, implementation: str | None = None,
+               interpret: bool = False) -> "ThriftKVCache":
         """Write T new tokens at ``length`` into every part of the cache; returns the new cache.
 
         Args:
           k_new, v_new: (B, T, Hkv, D), 1 ≤ T ≤ max_len, in any float dtype (cast to the cache's).
+          implementation: "pallas" (one token: :func:`pallas_kernels.thrift_append.thrift_append_token`, one
+            launch; more tokens take the XLA route), "xla", or None: "pallas" on a GPU, else "xla".
+          interpret: the kernel in Pallas interpret mode (runs anywhere).
         Returns:
           The cache with ``length + T`` tokens. Past ``max_len``: ``ValueError`` outside ``jit``; under ``jit``
           nothing is written and ``overflow`` is set (see the module docstring).
@@ -138,6 +145,9 @@ class ThriftKVCache:
         if not isinstance(self.length, jax.core.Tracer) and int(self.length) + t > self.max_len:
             raise ValueError(f"appending {t} tokens to a cache holding {int(self.length)} of max_len {self.max_len}: "
                              f"it would overflow (create the cache with a larger max_len)")
+        impl = check_implementation(implementation, check_bool("interpret", interpret))
+        if t == 1 and impl == "pallas":
+            return _append_token(self, k_new, v_new, interpret=interpret)
         return _append(self, k_new, v_new)
 
     @property
@@ -183,3 +193,17 @@ class ThriftKVCache:
 
 
 _append = jax.jit(ThriftKVCache._append)  # one compiled update per (cache, T) shape, also when called eagerly
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _append_token(cache: ThriftKVCache, k_new: jax.Array, v_new: jax.Array, *, interpret: bool) -> ThriftKVCache:
+    """:meth:`ThriftKVCache._append` of one token by the append kernel (the same arrays)."""
+    start = cache.length
+    fits = start + 1 <= cache.max_len
+    meta = jnp.stack([start, fits.astype(jnp.int32)])
+    rows = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  (B, 1, Hkv, D) -> (B, Hkv, 1, D), a free reshape
+    k, v, k4, k4_scale, v4, v4_scale, k_mean = thrift_append_token(
+        meta, rows(k_new), rows(v_new), cache.k, cache.v, cache.k4, cache.k4_scale, cache.v4, cache.v4_scale,
+        cache.k_mean, block=cache.block, interpret=interpret)
+    return dataclasses.replace(cache, k=k, v=v, k4=k4, k4_scale=k4_scale, v4=v4, v4_scale=v4_scale, k_mean=k_mean,
+                               length=jnp.where(fits, start + 1, start), overflow=cache.overflow | ~fits)

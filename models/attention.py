@@ -199,6 +199,11 @@ class Attention(nnx.Module):
         if not self.causal:
             raise ValueError("the KV-cache paths (prefill, decode) attend causally: this attention has causal=False")
 
+    def _append_options(self) -> dict:
+        """The attention options that pick ThriftKVCache.append's implementation (its one-token kernel)."""
+        return {key: self.attention_options[key] for key in ("implementation", "interpret")
+                if key in self.attention_options}
+
     def _thrift_prefill(self, q, k, v, cache):
         """A prompt into an empty cache: the prefill over the prompt alone, then the prompt cached."""
         o = lb.thrift_attention(q, k, v, causal=True, **self.attention_options)
@@ -251,7 +256,7 @@ class Attention(nnx.Module):
         if self.method == "thrift":
             q, k, v = self._qkv(x, cache.length + jnp.arange(t))
             if t == 1:
-                cache = cache.append(k, v)
+                cache = cache.append(k, v, **self._append_options())
                 o = lb.thrift_decode(q, cache, **self.attention_options)
             else:
                 o, cache = jax.lax.cond(cache.length == 0, self._thrift_prefill, self._thrift_decode_chunks,

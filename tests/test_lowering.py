@@ -253,6 +253,18 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
+@pytest.mark.parametrize("d, block, dtype", [(128, 64, jnp.bfloat16), (64, 32, jnp.float32), (32, 128, jnp.float16)])
+def test_thrift_token_append_lowers_to_triton(d, block, dtype):
+    """The one-token cache append kernel, with every cache array aliased to its output (written in place)."""
+    from lowbit_jax import thrift_cache
+
+    cache = jax.eval_shape(lambda: lb.ThriftKVCache.create(2, 8192, 8, d, dtype=dtype, block=block))
+    row = jax.ShapeDtypeStruct((2, 1, 8, d), dtype)
+    text = lower_for_h200(lambda c, k, v: thrift_cache._append_token(c, k, v, interpret=False), cache, row, row)
+    assert triton_named(text, "thrift_append_token")
+    assert text.count("output_operand_alias<") == 7
+
+
 @pytest.mark.parametrize("causal, ds_scale, sq, d, granularity, fused", [
     (False, "tile", 1024, 128, "per_token", False), (True, "tile", 384, 128, "per_token", False),
     (True, "row", 380, 128, "per_token", False), (True, "tile", 300, 64, "per_block", True),
