@@ -13,8 +13,10 @@ for dP).
   transposed and each step's dŜK̂ is reduce-added by TMA into a float32 dQ (FlashAttention-3's accumulation,
   :mod:`pallas_kernels.reduce_add`). K̂ and Ṽ rows come in :mod:`pallas_kernels.key_pairs` order, so the
   transposed copy is two ``stmatrix.trans`` per thread and step; dK and dV leave in natural order. At head dim 128
-  each 64-column chunk of dQ has its own float32 stage, freed while the step's products run; at 64 the stage holds
-  its columns permuted (:mod:`pallas_kernels.dq_stage`: conflict-free 16-byte stores).
+  the two warpgroups split dQ by columns (:func:`_split_dq`): after a barrier that exchanges their dŜ tiles, each
+  reduce-adds one 64-column half over the CTA's 128 keys (half the float32 traffic of one 64 × 128 tile per
+  warpgroup, which was most of dQ's cost); at 64 the stage holds its columns permuted
+  (:mod:`pallas_kernels.dq_stage`: conflict-free 16-byte stores).
 * ``sage_bwd_dq_mosaic`` — the separate dQ kernel (``dq_kernel="separate"``, and per-token scales): grid (query
   head, 128-query block, batch); each compute warpgroup holds a 64-query tile and loops over the 64-key tiles.
 
@@ -60,7 +62,7 @@ from pallas_kernels.reduce_add import (
     reduce_add_stage, reduce_add_total,
 )
 from pallas_kernels.register_operands import int8_operand_in_smem, register_operand
-from pallas_kernels.warp_reduce import tile_absmax
+from pallas_kernels.warp_reduce import tile_absmax, tile_absmax_of
 
 LOG2E = math.log2(math.e)
 TILE = 64  # rows per compute warpgroup, and the pipelined tile
@@ -178,11 +180,12 @@ class DkdvParams:
     scale: float | None
     permuted: bool
     interpret: bool
+    split_dq: bool = False
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
                  *refs, p: DkdvParams, k_tiles, v_tiles, k_scales, row_max, barriers, dk_tiles=None, p_tiles=None,
-                 ds_tiles=None, kt_tiles=None, dsq_tiles=None, dq_stage=None):
+                 ds_tiles=None, kt_tiles=None, dsq_tiles=None, dq_stage=None, exchange=None):
     """dK, dV; if ``p.fused_dq`` also dQ, reduce-added into the float32 ``dq_ref``
     (``reduce_add.reduce_add_matmul``). ``refs``: [kt_ref, dq_ref], dk_ref, dv_ref. The scratch, per compute
     warpgroup: K̂, Ṽ and K's scales, the row-maximum words of the dS tile maximum, the barriers; unfused the dK
@@ -196,6 +199,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     stages, group, n_qtiles, per_block, head_dim = p.stages, p.group, p.n_qtiles, p.per_block, p.head_dim
     causal, offset, ds_per_row, fused_dq, operand = p.causal, p.offset, p.ds_per_row, p.fused_dq, p.operand
     scale, permuted, interpret, fused = p.scale, p.permuted, p.interpret, not p.interpret
+    split_dq = p.split_dq
     wg = lax.axis_index("wg")
     shape = (TILE, TILE)  # (keys, queries)
     i8, f16 = jnp.int8, do_ref.dtype
@@ -264,6 +268,11 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     def backprop(idx, q_smem, qs_smem, qt_smem, lse_smem, delta_smem, do_smem, dot_smem, dosc_smem, carry):
         dk_acc, dv_acc = carry
         k_smem, vd_smem = k_smem2.at[wg], vd_smem2.at[wg]
+        # split dQ: the dŜ tiles and tile-maximum words alternate between two buffers by step, so a warpgroup
+        # rewrites one only after the other warpgroup has passed the exchange of the step that read it
+        parity = lax.rem(idx[0], 2) if split_dq else None
+        red_smem = red_smem2.at[parity, wg] if split_dq else red_smem2.at[wg]
+        dsq_smem = (dsq_smem2.at[parity, wg] if split_dq else dsq_smem2.at[wg]) if fused_dq else None
         p_smem = p_smem2.at[wg] if smem_p else None
         ds_smem = ds_smem2.at[wg] if smem_ds else None
         qs = None if per_block else col_vector(qs_smem)  # per-token Q scales
@@ -290,16 +299,18 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         # dSᵀ = Pᵀ ∘ (dPᵀ − D), one scale per tile, for dK += dŜᵀQ̂
         dst = pt * (dpt - cols_of(col_vector(delta_smem), shape))
         if per_block:
-            ds8, ds_scale = _ds_quantize(dst, red_smem2.at[wg], ds_per_row, interpret)
+            ds8, ds_scale = _ds_quantize(dst, red_smem, ds_per_row, interpret)
             factor = ds_scale * q0 * (1.0 / LOG2E)
         else:
-            ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem2.at[wg], ds_per_row, interpret)
+            ds8, ds_scale = _ds_quantize(dst * cols_of(qs, shape), red_smem, ds_per_row, interpret)
             factor = ds_scale * (1.0 / LOG2E)
         ds_op = a_operand(ds8, ds_smem)
         if fused_dq:  # dŜ (queries × keys), keys contiguous: the A operand of dQ += dŜK̂ (per-tile scale)
-            key_pairs.store_transposed(dsq_smem2.at[wg], ds8, interpret)
+            key_pairs.store_transposed(dsq_smem, ds8, interpret)
         if fused_dq or smem_p or smem_ds:
             plgpu.commit_smem()  # P̂ or dŜ went to SMEM, or dŜ transposed
+        if split_dq:  # this warpgroup's dŜ and tile maximum are in SMEM for the other's half of dQ
+            plgpu.barrier_arrive(exchange)
         # dV and dK (INT8): issued together at head dim 64 (causal, with the fused dQ, dQ's dŜK̂ too); at 128
         # one after the other, since two (64 × 128) int32 products beside the dK, dV accumulators spill registers
         products = ((p_op, dot_smem.T), (ds_op, qt_smem.T))
@@ -313,7 +324,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         if dq_joins:  # the dQ stage freed while the three run (reduce_add.early_stage_wait)
             free = early_stage_wait()
             dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
-                                                (*products, (dsq_smem2.at[wg], kt_smem.T)), fused=fused,
+                                                (*products, (dsq_smem, kt_smem.T)), fused=fused,
                                                 issued=free)
         elif head_dim <= 64:
             dv_part, dk_part = matmuls((out_shape,) * 2, (jnp.int32,) * 2, products, fused=fused)
@@ -326,8 +337,11 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
             reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
                                factor=dq_factor, waited=True, permuted=permuted)
+        elif split_dq:
+            _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2, stage2.at[wg],
+                      dq_dst, scale=scale, interpret=interpret)
         elif fused_dq:  # at head dim 128 the stage is freed while this product runs (at 64 that measured slower)
-            reduce_add_matmul(stage2.at[wg], dsq_smem2.at[wg], lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
+            reduce_add_matmul(stage2.at[wg], dsq_smem, lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
                               early=head_dim >= 128, permuted=permuted)
         return dk_acc, dv_acc
@@ -340,6 +354,27 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     pipeline = compute_pipeline(step, compute, steps=group * n_vis, compute_wgs=WGS, stages=stages,
                                 in_specs=in_specs(head_and_tile))
     pipeline(*gmem(b, hkv))
+
+
+def _split_dq(exchange, parity, wg, own_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2, stage, dst, *,
+              scale: float, interpret: bool) -> None:
+    """dQ at head dim 128, split by columns between the two compute warpgroups: warpgroup w reduce-adds dQ's
+    64-column half w over the CTA's 128 keys, the sum over both warpgroups h of dŜ_h · K̂_h[:, half w] · s_h (each
+    dŜ tile with its own scale s_h = s_dS · s_K · softmax scale; the other warpgroup's rebuilt from its tile-maximum
+    words). One (64 × 64) float32 tile a warpgroup and step goes through SMEM to GMEM instead of a (64 × 128) one:
+    half the reduce-add traffic, which was most of dQ's cost. Waits on ``exchange`` first (both warpgroups' dŜ
+    stored and committed). The two warpgroups are indexed by ``wg`` and ``1 − wg`` (traced, not literal
+    indices, which Mosaic GPU cannot carry through the products' ``run_state``)."""
+    plgpu.barrier_wait(exchange)
+    other = 1 - wg
+    cols = pl.ds(wg * REDUCE_COLS, REDUCE_COLS)
+    other_factor = (int8.scale_from_amax(tile_absmax_of(red_smem2.at[parity, other], interpret))
+                    * scalar(ks_smem2.at[other]) * scale)
+    parts = matmuls(((TILE, REDUCE_COLS),) * 2, (jnp.int32,) * 2,
+                    tuple((dsq_smem2.at[parity, h], kt_smem2.at[h].at[cols].T) for h in (wg, other)),
+                    fused=not interpret, issued=early_stage_wait())
+    total = parts[0].astype(jnp.float32) * own_factor + parts[1].astype(jnp.float32) * other_factor
+    reduce_add_product(stage, total, dst(cols), interpret=interpret, waited=True)
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -458,11 +493,14 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         raise ValueError("operand_order_in: the kernel takes Q̂ᵀ, dÔᵀ in operand order only where "
                          "takes_operand_order()")
     kv_blocks = sk_pad // (WGS * TILE)
+    split_dq = fused_dq and d == WGS * REDUCE_COLS  # dQ's columns split between the warpgroups (_split_dq)
     params = DkdvParams(head_dim=d, group=hq // hkv, n_qtiles=sq_pad // TILE, stages=_dkdv_stages(d), causal=causal,
                         offset=sk_len - sq_len, per_block=per_block, ds_per_row=ds_per_row, fused_dq=fused_dq,
-                        operand=operand_order_in, scale=scale, permuted=permuted, interpret=interpret)
+                        operand=operand_order_in, scale=scale, permuted=permuted, interpret=interpret,
+                        split_dq=split_dq)
+    buffers = (2,) if split_dq else ()  # split dQ: two of the exchanged scratch, alternating by step
     scratch = dict(k_tiles=wg_tiles(WGS, TILE, i8, d), v_tiles=wg_tiles(WGS, TILE, f16, d),
-                   k_scales=plgpu.SMEM((WGS, TILE), f32), row_max=plgpu.SMEM((WGS, TILE), f32),
+                   k_scales=plgpu.SMEM((WGS, TILE), f32), row_max=plgpu.SMEM((*buffers, WGS, TILE), f32),
                    barriers=plgpu.Barrier(num_barriers=(4 if fused_dq else 3, WGS)))
     if not fused_dq:
         scratch["dk_tiles"] = wg_tiles(WGS, TILE, f16, d)
@@ -473,8 +511,11 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         # K̂ᵀ, dŜ (queries × keys) and the float32 stage per warpgroup; the float32 dQ (one per key block
         # and warpgroup interpreted)
         chunks = d // REDUCE_COLS  # one stage per 64-column chunk: a chunk waits only for its own last copy
-        scratch.update(kt_tiles=wg_tiles(WGS, d, i8, TILE), dsq_tiles=wg_tiles(WGS, TILE, i8, TILE),
-                       dq_stage=reduce_add_stage(WGS, TILE, chunks))
+        scratch.update(kt_tiles=wg_tiles(WGS, d, i8, TILE),
+                       dsq_tiles=plgpu.SMEM((*buffers, WGS, TILE, TILE), i8, transforms=tile_transforms(i8, TILE)),
+                       dq_stage=reduce_add_stage(WGS, TILE, 1 if split_dq else chunks))
+        if split_dq:
+            scratch["exchange"] = plgpu.Barrier(num_arrivals=WGS)
         args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
                                               after=do, zeros=dq_zeros)]
     elif dq_zeros is not None:

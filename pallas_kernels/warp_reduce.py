@@ -40,6 +40,15 @@ def tile_absmax(x: jax.Array, scratch, interpret: bool) -> jax.Array:
     return jnp.max(col_vector(scratch))
 
 
+def tile_absmax_of(scratch, interpret: bool) -> jax.Array:
+    """The value :func:`tile_absmax` returned, re-read from the ``scratch`` it used: by another warpgroup, after a
+    barrier both passed once that call was done. Compiled, the maximum of its four warp words; interpreted, of
+    its row maxima. The same bits as the call's result (NaN propagates)."""
+    if interpret:
+        return jnp.max(col_vector(scratch))
+    return jnp.maximum(jnp.maximum(scratch[0], scratch[1]), jnp.maximum(scratch[2], scratch[3]))
+
+
 def _thread_values(arr) -> list:
     """In inline Mosaic GPU: this thread's scalar values of the fragmented array ``arr``, register by register."""
     from jax._src.lib.mlir import ir
@@ -125,4 +134,4 @@ def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
     return _vote(plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)))
 
 
-__all__ = ["tile_absmax", "warp_any_above"]
+__all__ = ["tile_absmax", "tile_absmax_of", "warp_any_above"]

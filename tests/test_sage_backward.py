@@ -189,13 +189,16 @@ def test_mosaic_kernel_gradients_match_xla_backward(case, pv_format):
         assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
 
 
-@pytest.mark.parametrize("dq_kernel, fwd_backend", [("fused", "triton"), ("separate", "triton"),
-                                                     ("fused", "mosaic")])
-def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel, fwd_backend):
+@pytest.mark.parametrize("dq_kernel, fwd_backend, d", [("fused", "triton", 64), ("separate", "triton", 64),
+                                                        ("fused", "mosaic", 64), ("fused", "triton", 128)])
+def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel, fwd_backend, d):
     """Blocks of 64 keys and 64 queries: the two compute warpgroups of a dK/dV CTA (128 keys) hold K tiles with
     different per-block scales, and each takes its own scalar (``_mosaic.scalar``) for S and the fused dQ; in the
-    Mosaic forward each warpgroup's 64 queries and each 64-key step take one scalar product of their scales."""
-    q, k, v = make_qkv(1, 128, 256, 4, 2, 64, dtype=jnp.bfloat16, seed=11, k_outlier=3.0)
+    Mosaic forward each warpgroup's 64 queries and each 64-key step take one scalar product of their scales. At
+    head dim 128 the fused dQ is split by columns (``sage_bwd_mosaic._split_dq``): each warpgroup's half sums both
+    warpgroups' dŜ tiles, the other's with the scale rebuilt from its tile-maximum words (swapped or shared
+    scales would miss the reference by the 4× between the K blocks)."""
+    q, k, v = make_qkv(1, 128, 256, 4, 2, d, dtype=jnp.bfloat16, seed=11, k_outlier=3.0)
     k = k * jnp.where(jnp.arange(256) % 128 < 64, 1.0, 4.0)[None, :, None, None].astype(k.dtype)
     q = q * jnp.where(jnp.arange(128) < 64, 1.0, 3.0)[None, :, None, None].astype(q.dtype)
     do = cotangent(q)
@@ -251,10 +254,11 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
 @pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, True), (64, False)])
 def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal):
     """The fused dQ's TMA reduce-adds go through float32 SMEM stages, which each reduce-add may rewrite only after
-    ``reduce_add.stage_free`` (wait for earlier copies to have read them). At D128 each of the two column chunks has its
-    own stage: the wait then lets the one most recent copy (the other chunk's) stay in flight, ``pending=1``. Where
-    the stage is freed early the wait runs as the product's ``issued`` hook (while it is on the tensor cores), else
-    inside ``reduce_add_out``; either way exactly one wait precedes each reduce-add. The interpreter's copies are
+    ``reduce_add.stage_free`` (wait for earlier copies to have read them). Each warpgroup makes one reduce-add a
+    step from its one stage (at D128 its 64-column half of dQ, ``sage_bwd_mosaic._split_dq``), so the wait leaves
+    no copy in flight, ``pending=0``. Where the stage is freed early the wait runs as the product's ``issued`` hook
+    (while it is on the tensor cores), else inside ``reduce_add_out``; either way exactly one wait precedes each
+    reduce-add. The interpreter's copies are
     synchronous, so a missing or too-loose wait would not change its values: the protocol is checked on the traced
     kernel (D64 causal: dQ's product joins dV's and dK's, freed early; D64 non-causal: after their wait, freed
     late)."""
@@ -264,9 +268,8 @@ def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal):
     fn = functools.partial(lb.sage_attention, causal=causal, qk_granularity="per_block", implementation="pallas",
                            config=dataclasses.replace(MOSAIC, dq_kernel="fused"), interpret=True)
     events = trace_stage_waits(monkeypatch, reduce_add, fn, q, k, v)
-    chunks = d // reduce_add.REDUCE_COLS
-    assert [e[0] for e in events] == ["free", "out"] * chunks, events  # one kernel trace: a wait before each add
-    assert {e[1] for e in events if e[0] == "free"} == {1 if chunks > 1 else 0}
+    assert [e[0] for e in events] == ["free", "out"], events  # one kernel trace: a wait before the add
+    assert {e[1] for e in events if e[0] == "free"} == {0}
     assert {e[1] for e in events if e[0] == "out"} == {d > 64 or causal}
 
 

@@ -17,18 +17,24 @@ from pallas_kernels import _mosaic, warp_reduce
 WGS = 2
 
 
-def _tile_max_kernel(interpret: bool, scratch_rows: int = 64):
+def _tile_max_kernel(interpret: bool, scratch_rows: int = 64, exchanged: bool = False):
     """a (WGS, 64, 64) bf16, e (64, 64) bf16 → per warpgroup w: t = a[w]·eᵀ (a float32 WGMMA tile) and the tile
-    filled with ``tile_absmax(t)``: (WGS, 64, 64) float32."""
+    filled with ``tile_absmax(t)``: (WGS, 64, 64) float32. ``exchanged``: filled instead with the *other*
+    warpgroup's maximum, re-read from its scratch by ``tile_absmax_of`` after a barrier both pass (as SageBwd's
+    split dQ does)."""
     plgpu = _mosaic.plgpu
 
-    def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, red_s, bar):
+    def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, red_s, bar, xbar):
         wg = jax.lax.axis_index("wg")
         for i, (src, dst) in enumerate(((a_ref.at[wg], a_s.at[wg]), (e_ref, e_s.at[wg]))):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[2 * wg + i])
             plgpu.barrier_wait(bar.at[2 * wg + i])
         t = _mosaic.matmul((64, 64), jnp.float32, a_s.at[wg], e_s.at[wg].T)
         m = warp_reduce.tile_absmax(t, red_s.at[wg], interpret)
+        if exchanged:
+            plgpu.barrier_arrive(xbar)
+            plgpu.barrier_wait(xbar)
+            m = warp_reduce.tile_absmax_of(red_s.at[1 - wg], interpret)
         o_s[wg] = jnp.maximum(t * 0.0, m)  # every entry m (m > 0; t finite)
         _mosaic.copy_out(((o_s.at[wg], o_ref.at[wg]),))
 
@@ -36,7 +42,8 @@ def _tile_max_kernel(interpret: bool, scratch_rows: int = 64):
     tiles = lambda dt: plgpu.SMEM((WGS, 64, 64), dt, transforms=_mosaic.tile_transforms(dt, 64))  # noqa: E731
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((WGS, 64, 64), jnp.float32),
                         scratch_types=[tiles(bf16), tiles(bf16), plgpu.SMEM((WGS, 64, 64), jnp.float32),
-                                       plgpu.SMEM((WGS, scratch_rows), jnp.float32), plgpu.Barrier(num_barriers=2 * WGS)],
+                                       plgpu.SMEM((WGS, scratch_rows), jnp.float32), plgpu.Barrier(num_barriers=2 * WGS),
+                                       plgpu.Barrier(num_arrivals=WGS)],
                         num_threads=WGS, thread_name="wg", compiler_params=_mosaic.compiler_params(),
                         interpret=_mosaic.interpret_params(interpret))
 
@@ -52,27 +59,31 @@ def _inputs(seed: int, where: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     return a.astype(jnp.bfloat16), np.eye(64, dtype=jnp.bfloat16)
 
 
-def _expected(a: np.ndarray) -> np.ndarray:
-    return np.broadcast_to(np.abs(a.astype(np.float32)).max(axis=(1, 2))[:, None, None], a.shape)
+def _expected(a: np.ndarray, exchanged: bool = False) -> np.ndarray:
+    m = np.abs(a.astype(np.float32)).max(axis=(1, 2))
+    return np.broadcast_to((m[::-1] if exchanged else m)[:, None, None], a.shape)
 
 
+@pytest.mark.parametrize("exchanged", [False, True])
 @pytest.mark.parametrize("where", [(3, 60), (37, 1), (63, 31)])
-def test_tile_max_interpreted(where):
+def test_tile_max_interpreted(where, exchanged):
     a, e = _inputs(len(where) + where[0], where)
     with jax.default_device(jax.devices("cpu")[0]):  # the interpreter's warpgroups wait for each other in host
-        got = _tile_max_kernel(True)(a, e)            # callbacks, which a GPU backend may run one at a time
-    np.testing.assert_array_equal(np.asarray(got), _expected(a))
+        got = _tile_max_kernel(True, exchanged=exchanged)(a, e)  # callbacks, which a GPU backend may run one at a time
+    np.testing.assert_array_equal(np.asarray(got), _expected(a, exchanged))
 
 
-def test_tile_max_compiled(monkeypatch):
+@pytest.mark.parametrize("exchanged", [False, True])
+def test_tile_max_compiled(monkeypatch, exchanged):
     """Lowered for an H200 on any machine (the inline ``redux.sync`` route is the one lowered); compiled on a
-    Hopper GPU against numpy, the maximum planted in each warp in turn."""
+    Hopper GPU against numpy, the maximum planted in each warp in turn; ``exchanged``, each warpgroup's re-read
+    of the other's four words (``tile_absmax_of``)."""
     import h200
 
     calls = []
     real = warp_reduce._warp_absmax
     monkeypatch.setattr(warp_reduce, "_warp_absmax", lambda *a: calls.append(1) or real(*a))
-    kernel = _tile_max_kernel(False)
+    kernel = _tile_max_kernel(False, exchanged=exchanged)
     a, e = _inputs(0, (0, 0))
     jax.clear_caches()
     h200.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
@@ -81,7 +92,7 @@ def test_tile_max_compiled(monkeypatch):
         return
     for seed, row in enumerate((5, 16 + 9, 32 + 2, 48 + 15)):
         a, e = _inputs(seed, (row, 7 * seed + 3))
-        np.testing.assert_array_equal(np.asarray(kernel(a, e)), _expected(a))
+        np.testing.assert_array_equal(np.asarray(kernel(a, e)), _expected(a, exchanged))
 
 
 def test_tile_absmax_rejects_a_scratch_of_another_length():
