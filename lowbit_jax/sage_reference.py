@@ -59,7 +59,7 @@ def quantize_reference(q, k, v, *, scale, smooth_k, smooth_q, per_block, config,
     k8, ks, _ = sage_tiles.quantize_qk_tile(kt, kvalid, kmean_b, per_block=per_block, smooth_block=False,
                                             out_scale=1.0)
     vt, _ = to_tiles(v, config.block_k)
-    v8 = sage_tiles.quantize_v_tile(vt, kvalid, v_scale[:, :, None, None, :], config.pv_format)
+    v8 = sage_tiles.quantize_v_tile(vt, kvalid, v_scale[:, :, None, None, :], config.pv_format, arithmetic=True)
     sk_pad = kt.shape[2] * config.block_k
     q8 = q8.reshape(b, hq, -1, d)
     k8 = k8.reshape(b, hkv, sk_pad, d)
@@ -158,7 +158,7 @@ def _e4m3_pv(scores, c, m_cur, vt8, v_scale, *, sq_len, out_dtype):
     l = jnp.sum(gamma * jnp.sum(e, axis=-1), axis=-1)
     if c is not None:  # a non-finite scale makes the row NaN (as the kernels): its scores' signs could hide it
         l = l + jnp.sum(c - c, axis=-1)
-    p8 = e4m3.encode_probabilities(e).astype(jnp.float32)
+    p8 = e4m3.rounded(e)  # the kernels' e4m3 codes of P̃·448, as values (e4m3.rounded: why not a cast)
     v = vt8.reshape(b, hq, d, nkb, bk).astype(jnp.float32)
     pv = jnp.einsum("bhqnk,bhdnk->bhqnd", p8, v, precision=lax.Precision.HIGHEST)
     acc = jnp.sum(pv * gamma[..., None], axis=3)

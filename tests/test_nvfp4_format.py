@@ -218,6 +218,21 @@ def test_e4m3_by_conversion_saturates_as_e4m3_round():
                                   np.asarray(nvfp4.e4m3_round(x, assume_finite=True)))
 
 
+def test_signed_e4m3_rounding_in_arithmetic_is_the_cast():
+    """``e4m3.rounded`` (the references' e4m3 codes, by float arithmetic: XLA on the GPU drops a float32 → float8 →
+    float32 round trip) equals ml_dtypes' cast on every e4m3 value and midpoint of either sign with their float32
+    neighbours below 464, and gives NaN for NaN and ±inf."""
+    from pallas_kernels.numerics import e4m3
+
+    grid = _e4m3_values()
+    x = _with_neighbours(np.concatenate([grid, (grid[:-1] + grid[1:]) / 2])).astype(np.float32)
+    x = np.concatenate([x, -x])
+    x = x[np.abs(x) < 464]
+    want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(e4m3.rounded)(jnp.asarray(x))), want)
+    assert np.isnan(np.asarray(e4m3.rounded(jnp.asarray([np.nan, np.inf, -np.inf], jnp.float32)))).all()
+
+
 def test_bf16_reciprocal_of_every_e4m3_scale_is_safe_within_two_ulp():
     """bf16(1/sf) is the same for any float32 within 2 ulp of 1/sf, for every e4m3 sf (and sf = 1 of zero groups):
     so the kernels' ``rcp.approx.ftz.f32`` (at most 1 ulp off, PTX ISA) gives the references' bf16 reciprocal.

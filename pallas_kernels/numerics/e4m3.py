@@ -18,6 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.numerics.nvfp4 import e4m3_round
+
 #: e4m3's largest finite value: the code of a channel's amax and of P̃ = 1
 MAX = 448.0
 #: log2(MAX): P̃·448 = exp2(S − m + LOG2_MAX), the factor folded into the exponent
@@ -37,21 +39,38 @@ def scale_from_amax(amax: jax.Array) -> jax.Array:
     return jnp.where(amax == 0.0, 1.0, amax * (1.0 / MAX))
 
 
-def encode_with_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+def rounded(x: jax.Array) -> jax.Array:
+    """float32 ``x`` rounded to e4m3fn's grid (nearest, ties to even; NaN and ±inf give NaN) by float arithmetic,
+    as float32: the values of ``x.astype(DTYPE).astype(float32)`` for |x| < 464 (beyond, ±448 instead of NaN;
+    the codes here stay within ±448 by their scales).
+
+    For XLA graphs (the references): XLA on the GPU removes a float32 → float8 → float32 round trip as excess
+    precision (``xla_allow_excess_precision``), which left the e4m3 reference unrounded there, 2.5% off the
+    kernels in O. Kernels convert in hardware instead.
+    """
+    x = x.astype(jnp.float32)
+    magnitude = e4m3_round(jnp.abs(x))
+    return jnp.where(x < 0, -magnitude, magnitude)
+
+
+def encode_with_scale(x: jax.Array, scale: jax.Array, *, arithmetic: bool = False) -> jax.Array:
     """e4m3 codes of ``x · (1/scale)`` (the reciprocal per group, one multiply per element, as the INT8 ψ), rounded
     to nearest even; ``scale`` from :func:`scale_from_amax` of x's group keeps them within ±448.
 
     Args:
       x: float array; scale: float32 broadcastable to x, positive.
+      arithmetic: round by :func:`rounded` first (XLA graphs; the cast is then exact), not by the cast (kernels).
     Returns:
       float8_e4m3fn array of x's shape.
     """
-    return (x.astype(jnp.float32) * (1.0 / scale)).astype(DTYPE)
+    y = x.astype(jnp.float32) * (1.0 / scale)
+    return (rounded(y) if arithmetic else y).astype(DTYPE)
 
 
 def encode_probabilities(e: jax.Array) -> jax.Array:
-    """e4m3 codes of P̃·448 given as float32 in [0, 448] (the kernels fold the 448 into the exponent)."""
+    """e4m3 codes of P̃·448 given as float32 in [0, 448] (the kernels fold the 448 into the exponent); an XLA graph
+    takes their values as :func:`rounded` instead."""
     return e.astype(DTYPE)
 
 
-__all__ = ["DTYPE", "LOG2_MAX", "MAX", "encode_probabilities", "encode_with_scale", "scale_from_amax"]
+__all__ = ["DTYPE", "LOG2_MAX", "MAX", "encode_probabilities", "encode_with_scale", "rounded", "scale_from_amax"]

@@ -104,7 +104,8 @@ def quantize_qk_tile(
 PV_FORMATS = ("int8", "e4m3")
 
 
-def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array, fmt: str = "int8") -> jax.Array:
+def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array, fmt: str = "int8", *,
+                    arithmetic: bool = False) -> jax.Array:
     """Codes of a V tile with a given per-channel scale: INT8 (the paper's) or e4m3 (:mod:`.e4m3`).
 
     Args:
@@ -112,11 +113,14 @@ def quantize_v_tile(v: jax.Array, valid: jax.Array, v_scale: jax.Array, fmt: str
       valid: bool (..., rows, 1).
       v_scale: float32 (..., 1, D), from :func:`v_channel_scale` of the same ``fmt``.
       fmt: one of :data:`PV_FORMATS`.
+      arithmetic: e4m3 codes rounded in float arithmetic first (``e4m3.encode_with_scale``: XLA graphs).
     Returns:
       int8 or float8_e4m3fn (..., rows, D), invalid rows zero.
     """
     vf = jnp.where(valid, v.astype(jnp.float32), 0.0)
-    return (e4m3.encode_with_scale if fmt == "e4m3" else int8.encode_with_scale)(vf, v_scale)
+    if fmt == "e4m3":
+        return e4m3.encode_with_scale(vf, v_scale, arithmetic=arithmetic)
+    return int8.encode_with_scale(vf, v_scale)
 
 
 def v_scale_from_amax(amax: jax.Array, fmt: str = "int8") -> jax.Array:
