@@ -340,10 +340,10 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         elif split_dq:
             _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2, stage2.at[wg],
                       dq_dst, scale=scale, interpret=interpret)
-        elif fused_dq:  # at head dim 128 the stage is freed while this product runs (at 64 that measured slower)
+        elif fused_dq:  # head dim 64 non-causal: the stage freed after the product (freeing it early measured slower)
             reduce_add_matmul(stage2.at[wg], dsq_smem, lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
-                              early=head_dim >= 128, permuted=permuted)
+                              early=False, permuted=permuted)
         return dk_acc, dv_acc
 
     def a_operand(codes, scratch):  # an INT8 A operand of dV or dK (committed after both)
@@ -510,10 +510,9 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     if fused_dq:
         # K̂ᵀ, dŜ (queries × keys) and the float32 stage per warpgroup; the float32 dQ (one per key block
         # and warpgroup interpreted)
-        chunks = d // REDUCE_COLS  # one stage per 64-column chunk: a chunk waits only for its own last copy
         scratch.update(kt_tiles=wg_tiles(WGS, d, i8, TILE),
                        dsq_tiles=plgpu.SMEM((*buffers, WGS, TILE, TILE), i8, transforms=tile_transforms(i8, TILE)),
-                       dq_stage=reduce_add_stage(WGS, TILE, 1 if split_dq else chunks))
+                       dq_stage=reduce_add_stage(WGS, TILE))  # 64 columns a warpgroup at either head dim
         if split_dq:
             scratch["exchange"] = plgpu.Barrier(num_arrivals=WGS)
         args += [k8_t, reduce_add_accumulator((b, sq_pad, hq, d), (kv_blocks, WGS), interpret=interpret,
