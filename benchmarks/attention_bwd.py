@@ -352,8 +352,9 @@ def memory_table(log):
             for method in ("sage", "cudnn_bf16"):
                 cmd = [sys.executable, __file__, "--memory", method, setting, str(b), str(h), str(s), str(d),
                        str(int(causal))]
-                res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."},
-                                     timeout=240)
+                # the child allocates on demand: this process may still hold its preallocated share of the GPU
+                env = {**os.environ, "PYTHONPATH": ".", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+                res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
                 try:
                     got = json.loads(res.stdout.strip().splitlines()[-1])
                     row["peak_bytes"][method], row["temp_bytes"][method] = got["peak"], got["temp"]
