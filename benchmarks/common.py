@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
@@ -74,15 +75,35 @@ ROUNDS = 3
 ROUND_WARMUP = 5
 
 
-def time_rounds(timed: dict[str, tuple[Callable, tuple]], rounds: int,
+def chained(fn: Callable, calls: int) -> Callable:
+    """A jitted ``f(*args)`` that runs ``fn(*args)`` ``calls`` times in one ``fori_loop``, each call's first argument
+    (a float array) plus zero times a value of the previous call's output, so XLA neither hoists nor merges the
+    calls. For steps of tens of µs (one decode token), where back-to-back dispatches from the host take longer
+    than the GPU work and :func:`time_fn` would time the host: time this and divide by ``calls``."""
+
+    def run(first, *others):
+        def body(_, carry):
+            x, total = carry
+            y = jax.tree_util.tree_leaves(fn(x, *others))[0].ravel()[0].astype(jnp.float32)
+            return x + (y * 0).astype(x.dtype), total + y
+
+        return jax.lax.fori_loop(0, calls, body, (first, jnp.float32(0)))
+
+    return jax.jit(run)
+
+
+def time_rounds(timed: dict[str, tuple[Callable, tuple]], rounds: int, *, calls: int = 1,
                 **kw) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Each ``name: (fn, args)`` timed by :func:`time_fn` (``kw``) once per round, the entries interleaved round by
-    round, so a drift of the device's clocks moves every entry alike instead of the ones timed last. Returns the
-    median ms per entry over the rounds and each entry's per-round ms."""
+    round, so a drift of the device's clocks moves every entry alike instead of the ones timed last. ``calls`` > 1:
+    each entry runs ``calls`` times a dispatch (:func:`chained`) and the figure is per call. Returns the median ms
+    per entry over the rounds and each entry's per-round ms."""
+    if calls > 1:
+        timed = {name: (chained(fn, calls), args) for name, (fn, args) in timed.items()}
     per_round: dict[str, list[float]] = {name: [] for name in timed}
     for _ in range(rounds):
         for name, (fn, args) in timed.items():
-            per_round[name].append(time_fn(fn, *args, **kw))
+            per_round[name].append(time_fn(fn, *args, **kw) / calls)
     return {name: statistics.median(ts) for name, ts in per_round.items()}, per_round
 
 

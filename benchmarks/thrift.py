@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import RESULTS_DIR, attention_flops, environment, temp_mib, time_fn, time_rounds, write_json
+from benchmarks.common import (RESULTS_DIR, attention_flops, chained, environment, temp_mib, time_fn, time_rounds,
+                               write_json)
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax import thrift_backends
 from lowbit_jax.thrift_reference import decode_selection
@@ -55,10 +56,14 @@ DECODE_SHAPES = [(8, 32, 8, 8192, 128, 1), (8, 32, 8, 32768, 128, 1), (2, 32, 8,
 #: MHA, head dim 64 and 2–8 new tokens (speculative decoding): the default and the 16-bit path only
 DECODE_EXTRA_SHAPES = [(8, 32, 32, 32768, 128, 1), (8, 32, 8, 32768, 64, 1), (8, 32, 8, 32768, 128, 2),
                        (8, 32, 8, 32768, 128, 4), (8, 32, 8, 32768, 128, 8)]
-#: (budget, decode_splits, decode_splits_high), None: picked per call (ThriftConfig.for_decode); the first is the
-#: library default (its kernel is timed alone too)
-DECODE_VARIANTS = [(0.05, None, None), (0.05, 32, 8), (0.05, 64, 16), (0.25, None, None), (1.0, None, None),
-                   (0.0, None, None)]
+#: (budget, decode_splits, decode_splits_high, decode_backend), None: picked per call (ThriftConfig.for_decode); the
+#: first is the library default (its kernel is timed alone too), the second the same with one Triton kernel
+DECODE_VARIANTS = [(0.05, None, None, "auto"), (0.05, None, None, "triton"), (0.05, 32, 8, "auto"),
+                   (0.05, 64, 16, "auto"), (0.25, None, None, "auto"), (1.0, None, None, "auto"),
+                   (0.0, None, None, "auto")]
+#: decode steps a dispatch in the decode section's timings (:func:`benchmarks.common.chained`): one step takes tens
+#: of µs, less than the host needs to dispatch it
+DECODE_CALLS = 20
 SMOKE = dict(prefill=[(1, 4, 2, 256, 64, True)], decode=[(1, 4, 2, 256, 64, 1)], accuracy=(1, 4, 2, 512, 64))
 
 
@@ -324,8 +329,8 @@ DECODE_ROUNDS = 3
 def decode(log, smoke):
     rows = []
     impl = dict(implementation="pallas", interpret=True) if smoke else {}
-    shapes = [(x, DECODE_VARIANTS) for x in DECODE_SHAPES] + [(x, [DECODE_VARIANTS[0], (1.0, None, None)])
-                                                             for x in DECODE_EXTRA_SHAPES]
+    extra = [DECODE_VARIANTS[0], DECODE_VARIANTS[1], (1.0, None, None, "auto")]
+    shapes = [(x, DECODE_VARIANTS) for x in DECODE_SHAPES] + [(x, extra) for x in DECODE_EXTRA_SHAPES]
     for (b, hq, hkv, s, d, t), variants in [(x, DECODE_VARIANTS[:1]) for x in SMOKE["decode"]] if smoke else shapes:
         q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
         qt = q[:, -t:]
@@ -349,10 +354,10 @@ def decode(log, smoke):
             timed["cudnn_bf16"] = (cudnn, (qt, cache.k, cache.v, cache.length))
             row["bytes"]["cudnn_bf16"] = bf16_bytes
             row["error_vs_exact"]["cudnn_bf16"] = lb.error_metrics(cudnn(qt, cache.k, cache.v, cache.length), exact)
-        for f, splits, high in variants:
-            name = f"thrift_f{f:g}_s{splits or 'auto'}_h{high or 'auto'}"
+        for f, splits, high, backend in variants:
+            name = f"thrift_f{f:g}_s{splits or 'auto'}_h{high or 'auto'}" + ("" if backend == "auto" else f"_{backend}")
             cfg = dataclasses.replace(lb.ThriftConfig(), decode_splits=splits if not smoke else 2,
-                                      decode_splits_high=high if not smoke else 2)
+                                      decode_splits_high=high if not smoke else 2, decode_backend=backend)
             try:
                 fn = jax.jit(functools.partial(lb.thrift_decode, budget=f, config=cfg, **impl))
                 o = fn(qt, cache)
@@ -362,12 +367,14 @@ def decode(log, smoke):
                 moved = decode_bytes(cache, sel, qt, sum(resolved.split_counts()))
                 row["bytes"][name], row.setdefault("kv_bytes", {})[name] = moved["thrift"], moved["kv"]
                 row["error_vs_exact"][name] = lb.error_metrics(o, exact)
-                if (f, splits, high) == DECODE_VARIANTS[0]:
+                if (f, splits, high) == DECODE_VARIANTS[0][:3]:
                     row["kernel_ms"][name] = decode_kernel_ms(qt, cache, f, cfg, impl, iters)
             except Exception as e:  # noqa: BLE001
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
                 log(f"  {name} failed: {row['errors'][name]}")
-        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], warmup=1, iters=iters, batches=3)
+        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], calls=1 if smoke else DECODE_CALLS,
+                                                  warmup=1, iters=3 if smoke else 5, batches=3)
+        row["calls_per_dispatch"] = 1 if smoke else DECODE_CALLS
         row["gbps"] = {m: row["bytes"][m] / t / 1e6 for m, t in row["ms"].items() if m in row["bytes"]}
         base = row["ms"].get("xla_bf16")
         row["vs_xla_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
@@ -382,19 +389,35 @@ def decode(log, smoke):
 
 
 def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
-    """The split-KV kernel alone (selection, row layout and combine done outside the timing)."""
+    """The split-KV kernels alone (selection, row layout and combine done outside the timing): the Triton kernel,
+    or with the Mosaic backend (``cfg.decode_backend``, :func:`lowbit_jax.thrift_backends.takes_mosaic_decode`) the
+    Mosaic kernel of the 4-bit runs and the Triton kernel of the 16-bit ones; :data:`DECODE_CALLS` a dispatch."""
     from pallas_kernels.thrift_decode import thrift_decode
+    from pallas_kernels.thrift_decode_mosaic import thrift_decode_low
 
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    interpret = impl.get("interpret", False)
     rows = t * (hq // cache.num_kv_heads)
     cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block,
-                                            interpret=impl.get("interpret", False))
+    order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block, interpret=interpret)
     args = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
-    fn = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile,
-                           rows=rows, interpret=impl.get("interpret", False))
-    return time_fn(fn, *args, warmup=1, iters=iters, batches=3)
+    triton = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile, rows=rows,
+                               interpret=interpret)
+    if thrift_backends.takes_mosaic_decode(cfg, head_dim=d, row_tile=row_tile, interpret=interpret):
+        _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
+        n_low = (cache.length + cfg.block - 1) // cfg.block - n_high[0]
+
+        def kernels(qf, q_rows, *rest):  # qf first: chained() perturbs it, so neither kernel leaves the loop
+            low = thrift_decode_low(qf, positions, n_low, order, k4, ks, v4, vs, scale=d**-0.5, config=cfg,
+                                    row_tile=row_tile, interpret=interpret)
+            return low, triton(q_rows, qf, *rest, only_high=True)
+
+        fn, args = kernels, (qf, args[0]) + args[2:]
+    else:
+        fn = triton
+    calls = 1 if interpret else DECODE_CALLS
+    return time_fn(chained(fn, calls), *args, warmup=1, iters=max(1, iters // 4), batches=3) / calls
 
 
 def keep_other_sections(payload: dict, path, run: list[str]) -> dict:

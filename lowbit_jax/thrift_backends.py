@@ -38,6 +38,8 @@ from lowbit_jax.thrift_reference import (
 )
 from pallas_kernels import fake_quant as fake_quant_kernels
 from pallas_kernels import thrift_decode as thrift_decode_kernels
+from pallas_kernels import thrift_decode_mosaic
+from pallas_kernels._mosaic import on_hopper
 from pallas_kernels import thrift_prefill as thrift_prefill_kernels
 from pallas_kernels import thrift_select as thrift_select_kernels
 from pallas_kernels.configs import ThriftConfig, next_pow2
@@ -125,9 +127,21 @@ class TritonThrift:
         rows = t * (hq // cache.num_kv_heads)  # the kernel leaves the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
         order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
-        acc, m, l = thrift_decode_kernels.thrift_decode(*decode_kernel_args(q, cache, order, n_high, r_pad),
-                                                        scale=scale, config=config, row_tile=row_tile, rows=rows,
-                                                        interpret=interpret)
+        args = decode_kernel_args(q, cache, order, n_high, r_pad)
+        if not takes_mosaic_decode(config, head_dim=q.shape[-1], row_tile=row_tile, interpret=interpret):
+            acc, m, l = thrift_decode_kernels.thrift_decode(*args, scale=scale, config=config, row_tile=row_tile,
+                                                            rows=rows, interpret=interpret)
+        else:  # the 4-bit runs in the Mosaic GPU kernel, the 16-bit ones in the Triton kernel
+            _, qf_rows, positions, _, _, _, k4, k4_scale, v4, v4_scale, _ = args
+            n_low = (cache.length + config.block - 1) // config.block - n_high[0]
+            acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(
+                qf_rows, positions, n_low, order, k4, k4_scale, v4, v4_scale, scale=scale, config=config,
+                row_tile=row_tile, interpret=interpret)
+            acc = jnp.swapaxes(acc_t, -1, -2)
+            if config.split_counts()[1]:
+                high = thrift_decode_kernels.thrift_decode(*args, scale=scale, config=config, row_tile=row_tile,
+                                                           rows=rows, only_high=True, interpret=interpret)
+                acc, m, l = (jnp.concatenate(x, axis=2) for x in zip((acc, m, l), high))
         return decode_outputs(combine_splits(acc[..., :rows, :], m[..., :rows], l[..., :rows]), t, hq)
 
 
@@ -213,6 +227,14 @@ def prefill_order(selected: jax.Array, opts: ThriftOptions, first_block: jax.Arr
     width = next_pow2(nkb)  # the kernel loads a row of the order whole (a power of two)
     high = jnp.pad(selected[..., :nkb] != 0, ((0, 0), (0, 0), (0, 0), (0, width - nkb)))
     return block_order(high, counts)
+
+
+def takes_mosaic_decode(config: ThriftConfig, *, head_dim: int, row_tile: int, interpret: bool) -> bool:
+    """Whether a decode call runs its 4-bit runs in the Mosaic GPU kernel (``config.decode_backend``: "mosaic" where
+    the kernel covers the call, "auto" where it also runs compiled on an sm_90 GPU)."""
+    if config.decode_backend == "triton" or (config.decode_backend == "auto" and (interpret or not on_hopper())):
+        return False
+    return thrift_decode_mosaic.supports(head_dim=head_dim, block=config.block, row_tile=row_tile)
 
 
 def decode_layout(rows: int) -> tuple[int, int]:

@@ -376,6 +376,10 @@ class ThriftConfig:
         set both for outputs that do not.
       decode_warps, decode_stages: the decode kernel's launch parameters; ``None`` (default) picks them by its
         query rows per program (:meth:`decode_launch`).
+      decode_backend: the kernel of the decode's 4-bit runs: "mosaic" (Pallas Mosaic GPU, Hopper:
+        ``pallas_kernels.thrift_decode_mosaic``; the Triton kernel keeps the 16-bit runs), "triton" (one Triton
+        kernel for both), or "auto" (Mosaic where it runs compiled on an sm_90 GPU and covers the call). Not
+        numerics: both give the same partial softmaxes up to float rounding.
     """
 
     block: int = 64
@@ -392,6 +396,7 @@ class ThriftConfig:
     decode_splits_high: int | None = None
     decode_warps: int | None = None
     decode_stages: int | None = None
+    decode_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block", "num_warps", "quant_block", "quant_warps", "select_rows", "select_chunk",
@@ -413,6 +418,8 @@ class ThriftConfig:
         if self.prefill_chunk < self.select_rows:
             raise ValueError(f"ThriftConfig.prefill_chunk ({self.prefill_chunk}) must be a multiple of select_rows "
                              f"({self.select_rows})")
+        if self.decode_backend not in BACKENDS:
+            raise ValueError(f"ThriftConfig.decode_backend must be one of {BACKENDS}, got {self.decode_backend!r}")
         stages = 1 if self.decode_stages is None else self.decode_stages  # None: by the rows per program
         for name, value in (("num_stages", self.num_stages), ("decode_stages", stages)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -43,7 +43,7 @@ DOT_NN = (((1,), (0,)), ((), ()))
 
 def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref, k4_ref, ks_ref, v4_ref, vs_ref,
                    order_ref, acc_ref, m_ref, l_ref, *, block, splits_low, splits_high, score_scale, dtype,
-                   softmax_rows, skip_padding, interpret):
+                   softmax_rows, skip_padding, only_high, interpret):
     half, d = block // 2, q_ref.shape[-1]
     dg = d // 2 // nvfp4.GROUP  # K scale groups per half of the head dim
     vg = half // nvfp4.GROUP  # V scale groups per half of the key block
@@ -114,9 +114,12 @@ def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref,
         i0 = offset + index * per
         return lax.fori_loop(i0, jnp.minimum(i0 + per, offset + count), step, carry)
 
-    acc, m, l = lax.cond(split < splits_low,
-                         lambda: run(n_low, 0, split, splits_low, low_step),
-                         lambda: run(n_high, n_low, split - splits_low, splits_high, high_step))
+    if only_high:  # the 4-bit runs are another kernel's
+        acc, m, l = run(n_high, n_low, split, splits_high, high_step)
+    else:
+        acc, m, l = lax.cond(split < splits_low,
+                             lambda: run(n_low, 0, split, splits_low, low_step),
+                             lambda: run(n_high, n_low, split - splits_low, splits_high, high_step))
     # padding rows (position −1) stay unwritten; acc's rows past the softmax's repeat its rows
     tile_pos = pos_ref[...]
     real = (tile_pos >= 0) & (lax.broadcasted_iota(jnp.int32, (tile,), 0) < srows)
@@ -141,11 +144,11 @@ def _tiled(x: jax.Array, *, tile: int) -> jax.Array:
     return jnp.broadcast_to(x[None], (tile // x.shape[0],) + x.shape).reshape((tile,) + x.shape[1:])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "rows", "only_high", "interpret"))
 def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n_high: jax.Array, k16: jax.Array,
                   v16: jax.Array, k4: jax.Array, k4_scale_bits: jax.Array, v4: jax.Array, v4_scale_bits: jax.Array,
                   order: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int | None = None,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  only_high: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmaxes of the decode rows over each run of the cache's key blocks.
 
     Args:
@@ -163,20 +166,21 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
       rows: the real query rows (tokens × group), the first of R_pad; below R_pad the padding rows (position
         −1) are left unwritten, so slice ``[..., :rows, :]`` before
         :func:`lowbit_jax.thrift_reference.combine_splits`. None: every row is written.
+      only_high: run the 16-bit runs only (the 4-bit ones are :mod:`pallas_kernels.thrift_decode_mosaic`'s).
     Returns:
       acc (B, Hkv, splits, R_pad, D) float32 (unnormalized), m and l (B, Hkv, splits, R_pad) float32 (base 2),
-      splits = ``config.decode_splits + config.decode_splits_high``.
+      splits = ``config.decode_splits + config.decode_splits_high`` (``only_high``: ``config.decode_splits_high``).
     """
     splits_low, splits_high = config.split_counts()
     b, hkv, r_pad, d = q_rows.shape
     s_max = k16.shape[1]
-    splits = splits_low + splits_high
+    splits = splits_high if only_high else splits_low + splits_high
     n_rt = r_pad // row_tile
     softmax_rows = row_tile if rows is None else min(next_pow2(rows), row_tile)
     kernel = functools.partial(_decode_kernel, block=config.block, splits_low=splits_low,
                                splits_high=splits_high, score_scale=scale * LOG2E, dtype=q_rows.dtype,
                                softmax_rows=softmax_rows, skip_padding=rows is not None and rows < r_pad,
-                               interpret=interpret)
+                               only_high=only_high, interpret=interpret)
     row = lambda bi, x, s: (bi, x // n_rt, x % n_rt, 0)  # noqa: E731
     q_spec = pl.BlockSpec((None, None, row_tile, d), row)
     half_spec = lambda off: pl.BlockSpec((None, None, row_tile, d // 2),  # noqa: E731

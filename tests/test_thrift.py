@@ -591,3 +591,104 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
         assert not np.isnan(np.asarray(a)[:, :, :, rows:]).any()  # the full run writes its padding rows
     if INTERPRET:  # the interpreter fills unwritten outputs with NaN
         assert np.isnan(np.asarray(skipped[0])[:, :, :, rows:]).all()
+
+
+# ----------------------------------------------------------------------------- the Mosaic GPU decode of the 4-bit runs
+
+MOSAIC_DECODE_CASES = [  # (B, filled, T new, Hq, Hkv, D, budget, 4-bit splits)
+    (1, 300, 1, 4, 2, 64, 0.25, 2),  # ragged: the last block partial
+    (2, 390, 3, 8, 2, 128, 0.1, 4),  # 3 tokens × 4 heads: 12 of 16 rows; 6 blocks in runs of 2, 2, 2, 0
+    (1, 128, 1, 2, 2, 64, 0.0, 4),  # MHA, whole blocks, every block 4-bit, runs of 1 and empty runs
+    (1, 64, 2, 4, 1, 128, 1.0, 2),  # one block, all 16-bit: every 4-bit run empty
+    (1, 1000, 16, 8, 2, 64, 0.05, 4),  # 64 rows: one 64-row tile
+    (1, 200, 17, 8, 2, 64, 0.1, 2),  # 68 rows: two 64-row tiles, the second mostly padding
+]
+
+
+def _mosaic_case(b, n, t, hq, hkv, d, seed):
+    q, k, v = make_qkv(b, n + t, n + t, hq, hkv, d, seed=seed)
+    cache = lb.ThriftKVCache.create(b, n + t + 40, hkv, d).append(k, v)  # max_len past the tokens: zeros after
+    return q[:, n:], k, v, cache
+
+
+@pytest.mark.parametrize("case", MOSAIC_DECODE_CASES)
+def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
+    """The Mosaic kernel's (Oᵀ, m, l) of each 4-bit run equal the Triton kernel's first ``decode_splits`` splits
+    (the same blocks, numerics and online softmax; the interpreter's products are exact in float32)."""
+    from pallas_kernels import thrift_decode, thrift_decode_mosaic
+
+    b, n, t, hq, hkv, d, budget, splits = case
+    qt, _, _, cache = _mosaic_case(b, n, t, hq, hkv, d, seed=n + d)
+    cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2)
+    rows = t * (hq // hkv)
+    r_pad, row_tile = thrift_backends.decode_layout(rows)
+    order, n_high = thrift_backends.decode_order(qt, cache, budget=budget, block=64, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
+    _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
+    n_low = (cache.length + 63) // 64 - n_high[0]
+    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, positions, n_low, order, k4, ks, v4, vs,
+                                                           scale=d**-0.5, config=cfg, row_tile=row_tile,
+                                                           interpret=INTERPRET)
+    assert acc_t.shape == (b, hkv, splits, d, r_pad) and m2.shape == l2.shape == (b, hkv, splits, r_pad)
+    want = [np.asarray(x[:, :, :splits, :rows], np.float64) for x in (acc, m, l)]
+    got = [np.asarray(x, np.float64) for x in (jnp.swapaxes(acc_t, -1, -2)[..., :rows, :], m2[..., :rows],
+                                               l2[..., :rows])]
+    np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))  # the same empty runs (m = −inf, l = 0)
+    for name, g, w in zip(("acc", "m", "l"), got, want):
+        finite = np.isfinite(w)
+        scale = max(np.abs(w[finite]).sum(), 1e-30)
+        assert np.abs(g[finite] - w[finite]).sum() / scale < 1e-6, name
+
+
+@pytest.mark.parametrize("case", MOSAIC_DECODE_CASES[:3])
+def test_decode_mosaic_backend_matches_xla_and_exact(case):
+    """The op with ``decode_backend="mosaic"`` (the Mosaic 4-bit runs, the Triton 16-bit runs, one combine)
+    equals its XLA twin to float rounding and stays near exact attention (float64 oracle)."""
+    b, n, t, hq, hkv, d, budget, splits = case
+    qt, k, v, cache = _mosaic_case(b, n, t, hq, hkv, d, seed=n + d + 1)
+    cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2, decode_backend="mosaic")
+    got = lb.thrift_decode(qt, cache, budget=budget, config=cfg, implementation="pallas", interpret=INTERPRET)
+    ref = lb.thrift_decode(qt, cache, budget=budget, config=cfg, implementation="xla")
+    assert got.shape == (b, t, hq, d) and got.dtype == qt.dtype
+    assert metrics(got, ref)[1] < 2e-3
+    assert metrics(ref, exact_attention_f64(qt, k, v, causal=True))[0] > 0.975
+
+
+@pytest.mark.parametrize("where", ["q", "k4", "v4"])
+def test_decode_mosaic_shows_a_nonfinite_input(where):
+    """NaN in a query, or inf in a key or value of a 4-bit block, gives a non-finite output wherever exact
+    attention's is (the rows that see it), and finite outputs elsewhere."""
+    b, n, t, hq, hkv, d = 1, 256, 1, 4, 2, 64
+    q, k, v = make_qkv(b, n, n, hq, hkv, d, seed=5)
+    qt = q[:, -1:]
+    if where == "q":
+        qt = qt.at[0, 0, 1, 3].set(jnp.nan)  # head 1: kv head 0's rows
+    elif where == "k4":
+        k = k.at[0, 10, 1, 7].set(jnp.inf)  # kv head 1, an old (4-bit at budget 0) block
+    else:
+        v = v.at[0, 10, 1, 7].set(jnp.inf)
+    cache = lb.ThriftKVCache.create(b, n, hkv, d).append(k, v)
+    cfg = lb.ThriftConfig(decode_splits=2, decode_splits_high=1, decode_backend="mosaic")
+    got = np.asarray(lb.thrift_decode(qt, cache, budget=0.0, config=cfg, implementation="pallas",
+                                      interpret=INTERPRET), np.float32)
+    exact = np.asarray(exact_attention_f64(qt, k, v, causal=True))
+    bad_heads = ~np.isfinite(exact).all(axis=-1)
+    assert bad_heads.any()
+    np.testing.assert_array_equal(~np.isfinite(got).all(axis=-1), bad_heads)
+
+
+def test_decode_backend_is_checked_and_falls_back_where_mosaic_does_not_cover():
+    with pytest.raises(ValueError, match="decode_backend"):
+        lb.ThriftConfig(decode_backend="cuda")
+    cfg = lb.ThriftConfig(block=32, quant_block=32, decode_splits=2, decode_splits_high=2, decode_backend="mosaic")
+    assert not thrift_backends.takes_mosaic_decode(cfg, head_dim=64, row_tile=16, interpret=True)  # block 32
+    assert thrift_backends.takes_mosaic_decode(dataclasses.replace(cfg, block=64), head_dim=64, row_tile=16,
+                                               interpret=True)
+    assert not thrift_backends.takes_mosaic_decode(dataclasses.replace(cfg, block=64, decode_backend="auto"),
+                                                   head_dim=64, row_tile=16, interpret=True)  # not compiled Hopper
+    q, k, v = make_qkv(1, 100, 100, 4, 2, 64, seed=9)
+    cache = filled_cache(k, v, 100)
+    got = lb.thrift_decode(q[:, -1:], cache, budget=0.2, config=cfg, implementation="pallas", interpret=INTERPRET)
+    ref = lb.thrift_decode(q[:, -1:], cache, budget=0.2, config=cfg, implementation="xla")
+    assert metrics(got, ref)[1] < 2e-3

@@ -32,10 +32,12 @@ def test_attention_under_x64_equals_x32(method, impl):
         np.testing.assert_array_equal(g, e)
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_thrift_cache_and_decode_under_x64(impl):
+@pytest.mark.parametrize("impl, backend", [("xla", "auto"), pytest.param("pallas", "triton", marks=pytest.mark.slow),
+                                           pytest.param("pallas", "mosaic", marks=pytest.mark.slow)])
+def test_thrift_cache_and_decode_under_x64(impl, backend):
     q, k, v = make_qkv(1, 70, 70, 4, 2, 64)
-    kw = dict(implementation=impl, interpret=INTERPRET and impl == "pallas")
+    kw = dict(implementation=impl, interpret=INTERPRET and impl == "pallas",
+              config=lb.ThriftConfig(decode_backend=backend))
 
     def run():
         cache = lb.ThriftKVCache.create(1, 128, 2, 64).append(k, v)

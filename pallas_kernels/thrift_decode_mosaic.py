@@ -1,0 +1,399 @@
+"""ThriftAttention decode, the 4-bit runs: split-KV over the NVFP4 cache in Pallas Mosaic GPU (Hopper).
+
+The numerics of the 4-bit splits of :mod:`pallas_kernels.thrift_decode` (the Triton kernel, which keeps the 16-bit
+runs; :func:`lowbit_jax.thrift_reference.combine_splits` merges both). A CTA of one warpgroup owns one run of the
+4-bit key blocks of one (batch, kv head) and one tile of N query rows (the group's heads × the new tokens, N ≥ 16),
+and writes its partial softmax (Oᵀ unnormalized, m, l).
+
+The products are transposed, Sᵀ = K̃·Q̃ᵀ (64 keys × N) and Oᵀ += Ṽᵀ·P̃ᵀ (D × N), so that the decoded K̃ and Ṽᵀ
+are the ``wgmma`` register A operands and the few query rows sit on N instead of being padded to M = 64:
+
+* a code tile is loaded from SMEM in the accumulator's (WGMMA) layout, two bytes a lane: with
+  :func:`pallas_kernels.numerics.nvfp4.pack_halves` (a byte holds elements i and i + n/2), a lane's low nibbles
+  are its A-operand values of the first half and its high nibbles those of the second, so no value moves
+  between lanes. Inline PTX places a byte pair's nibbles into an fp16 pair (``value · 2**-14``) and multiplies
+  it by the pair's e4m3 group scale, converted once per group (:func:`_decode_asm`);
+* K's scales (16 channels a group) are each row's own bytes, V's (16 keys a group) each channel's: every thread
+  reads the scales of its own rows from the SMEM tile;
+* FQ(P)'s group of 16 keys of a query is one warp's 16 rows of Sᵀ: its maximum takes a maximum over the thread's
+  two rows and three lane shuffles (:func:`_key_group_max`); the block's row max across the four warps goes
+  through SMEM (Mosaic GPU's reduction);
+* the online softmax runs down the keys: l is accumulated per element and summed over the keys once, at the end;
+* V is decoded while the tensor cores compute Sᵀ.
+
+The cache layout (:class:`lowbit_jax.ThriftKVCache`) is the kernel's: K's codes (S, D/2) and scales (S, D/16)
+token-major, V's codes (D, S/2) channel-major and its scales (S/16, D). A one-warpgroup pipeline streams each
+step's four tiles, the block index read from the run's order in SMEM. Interpreted (the Mosaic GPU interpreter has
+no inline PTX and takes SMEM operands only), the same values by ``jax.numpy`` and SMEM operand tiles.
+
+Covered (:func:`supports`): head dim 64 or 128, ``block`` 64, N = 16…64 query rows a CTA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels._mosaic import (
+    cols_of, compiler_params, interpret_params, pl, plgpu, tile_transforms, wgmma_zeros,
+)
+from pallas_kernels._triton import E2M1_LANE_MAGNITUDE, E2M1_LANE_SHIFTS, E2M1_LANE_SIGN
+from pallas_kernels.configs import ThriftConfig
+from pallas_kernels.numerics import nvfp4
+
+LOG2E = math.log2(math.e)
+BLOCK = 64  # keys a step: the wgmma M of Sᵀ
+STAGES = 4  # TMA stages in flight (2 and 8 measured level with 4)
+SCALE_ROW = 16  # bytes a row of the K scales' tile (TMA's smallest box row)
+
+
+def supports(*, head_dim: int, block: int, row_tile: int) -> bool:
+    """Whether the Mosaic kernel covers a decode call (else the Triton kernel runs its 4-bit runs too)."""
+    return head_dim in (64, 128) and block == BLOCK and 16 <= row_tile <= 64
+
+
+# ----------------------------------------------------------------------------- compiled-only pieces (inline PTX)
+
+
+def _decode_asm(key: str) -> str:
+    """PTX: a lane's two code bytes ($1, low 16 bits) → the fp16 pair of their low (``key="lo"``) or high nibbles,
+    times the scale pair $2 ($0). The bit placement of :func:`pallas_kernels._triton.e2m1_unpack_f16` on one
+    pair; the product is exact (see :func:`pallas_kernels.numerics.nvfp4.scale_tile_f16`)."""
+    mag, sign = E2M1_LANE_SHIFTS[key]
+    return "\n".join([
+        "{", ".reg .b32 x, t, u;",
+        "prmt.b32 x, $1, 0, 0x4140;",  # byte 0 → the low byte of lane 0, byte 1 → of lane 1
+        f"shl.b32 t, x, {mag};", f"and.b32 t, t, {E2M1_LANE_MAGNITUDE:#010x};",
+        f"shl.b32 u, x, {sign};", f"and.b32 u, u, {E2M1_LANE_SIGN:#010x};",
+        "or.b32 x, t, u;", "mul.rn.f16x2 $0, x, $2;", "}"])
+
+
+#: PTX: the e4m3 byte ($1, low 8 bits) → the fp16 pair (scale, scale) ($0)
+_SCALE_PAIR_ASM = "{ .reg .b32 x; .reg .b16 h; prmt.b32 x, $1, 0, 0x4400; cvt.u16.u32 h, x; " \
+                  "cvt.rn.f16x2.e4m3x2 $0, h; }"
+
+
+def _mlir():
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    return ir, arith, llvm, mgpu, mgpu_utils
+
+
+def _thread_rows():
+    """In inline Mosaic GPU: (this thread's warp 0..3, its first row in the warp's 16: lane // 4), as i32."""
+    ir, arith, _, _, mgpu_utils = _mlir()
+    i32 = ir.IntegerType.get_signless(32)
+    tid = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
+    return arith.divui(tid, arith.constant(i32, 32)), arith.divui(arith.remui(tid, arith.constant(i32, 32)),
+                                                               arith.constant(i32, 4))
+
+
+def _scale_pair(smem, offset):
+    """In inline Mosaic GPU: the e4m3 scale at byte ``offset`` (i32) of the SMEM tile ``smem`` as an fp16 pair."""
+    ir, arith, llvm, _, mgpu_utils = _mlir()
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    byte = llvm.load(i8, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [offset], i8))
+    return llvm.inline_asm(i32, [arith.extui(i32, byte)], _SCALE_PAIR_ASM, "=r,r")
+
+
+def _decoded(code_reg, pair, key):
+    """In inline Mosaic GPU: a lane's code register (two bytes) → the scaled fp16 pair of its ``key`` nibbles."""
+    ir, arith, llvm, _, _ = _mlir()
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    word = arith.extui(i32, llvm.bitcast(i16, code_reg))
+    out = llvm.inline_asm(i32, [word, pair], _decode_asm(key), "=r,r,r")
+    return llvm.bitcast(ir.VectorType.get((2,), ir.F16Type.get()), out)
+
+
+def _decode_slab(regs, slab: int, smem, scale_at):
+    """In inline Mosaic GPU: the registers of one 64-row slab of a decoded tile from the code registers ``regs``
+    (a (rows, cols/2) uint8 WGMMA-layout array: (slab, 8-column chunk, 1, 1, row half, 1, 1, 1, 1)). The low nibbles
+    of chunk j go to chunk j, the high ones to chunk j + cols/16 (element + cols/2, ``pack_halves``); their groups
+    of 16 columns are j/2 and cols/32 + j/2. ``scale_at(row, group)``: the byte offset (i32) of a row's group scale
+    in ``smem``; the scale of each (row, group) is loaded and converted once."""
+    ir, arith, _, _, _ = _mlir()
+    const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)  # noqa: E731
+    warp, lane_row = _thread_rows()
+    chunks = regs.shape[1]
+    out = np.empty((1, 2 * chunks) + regs.shape[2:], dtype=object)
+    for h in range(2):
+        row = arith.addi(arith.addi(arith.muli(warp, const(16)), lane_row), const(64 * slab + 8 * h))
+        pairs = {}
+        for idx in np.ndindex(regs.shape):
+            if idx[0] != slab or idx[4] != h:
+                continue
+            j = idx[1]
+            for key, chunk, group in (("lo", j, j // 2), ("hi", j + chunks, chunks // 2 + j // 2)):
+                if group not in pairs:
+                    pairs[group] = _scale_pair(smem, scale_at(row, group))
+                out[(0, chunk) + idx[2:]] = _decoded(regs[idx], pairs[group], key)
+    return out
+
+
+def _decode_k(codes: jax.Array, scales_ref) -> jax.Array:
+    """K̃ (64, D) float16 WGMMA-layout from its codes (64, D/2) uint8 WGMMA-layout and the SMEM tile of its scales
+    (row r's D/16 bytes at r·D/16)."""
+    rows, half = codes.shape
+    groups = 2 * half // nvfp4.GROUP
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * half), jnp.float16, layout=layout))
+    def _k(ctx, arr, smem):
+        del ctx
+        ir, arith, _, mgpu, _ = _mlir()
+        const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)  # noqa: E731
+        out = _decode_slab(arr.registers, 0, smem, lambda r, g: arith.addi(arith.muli(r, const(groups)), const(g)))
+        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
+
+    return _k(plgpu.layout_cast(codes, layout), scales_ref)
+
+
+def _decode_vt(codes: jax.Array, scales_ref) -> tuple[jax.Array, ...]:
+    """Ṽᵀ as D/64 tiles (64 channels, 64 keys) float16 WGMMA-layout from its codes (D, 32) uint8 WGMMA-layout and
+    the SMEM tile of its scales ((4, D): key group g of channel c at g·D + c)."""
+    d, half = codes.shape
+    layout = plgpu.Layout.WGMMA
+    out_type = plgpu.ShapeDtypeStruct((64, 2 * half), jnp.float16, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()), return_type=(out_type,) * (d // 64))
+    def _v(ctx, arr, smem):
+        del ctx
+        ir, arith, _, mgpu, _ = _mlir()
+        const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)  # noqa: E731
+        return tuple(mgpu.FragmentedArray(
+            _registers=_decode_slab(arr.registers, s, smem, lambda c, g: arith.addi(c, const(g * d))),
+            _layout=arr.layout, _is_signed=None) for s in range(d // 64))
+
+    return _v(plgpu.layout_cast(codes, layout), scales_ref)
+
+
+def _key_group_max(p: jax.Array) -> jax.Array:
+    """For a (64, N) float32 WGMMA-layout tile of keys × queries: each element replaced by the maximum of its FP4
+    group, the 16 keys of its warp (rows r and r + 8 of a thread, lanes 4·r + c over r): a maximum over the
+    thread's two row halves, then three butterfly shuffles over the lane's row bits. NaN propagates."""
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(p.shape, p.dtype, layout=layout))
+    def _max(ctx, arr):
+        del ctx
+        ir, arith, llvm, mgpu, _ = _mlir()
+        from jax._src.lib.mlir.dialects import vector
+        f32 = ir.F32Type.get()
+        fmax = lambda a, b: llvm.inline_asm(f32, [a, b], "max.NaN.f32 $0, $1, $2;", "=f,f,f")  # noqa: E731
+
+        def shuffle_max(x):
+            for bit in (4, 8, 16):
+                y = llvm.inline_asm(f32, [x], f"shfl.sync.bfly.b32 $0, $1, {bit}, 0x1f, 0xffffffff;", "=f,f")
+                x = fmax(x, y)
+            return x
+
+        regs = arr.registers
+        out = np.empty(regs.shape, dtype=object)
+        for idx in np.ndindex(regs.shape):
+            if idx[4]:
+                continue
+            other = idx[:4] + (1,) + idx[5:]
+            pair = [fmax(*(vector.extract(regs[i], dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get(
+                [e])) for i in (idx, other))) for e in range(2)]
+            pair = [shuffle_max(x) for x in pair]
+            vec = vector.from_elements(regs[idx].type, pair)
+            out[idx] = out[other] = vec
+        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
+
+    return _max(plgpu.layout_cast(p, layout))
+
+
+# ----------------------------------------------------------------------------- interpreted twins (jax.numpy)
+
+
+def _decode_k_interpreted(codes: jax.Array, scale_bits: jax.Array) -> jax.Array:
+    lo, hi = nvfp4.e2m1_unpack(codes)
+    values = jnp.concatenate([nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)], axis=1)
+    return nvfp4.scale_tile_f16(values, scale_bits.reshape(codes.shape[0], -1), axis=1)
+
+
+def _decode_vt_interpreted(codes: jax.Array, scale_bits: jax.Array) -> tuple[jax.Array, ...]:
+    lo, hi = nvfp4.e2m1_unpack(codes)
+    values = jnp.concatenate([nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)], axis=1)  # (D, 64 keys)
+    vt = nvfp4.scale_tile_f16(values, scale_bits.T, axis=1)
+    return tuple(vt[s * 64:(s + 1) * 64] for s in range(codes.shape[0] // 64))
+
+
+def _key_group_max_interpreted(p: jax.Array) -> jax.Array:
+    g = p.reshape(p.shape[0] // nvfp4.GROUP, nvfp4.GROUP, p.shape[1])
+    return jnp.broadcast_to(jnp.max(g, axis=1, keepdims=True), g.shape).reshape(p.shape)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_out, m_out, l_out, *,
+            q_smem, pos_smem, meta_smem, order_smem, p_smem, acc_smem, ml_smem, barrier, splits, n_rt, score_scale,
+            interpret, k_op_smem=None, vt_op_smem=()):
+    """One CTA: (batch, kv head × row tile, run). Its query rows, their positions, the 4-bit block count and the
+    (b, kv head)'s block order come in first; the pipeline then streams the run's blocks (K's codes and scales,
+    V's codes and scales a step) and the epilogue writes Oᵀ, m and l of the run."""
+    n, d = q_smem.shape
+    b, x, split = lax.axis_index("b"), lax.axis_index("x"), lax.axis_index("split")
+    hkv, rt = x // n_rt, x % n_rt
+    rows = pl.ds(rt * n, n)
+    for i, (src, dst) in enumerate(((qf_ref.at[b, hkv, rows], q_smem), (pos_ref.at[rows], pos_smem),
+                                    (meta_ref, meta_smem), (order_ref.at[b, hkv], order_smem))):
+        plgpu.copy_gmem_to_smem(src, dst, barrier.at[i])
+    for i in range(4):
+        plgpu.barrier_wait(barrier.at[i])
+    n_low = meta_smem[0]
+    per = (n_low + splits - 1) // splits
+    i0 = split * per
+    count = jnp.clip(n_low - i0, 0, per)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns: one entry a query row
+    positions = plgpu.load(pos_smem, layout=col_layout)
+    fused = not interpret  # the interpreter runs one product at a time
+    width = order_smem.shape[1]
+
+    def block_of(i):
+        j = i0 + i
+        return order_smem[j // width, j % width].astype(jnp.int32)
+
+    in_specs = [
+        plgpu.BlockSpec((BLOCK, d // 2), lambda i: (block_of(i), 0), transforms=tile_transforms(jnp.uint8, d // 2)),
+        plgpu.BlockSpec((BLOCK * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW), lambda i: (block_of(i), 0)),
+        plgpu.BlockSpec((d, BLOCK // 2), lambda i: (0, block_of(i)), transforms=tile_transforms(jnp.uint8, BLOCK // 2)),
+        plgpu.BlockSpec((BLOCK // nvfp4.GROUP, d), lambda i: (block_of(i), 0)),
+    ]
+
+    def step(idx, k_codes, k_scales, v_codes, v_scales, carry):
+        accs, m_prev, l_acc = carry
+        start = block_of(idx[0]) * BLOCK
+        if interpret:
+            k_op_smem[...] = _decode_k_interpreted(k_codes[...], k_scales[...])
+            plgpu.commit_smem()
+            k_op = k_op_smem
+        else:
+            k_op = _decode_k(plgpu.load(k_codes, layout=plgpu.Layout.WGMMA), k_scales)
+
+        def scores_then_v(acc_ref):
+            plgpu.wgmma(acc_ref, k_op, q_smem.T)
+            if interpret:
+                vts = _decode_vt_interpreted(v_codes[...], v_scales[...])
+            else:  # decoded while the tensor cores compute Sᵀ
+                vts = _decode_vt(plgpu.load(v_codes, layout=plgpu.Layout.WGMMA), v_scales)
+            return acc_ref[...], vts
+
+        s, vts = pl.run_scoped(scores_then_v, plgpu.ACC((BLOCK, n), jnp.float32))
+        keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK, n), 0, layout=plgpu.Layout.WGMMA) + start
+        s = jnp.where(keys <= cols_of(positions, (BLOCK, n)), s * score_scale, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0))  # across the four warps, through SMEM
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - cols_of(m_ref, (BLOCK, n)))
+        alpha = cols_of(jnp.exp2(m_prev - m_ref), (BLOCK, n))
+        l_acc = l_acc * alpha + p
+        gmax = _key_group_max_interpreted(p) if interpret else _key_group_max(p)
+        values, sf = nvfp4.fake_quant_parts(p, gmax, nonnegative=True, assume_finite=True)
+        p_smem[...] = (values * (sf * nvfp4.E2M1_F16_BIAS)).astype(jnp.float16)  # V's 2**-14 back
+        plgpu.commit_smem()  # P̃ᵀ is the product's B operand
+        if interpret:
+            a_ops = []
+            for t, vt in zip(vt_op_smem, vts):
+                t[...] = vt
+                a_ops.append(t)
+            plgpu.commit_smem()
+        else:
+            a_ops = vts
+        accs = tuple(acc * alpha for acc in accs)  # Oᵀ's tiles have Sᵀ's shape (64, N)
+        if fused:  # every product issued before one wait
+            def update(refs):
+                for ref, a in zip(refs, a_ops):
+                    plgpu.wgmma(ref, a, p_smem)
+            accs = pl.run_state(update)(tuple(plgpu.ACC.init(acc) for acc in accs))
+        else:
+            accs = tuple(acc + _product(a, p_smem, acc.shape) for acc, a in zip(accs, a_ops))
+        return accs, m_new, l_acc
+
+    m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col_layout)
+    carry = (tuple(wgmma_zeros((64, n)) for _ in range(d // 64)), m0, wgmma_zeros((BLOCK, n)))
+    pipeline = plgpu.emit_pipeline(step, grid=(count,), in_specs=in_specs, max_concurrent_steps=STAGES,
+                                   init_carry=carry)
+    accs, m, l_acc = pipeline(k4_ref.at[b, hkv], ks_ref.at[b, hkv], v4_ref.at[b, hkv], vs_ref.at[b, hkv])
+    for s, acc in enumerate(accs):
+        acc_smem[pl.ds(64 * s, 64), :] = acc
+    ml_smem[0] = m
+    ml_smem[1] = jnp.sum(l_acc, axis=0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(acc_smem, acc_out.at[b, hkv, split, :, rows])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[b, hkv, split, rows])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[b, hkv, split, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _product(a, b, shape) -> jax.Array:
+    """``a @ b`` into a fresh accumulator (the interpreter's one product at a time)."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "interpret"))
+def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array, order: jax.Array, k4: jax.Array,
+                      k4_scale_bits: jax.Array, v4: jax.Array, v4_scale_bits: jax.Array, *, scale: float,
+                      config: ThriftConfig, row_tile: int,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial softmaxes of the decode rows over each run of the cache's 4-bit key blocks (the first
+    ``config.decode_splits`` splits of :func:`pallas_kernels.thrift_decode.thrift_decode`, transposed).
+
+    Args:
+      qf_rows: (B, Hkv, R_pad, D) float16 φ⁻¹(φ(q_rows)) (:func:`lowbit_jax.thrift_reference.decode_rows`).
+      positions: int32 (R_pad,) each row's token position (−1 for padding rows).
+      n_low: int32 (): 4-bit blocks per (batch, kv head), the first ``n_low`` entries of ``order``.
+      order: int16 (B, Hkv, Nkb_pad) (:func:`lowbit_jax.thrift_reference.block_order`).
+      k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16); v4: uint8 (B, Hkv, D, S_max/2);
+        v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the :class:`lowbit_jax.ThriftKVCache` layout).
+      scale: softmax scale; config: ``decode_splits`` set (:meth:`ThriftConfig.for_decode`), ``block`` 64;
+      row_tile: query rows a CTA (16, 32 or 64, dividing R_pad).
+    Returns:
+      accᵀ (B, Hkv, splits, D, R_pad) float32 (unnormalized, transposed), m and l (B, Hkv, splits, R_pad)
+      float32 (base 2), splits = ``config.decode_splits``.
+    """
+    b, hkv, r_pad, d = qf_rows.shape
+    if not supports(head_dim=d, block=config.block, row_tile=row_tile):
+        raise NotImplementedError(f"thrift_decode_low: head dim {d}, block {config.block}, {row_tile} rows a CTA")
+    splits, _ = config.split_counts()
+    n, n_rt = row_tile, r_pad // row_tile
+    s_max = k4.shape[2]
+    if order.shape[-1] < 8:  # a TMA copy moves 16 bytes or more
+        order = jnp.pad(order, ((0, 0), (0, 0), (0, 8 - order.shape[-1])))
+    nkb = order.shape[-1]
+    width = max(8, nkb // 256)  # a TMA box has at most 256 entries a dimension
+    order = order.reshape(b, hkv, nkb // width, width)
+    f16, f32 = jnp.float16, jnp.float32
+    ks = k4_scale_bits.reshape(b, hkv, s_max * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW)  # 16-byte rows for TMA
+    meta = jnp.stack([n_low.astype(jnp.int32).reshape(()), 0, 0, 0]).astype(jnp.int32)  # 16 bytes for TMA
+    scratch = dict(q_smem=plgpu.SMEM((n, d), f16, transforms=tile_transforms(f16, d)),
+                   pos_smem=plgpu.SMEM((n,), jnp.int32), meta_smem=plgpu.SMEM((4,), jnp.int32),
+                   order_smem=plgpu.SMEM((nkb // width, width), order.dtype),
+                   p_smem=plgpu.SMEM((BLOCK, n), f16, transforms=tile_transforms(f16, n)),
+                   acc_smem=plgpu.SMEM((d, n), f32), ml_smem=plgpu.SMEM((2, n), f32),
+                   barrier=plgpu.Barrier(num_barriers=4))
+    if interpret:  # the interpreter's SMEM A operands: K̃ and Ṽᵀ's 64-channel tiles
+        scratch["k_op_smem"] = plgpu.SMEM((BLOCK, d), f16, transforms=tile_transforms(f16, d))
+        scratch["vt_op_smem"] = tuple(plgpu.SMEM((64, BLOCK), f16, transforms=tile_transforms(f16, BLOCK))
+                                      for _ in range(d // 64))
+    kernel = functools.partial(_kernel, splits=splits, n_rt=n_rt, score_scale=scale * LOG2E * nvfp4.E2M1_F16_BIAS,
+                               interpret=interpret)
+    out_type = (jax.ShapeDtypeStruct((b, hkv, splits, d, r_pad), f32), jax.ShapeDtypeStruct((b, hkv, splits, r_pad), f32),
+                jax.ShapeDtypeStruct((b, hkv, splits, r_pad), f32))
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(b, hkv * n_rt, splits),
+                        grid_names=("b", "x", "split"), compiler_params=compiler_params(),
+                        interpret=interpret_params(interpret), kernel_name="thrift_decode_low")(
+        qf_rows, positions, meta, order, k4, ks, v4, v4_scale_bits)
