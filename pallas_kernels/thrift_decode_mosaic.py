@@ -215,12 +215,14 @@ def _key_group_max(p: jax.Array) -> jax.Array:
 
 
 def _decode_k_interpreted(codes: jax.Array, scale_bits: jax.Array) -> jax.Array:
+    """:func:`_decode_k`'s values from whole tiles: codes (64, D/2), the scales' (64·D/256, 16) tile."""
     lo, hi = nvfp4.e2m1_unpack(codes)
     values = jnp.concatenate([nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)], axis=1)
     return nvfp4.scale_tile_f16(values, scale_bits.reshape(codes.shape[0], -1), axis=1)
 
 
 def _decode_vt_interpreted(codes: jax.Array, scale_bits: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`_decode_vt`'s values from whole tiles: codes (D, 32), scales (4, D)."""
     lo, hi = nvfp4.e2m1_unpack(codes)
     values = jnp.concatenate([nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)], axis=1)  # (D, 64 keys)
     vt = nvfp4.scale_tile_f16(values, scale_bits.T, axis=1)
@@ -228,6 +230,7 @@ def _decode_vt_interpreted(codes: jax.Array, scale_bits: jax.Array) -> tuple[jax
 
 
 def _key_group_max_interpreted(p: jax.Array) -> jax.Array:
+    """:func:`_key_group_max` by a reshape into groups of 16 keys."""
     g = p.reshape(p.shape[0] // nvfp4.GROUP, nvfp4.GROUP, p.shape[1])
     return jnp.broadcast_to(jnp.max(g, axis=1, keepdims=True), g.shape).reshape(p.shape)
 
