@@ -580,12 +580,17 @@ def render_thrift(data: dict) -> list[str]:
                   "moved per second — for thrift the K/V codes, scales and 16-bit blocks it reads plus the block "
                   "means, the query and the split-KV partial outputs written and read back, for the bf16 methods "
                   "the whole K and V —, rel-L2 of O vs exact on heavy-hitter inputs; "
-                  "thrift_f<budget>_s<4-bit splits>_h<16-bit splits>; f = 1 is the kernel's 16-bit path alone; "
+                  "thrift_f<budget>_s<4-bit splits>_h<16-bit splits>" + (
+                      ", \"_triton\" with one Triton kernel for both kinds of run (the others: the Mosaic GPU "
+                      "kernel for the 4-bit runs on Hopper)" if any(m.endswith("_triton") for r in dec for m in r["ms"])
+                      else "") + "; f = 1 is the 16-bit path alone; "
                   "xla_bf16 and cudnn_bf16: `jax.nn.dot_product_attention` over the 16-bit cache, XLA's over all "
                   "of it, cuDNN's over the filled length (`key_value_seq_lengths`; for T > 1 without the causal "
                   "mask among the new tokens, so a timing baseline only)" + (
                       f"; each figure the median of {dec[0]['rounds']} rounds that time every variant in turn"
-                      if dec[0].get("rounds", 1) > 1 else "") + "):", "",
+                      if dec[0].get("rounds", 1) > 1 else "") + (
+                      f", {dec[0]['calls_per_dispatch']} steps a dispatch (one step takes about what the host needs "
+                      "to dispatch it)" if dec[0].get("calls_per_dispatch", 1) > 1 else "") + "):", "",
                   "| shape | variant | ms | vs XLA bf16 | vs cuDNN bf16 | GB/s | rel-L2 |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in dec:
