@@ -40,10 +40,11 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels._mosaic import (
-    cols_of, compiler_params, interpret_params, pl, plgpu, tile_transforms, wgmma_zeros,
+    accumulate, cols_of, compiler_params, interpret_params, pl, plgpu, tile_transforms, wgmma_zeros,
 )
 from pallas_kernels._triton import E2M1_LANE_MAGNITUDE, E2M1_LANE_SHIFTS, E2M1_LANE_SIGN
 from pallas_kernels.configs import ThriftConfig
+from pallas_kernels.stmatrix import Int, warp_and_lane
 from pallas_kernels.numerics import nvfp4
 
 LOG2E = math.log2(math.e)
@@ -86,20 +87,11 @@ def _mlir():
     return ir, arith, llvm, mgpu, mgpu_utils
 
 
-def _thread_rows():
-    """In inline Mosaic GPU: (this thread's warp 0..3, its first row in the warp's 16: lane // 4), as i32."""
-    ir, arith, _, _, mgpu_utils = _mlir()
-    i32 = ir.IntegerType.get_signless(32)
-    tid = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
-    return arith.divui(tid, arith.constant(i32, 32)), arith.divui(arith.remui(tid, arith.constant(i32, 32)),
-                                                               arith.constant(i32, 4))
-
-
-def _scale_pair(smem, offset):
-    """In inline Mosaic GPU: the e4m3 scale at byte ``offset`` (i32) of the SMEM tile ``smem`` as an fp16 pair."""
+def _scale_pair(smem, offset: Int):
+    """In inline Mosaic GPU: the e4m3 scale at byte ``offset`` of the SMEM tile ``smem`` as an fp16 pair."""
     ir, arith, llvm, _, mgpu_utils = _mlir()
     i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-    byte = llvm.load(i8, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [offset], i8))
+    byte = llvm.load(i8, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [offset.value], i8))
     return llvm.inline_asm(i32, [arith.extui(i32, byte)], _SCALE_PAIR_ASM, "=r,r")
 
 
@@ -116,15 +108,13 @@ def _decode_slab(regs, slab: int, smem, scale_at):
     """In inline Mosaic GPU: the registers of one 64-row slab of a decoded tile from the code registers ``regs``
     (a (rows, cols/2) uint8 WGMMA-layout array: (slab, 8-column chunk, 1, 1, row half, 1, 1, 1, 1)). The low nibbles
     of chunk j go to chunk j, the high ones to chunk j + cols/16 (element + cols/2, ``pack_halves``); their groups
-    of 16 columns are j/2 and cols/32 + j/2. ``scale_at(row, group)``: the byte offset (i32) of a row's group scale
-    in ``smem``; the scale of each (row, group) is loaded and converted once."""
-    ir, arith, _, _, _ = _mlir()
-    const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)  # noqa: E731
-    warp, lane_row = _thread_rows()
+    of 16 columns are j/2 and cols/32 + j/2. ``scale_at(row, group)``: the byte offset (an :class:`Int`) of a row's
+    group scale in ``smem``; the scale of each (row, group) is loaded and converted once."""
+    warp, lane = warp_and_lane()
     chunks = regs.shape[1]
     out = np.empty((1, 2 * chunks) + regs.shape[2:], dtype=object)
     for h in range(2):
-        row = arith.addi(arith.addi(arith.muli(warp, const(16)), lane_row), const(64 * slab + 8 * h))
+        row = warp * 16 + (lane >> 2) + (64 * slab + 8 * h)  # rows r and r + 8 of the warp's 16, r = lane / 4
         pairs = {}
         for idx in np.ndindex(regs.shape):
             if idx[0] != slab or idx[4] != h:
@@ -148,10 +138,8 @@ def _decode_k(codes: jax.Array, scales_ref) -> jax.Array:
                        return_type=plgpu.ShapeDtypeStruct((rows, 2 * half), jnp.float16, layout=layout))
     def _k(ctx, arr, smem):
         del ctx
-        ir, arith, _, mgpu, _ = _mlir()
-        const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)  # noqa: E731
-        out = _decode_slab(arr.registers, 0, smem, lambda r, g: arith.addi(arith.muli(r, const(groups)), const(g)))
-        return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
+        out = _decode_slab(arr.registers, 0, smem, lambda r, g: r * groups + g)
+        return _mlir()[3].FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
 
     return _k(plgpu.layout_cast(codes, layout), scales_ref)
 
@@ -166,11 +154,9 @@ def _decode_vt(codes: jax.Array, scales_ref) -> tuple[jax.Array, ...]:
     @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()), return_type=(out_type,) * (d // 64))
     def _v(ctx, arr, smem):
         del ctx
-        ir, arith, _, mgpu, _ = _mlir()
-        const = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)  # noqa: E731
-        return tuple(mgpu.FragmentedArray(
-            _registers=_decode_slab(arr.registers, s, smem, lambda c, g: arith.addi(c, const(g * d))),
-            _layout=arr.layout, _is_signed=None) for s in range(d // 64))
+        return tuple(_mlir()[3].FragmentedArray(
+            _registers=_decode_slab(arr.registers, s, smem, lambda c, g: c + g * d), _layout=arr.layout,
+            _is_signed=None) for s in range(d // 64))
 
     return _v(plgpu.layout_cast(codes, layout), scales_ref)
 
@@ -216,15 +202,13 @@ def _key_group_max(p: jax.Array) -> jax.Array:
 
 def _decode_k_interpreted(codes: jax.Array, scale_bits: jax.Array) -> jax.Array:
     """:func:`_decode_k`'s values from whole tiles: codes (64, D/2), the scales' (64·D/256, 16) tile."""
-    lo, hi = nvfp4.e2m1_unpack(codes)
-    values = jnp.concatenate([nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)], axis=1)
+    values = nvfp4.e2m1_decode_f16(nvfp4.unpack_halves(codes))  # (64, D)
     return nvfp4.scale_tile_f16(values, scale_bits.reshape(codes.shape[0], -1), axis=1)
 
 
 def _decode_vt_interpreted(codes: jax.Array, scale_bits: jax.Array) -> tuple[jax.Array, ...]:
     """:func:`_decode_vt`'s values from whole tiles: codes (D, 32), scales (4, D)."""
-    lo, hi = nvfp4.e2m1_unpack(codes)
-    values = jnp.concatenate([nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)], axis=1)  # (D, 64 keys)
+    values = nvfp4.e2m1_decode_f16(nvfp4.unpack_halves(codes))  # (D, 64 keys)
     vt = nvfp4.scale_tile_f16(values, scale_bits.T, axis=1)
     return tuple(vt[s * 64:(s + 1) * 64] for s in range(codes.shape[0] // 64))
 
@@ -259,7 +243,7 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
     count = jnp.clip(n_low - i0, 0, per)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns: one entry a query row
     positions = plgpu.load(pos_smem, layout=col_layout)
-    fused = not interpret  # the interpreter runs one product at a time
+    fused = not interpret  # every product issued before one wait; the interpreter runs one at a time
     width = order_smem.shape[1]
 
     def block_of(i):
@@ -312,13 +296,7 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
         else:
             a_ops = vts
         accs = tuple(acc * alpha for acc in accs)  # Oᵀ's tiles have Sᵀ's shape (64, N)
-        if fused:  # every product issued before one wait
-            def update(refs):
-                for ref, a in zip(refs, a_ops):
-                    plgpu.wgmma(ref, a, p_smem)
-            accs = pl.run_state(update)(tuple(plgpu.ACC.init(acc) for acc in accs))
-        else:
-            accs = tuple(acc + _product(a, p_smem, acc.shape) for acc, a in zip(accs, a_ops))
+        accs = accumulate(accs, tuple((a, p_smem) for a in a_ops), fused=fused)
         return accs, m_new, l_acc
 
     m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col_layout)
@@ -335,16 +313,6 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[b, hkv, split, rows])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[b, hkv, split, rows])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _product(a, b, shape) -> jax.Array:
-    """``a @ b`` into a fresh accumulator (the interpreter's one product at a time)."""
-
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "interpret"))
