@@ -390,34 +390,23 @@ def decode(log, smoke):
 
 def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
     """The split-KV kernels alone (selection, row layout and combine done outside the timing): the Triton kernel,
-    or with the Mosaic backend (``cfg.decode_backend``, :func:`lowbit_jax.thrift_backends.takes_mosaic_decode`) the
-    Mosaic kernel of the 4-bit runs and the Triton kernel of the 16-bit ones; :data:`DECODE_CALLS` a dispatch."""
-    from pallas_kernels.thrift_decode import thrift_decode
-    from pallas_kernels.thrift_decode_mosaic import thrift_decode_low
-
+    or with the Mosaic backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the Triton kernel of
+    the 16-bit ones, their partials merged (:func:`lowbit_jax.thrift_backends.decode_partials`);
+    :data:`DECODE_CALLS` a dispatch."""
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     interpret = impl.get("interpret", False)
     rows = t * (hq // cache.num_kv_heads)
     cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block, interpret=interpret)
-    args = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
-    triton = functools.partial(thrift_decode, scale=d**-0.5, config=cfg, row_tile=row_tile, rows=rows,
-                               interpret=interpret)
-    if thrift_backends.takes_mosaic_decode(cfg, head_dim=d, row_tile=row_tile, interpret=interpret):
-        _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
-        n_low = (cache.length + cfg.block - 1) // cfg.block - n_high[0]
+    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
 
-        def kernels(qf, q_rows, *rest):  # qf first: chained() perturbs it, so neither kernel leaves the loop
-            low = thrift_decode_low(qf, positions, n_low, order, k4, ks, v4, vs, scale=d**-0.5, config=cfg,
-                                    row_tile=row_tile, interpret=interpret)
-            return low, triton(q_rows, qf, *rest, only_high=True)
+    def kernels(qf, q_rows, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
+        return thrift_backends.decode_partials((q_rows, qf, *rest), cache.length, scale=d**-0.5, config=cfg,
+                                               row_tile=row_tile, rows=rows, interpret=interpret)
 
-        fn, args = kernels, (qf, args[0]) + args[2:]
-    else:
-        fn = triton
     calls = 1 if interpret else DECODE_CALLS
-    return time_fn(chained(fn, calls), *args, warmup=1, iters=max(1, iters // 4), batches=3) / calls
+    return time_fn(chained(kernels, calls), qf, q_rows, *rest, warmup=1, iters=max(1, iters // 4), batches=3) / calls
 
 
 def keep_other_sections(payload: dict, path, run: list[str]) -> dict:

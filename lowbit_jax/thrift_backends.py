@@ -10,6 +10,7 @@ order, the decode kernel's query rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -127,21 +128,8 @@ class TritonThrift:
         rows = t * (hq // cache.num_kv_heads)  # the kernel leaves the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
         order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
-        args = decode_kernel_args(q, cache, order, n_high, r_pad)
-        if not takes_mosaic_decode(config, head_dim=q.shape[-1], row_tile=row_tile, interpret=interpret):
-            acc, m, l = thrift_decode_kernels.thrift_decode(*args, scale=scale, config=config, row_tile=row_tile,
-                                                            rows=rows, interpret=interpret)
-        else:  # the 4-bit runs in the Mosaic GPU kernel, the 16-bit ones in the Triton kernel
-            _, qf_rows, positions, _, _, _, k4, k4_scale, v4, v4_scale, _ = args
-            n_low = (cache.length + config.block - 1) // config.block - n_high[0]
-            acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(
-                qf_rows, positions, n_low, order, k4, k4_scale, v4, v4_scale, scale=scale, config=config,
-                row_tile=row_tile, interpret=interpret)
-            acc = jnp.swapaxes(acc_t, -1, -2)
-            if config.split_counts()[1]:
-                high = thrift_decode_kernels.thrift_decode(*args, scale=scale, config=config, row_tile=row_tile,
-                                                           rows=rows, only_high=True, interpret=interpret)
-                acc, m, l = (jnp.concatenate(x, axis=2) for x in zip((acc, m, l), high))
+        acc, m, l = decode_partials(decode_kernel_args(q, cache, order, n_high, r_pad), cache.length, scale=scale,
+                                    config=config, row_tile=row_tile, rows=rows, interpret=interpret)
         return decode_outputs(combine_splits(acc[..., :rows, :], m[..., :rows], l[..., :rows]), t, hq)
 
 
@@ -227,6 +215,24 @@ def prefill_order(selected: jax.Array, opts: ThriftOptions, first_block: jax.Arr
     width = next_pow2(nkb)  # the kernel loads a row of the order whole (a power of two)
     high = jnp.pad(selected[..., :nkb] != 0, ((0, 0), (0, 0), (0, 0), (0, width - nkb)))
     return block_order(high, counts)
+
+
+def decode_partials(args: tuple, length: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int,
+                    interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The split-KV kernels on :func:`decode_kernel_args`'s ``args`` over a cache holding ``length`` tokens: acc
+    (B, Hkv, splits, R_pad, D) and m, l (B, Hkv, splits, R_pad), as
+    :func:`pallas_kernels.thrift_decode.thrift_decode` returns them. With :func:`takes_mosaic_decode`, the 4-bit runs
+    come from the Mosaic GPU kernel (transposed back) and the 16-bit ones from the Triton kernel, in that order."""
+    triton = functools.partial(thrift_decode_kernels.thrift_decode, *args, scale=scale, config=config,
+                               row_tile=row_tile, rows=rows, interpret=interpret)
+    if not takes_mosaic_decode(config, head_dim=args[0].shape[-1], row_tile=row_tile, interpret=interpret):
+        return triton()
+    _, qf_rows, positions, n_high, _, _, k4, k4_scale, v4, v4_scale, order = args
+    n_low = (length + config.block - 1) // config.block - n_high[0]
+    acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(qf_rows, positions, n_low, order, k4, k4_scale, v4, v4_scale,
+                                                         scale=scale, config=config, row_tile=row_tile,
+                                                         interpret=interpret)
+    return tuple(jnp.concatenate(x, axis=2) for x in zip((jnp.swapaxes(acc_t, -1, -2), m, l), triton(only_high=True)))
 
 
 def takes_mosaic_decode(config: ThriftConfig, *, head_dim: int, row_tile: int, interpret: bool) -> bool:
