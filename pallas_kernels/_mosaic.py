@@ -523,12 +523,13 @@ def copy_in(copies, barriers, wg) -> None:
 
 def copy_out(copies) -> None:
     """Fence this warpgroup's SMEM writes, TMA-copy each ``(smem src, gmem dst)`` out as one
-    group, and wait for it (the counterpart of :func:`copy_in`)."""
+    group, and wait until it has read the SMEM (the counterpart of :func:`copy_in`): a later write may reuse the
+    tile, and nothing in the kernel reads the GMEM back, so the writes need not land first."""
     plgpu.commit_smem()
     for src, dst in copies:
         plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
     plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def on_hopper() -> bool:

@@ -251,7 +251,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         zeros = wgmma_zeros((TILE, head_dim))
         dk, dv = pipeline((zeros, zeros))
         if fused_dq:  # no dK tile in SMEM (it would not fit beside the dQ buffers at D128): both through Ṽ's
-            plgpu.wait_smem_to_gmem(0)  # the last dQ copy is done
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ copy has read its SMEM
             for acc, out_ref in ((dk, dk_ref), (dv, dv_ref)):  # back to natural key order on the way to SMEM
                 key_pairs.store_rows(vd_smem, acc.astype(vd_smem.dtype), interpret)
                 copy_out(((vd_smem, out_ref.at[b, rows, hkv]),))
