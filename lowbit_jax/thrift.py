@@ -36,7 +36,7 @@ from lowbit_jax import _checks
 from lowbit_jax._x32 import x32
 from lowbit_jax.qat_reference import mma_dtype, padded
 from lowbit_jax.reference import reference_attention
-from lowbit_jax.thrift_backends import ThriftOptions, implementation_for
+from lowbit_jax.thrift_backends import ThriftOptions, implementation_for, mosaic_row_tile, takes_mosaic_decode
 from lowbit_jax.thrift_cache import ThriftKVCache
 from lowbit_jax.thrift_reference import check_key_blocks, topk_count, valid_key_blocks
 from pallas_kernels.configs import ThriftConfig
@@ -254,18 +254,23 @@ def thrift_decode(q: jax.Array, cache: ThriftKVCache, *, budget: float = 0.05, s
     return _decode(q, cache, budget=budget, scale=scale, implementation=impl, interpret=interpret, config=config)
 
 
-def decode_config(q: jax.Array, cache: ThriftKVCache, *, budget: float, config: ThriftConfig) -> ThriftConfig:
+def decode_config(q: jax.Array, cache: ThriftKVCache, *, budget: float, config: ThriftConfig,
+                  interpret: bool = False) -> ThriftConfig:
     """``config`` with the decode's split counts resolved for new tokens ``q`` (B, T, Hq, D) over ``cache``
-    (:meth:`ThriftConfig.for_decode`: by batch, kv heads, rows per kv head and the cache's capacity)."""
-    b, t, hq, _ = q.shape
-    return config.for_decode(batch=b, kv_heads=cache.num_kv_heads, head_rows=t * (hq // cache.num_kv_heads),
-                             max_blocks=cache.k.shape[1] // cache.block, budget=budget)
+    (:meth:`ThriftConfig.for_decode`: by batch, kv heads, rows per kv head, the cache's capacity, and whether the
+    16-bit runs get a launch of their own, :func:`lowbit_jax.thrift_backends.takes_mosaic_decode`; the XLA twin
+    resolves the same counts as the kernels on the same machine)."""
+    b, t, hq, d = q.shape
+    rows = t * (hq // cache.num_kv_heads)
+    high_launch = takes_mosaic_decode(config, head_dim=d, row_tile=mosaic_row_tile(rows), interpret=interpret)
+    return config.for_decode(batch=b, kv_heads=cache.num_kv_heads, head_rows=rows,
+                             max_blocks=cache.k.shape[1] // cache.block, budget=budget, high_launch=high_launch)
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "scale", "implementation", "interpret", "config"))
 def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
             config: ThriftConfig):
-    config = decode_config(q, cache, budget=budget, config=config)
+    config = decode_config(q, cache, budget=budget, config=config, interpret=interpret)
     o = implementation_for(implementation, interpret).decode(q, cache, budget=budget, scale=scale, config=config,
                                                              interpret=interpret)
     usable = (cache.length >= q.shape[1]) & ~cache.overflow  # traced: NaN instead of values from a bad state

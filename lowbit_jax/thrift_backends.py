@@ -128,9 +128,9 @@ class TritonThrift:
         rows = t * (hq // cache.num_kv_heads)  # the kernel leaves the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
         order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
-        acc, m, l = decode_partials(decode_kernel_args(q, cache, order, n_high, r_pad), cache.length, scale=scale,
-                                    config=config, row_tile=row_tile, rows=rows, interpret=interpret)
-        return decode_outputs(combine_splits(acc[..., :rows, :], m[..., :rows], l[..., :rows]), t, hq)
+        groups = decode_partials(decode_kernel_args(q, cache, order, n_high, r_pad), cache.length, scale=scale,
+                                 config=config, row_tile=row_tile, rows=rows, interpret=interpret)
+        return decode_outputs(combine_splits(*groups), t, hq)
 
 
 IMPLEMENTATIONS = (TritonThrift(), XlaThrift())
@@ -218,21 +218,32 @@ def prefill_order(selected: jax.Array, opts: ThriftOptions, first_block: jax.Arr
 
 
 def decode_partials(args: tuple, length: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int,
-                    interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The split-KV kernels on :func:`decode_kernel_args`'s ``args`` over a cache holding ``length`` tokens: acc
-    (B, Hkv, splits, R_pad, D) and m, l (B, Hkv, splits, R_pad), as
-    :func:`pallas_kernels.thrift_decode.thrift_decode` returns them. With :func:`takes_mosaic_decode`, the 4-bit runs
-    come from the Mosaic GPU kernel (transposed back) and the 16-bit ones from the Triton kernel, in that order."""
+                    interpret: bool) -> tuple[tuple[jax.Array, jax.Array, jax.Array], ...]:
+    """The split-KV kernels on :func:`decode_kernel_args`'s ``args`` over a cache holding ``length`` tokens: groups
+    of partial softmaxes for :func:`lowbit_jax.thrift_reference.combine_splits`, each acc (B, Hkv, splits, rows, D)
+    and m, l (B, Hkv, splits, rows) of the ``rows`` real rows. One group from
+    :func:`pallas_kernels.thrift_decode.thrift_decode`; with :func:`takes_mosaic_decode`, the 4-bit runs from the
+    Mosaic GPU kernel (transposed back; its own row tile, :func:`mosaic_row_tile`) and then the 16-bit ones from the
+    Triton kernel."""
+    real = lambda acc, m, l: (acc[..., :rows, :], m[..., :rows], l[..., :rows])  # noqa: E731
     triton = functools.partial(thrift_decode_kernels.thrift_decode, *args, scale=scale, config=config,
                                row_tile=row_tile, rows=rows, interpret=interpret)
-    if not takes_mosaic_decode(config, head_dim=args[0].shape[-1], row_tile=row_tile, interpret=interpret):
-        return triton()
+    tile = mosaic_row_tile(rows)
+    if not takes_mosaic_decode(config, head_dim=args[0].shape[-1], row_tile=tile, interpret=interpret):
+        return (real(*triton()),)
     _, qf_rows, positions, n_high, _, _, k4, k4_scale, v4, v4_scale, order = args
+    r_low = -(-rows // tile) * tile  # ≤ the Triton kernel's padded rows
     n_low = (length + config.block - 1) // config.block - n_high[0]
-    acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(qf_rows, positions, n_low, order, k4, k4_scale, v4, v4_scale,
-                                                         scale=scale, config=config, row_tile=row_tile,
-                                                         interpret=interpret)
-    return tuple(jnp.concatenate(x, axis=2) for x in zip((jnp.swapaxes(acc_t, -1, -2), m, l), triton(only_high=True)))
+    acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(qf_rows[:, :, :r_low], positions[:r_low], n_low, order, k4,
+                                                         k4_scale, v4, v4_scale, scale=scale, config=config,
+                                                         row_tile=tile, interpret=interpret)
+    return real(jnp.swapaxes(acc_t, -1, -2), m, l), real(*triton(only_high=True))
+
+
+def mosaic_row_tile(rows: int) -> int:
+    """Query rows a CTA of the Mosaic decode kernel: the ``wgmma`` N, the rows up to a power of two from 8 (a GQA
+    group of 4 and one token fill half of 8 columns, not a quarter of the Triton kernel's 16), 64 beyond."""
+    return 64 if rows > 64 else max(8, next_pow2(rows))
 
 
 def takes_mosaic_decode(config: ThriftConfig, *, head_dim: int, row_tile: int, interpret: bool) -> bool:

@@ -31,6 +31,7 @@ docs/spec.md, ThriftAttention. The kernels (:mod:`pallas_kernels.thrift_select`,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -329,12 +330,17 @@ def split_bounds(count: jax.Array, splits: int) -> jax.Array:
     return (count + splits - 1) // splits
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge the splits' partial softmaxes: acc (..., splits, R, D), m and l (..., splits, R) → (..., R, D)."""
-    m_all = jnp.max(m, axis=-2, keepdims=True)
-    w = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)))
-    num = jnp.sum(acc * w[..., None], axis=-3)
-    den = jnp.sum(l * w, axis=-2)
+def combine_splits(*groups: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Merge the splits' partial softmaxes: each group acc (..., splits, R, D), m and l (..., splits, R) float32 →
+    (..., R, D). Several groups (two kernels' runs) merge as their concatenation along the split axis would,
+    without it."""
+    m_all = functools.reduce(jnp.maximum, [jnp.max(m, axis=-2, keepdims=True) for _, m, _ in groups])
+    m_ref = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    num = den = 0.0
+    for acc, m, l in groups:
+        w = jnp.where(m == -jnp.inf, 0.0, jnp.exp2(m - m_ref))
+        num = num + jnp.sum(acc * w[..., None], axis=-3)
+        den = den + jnp.sum(l * w, axis=-2)
     return num * int8.reciprocal_or_zero(den)[..., None]
 
 
@@ -407,7 +413,7 @@ def decode_reference(q: jax.Array, k16: jax.Array, v16: jax.Array, k4: jax.Array
     init = (jnp.zeros((b, hkv, splits, r, d), jnp.float32), jnp.full((b, hkv, splits, r), -jnp.inf, jnp.float32),
             jnp.zeros((b, hkv, splits, r), jnp.float32))
     (acc, m, l), _ = jax.lax.scan(step, init, jnp.arange(nkb))
-    return decode_outputs(combine_splits(acc, m, l), t, hq).astype(q.dtype)
+    return decode_outputs(combine_splits((acc, m, l)), t, hq).astype(q.dtype)
 
 
 __all__ = [

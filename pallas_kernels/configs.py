@@ -434,22 +434,27 @@ class ThriftConfig:
         return (warps if self.decode_warps is None else self.decode_warps,
                 stages if self.decode_stages is None else self.decode_stages)
 
-    def for_decode(self, *, batch: int, kv_heads: int, head_rows: int, max_blocks: int,
-                   budget: float) -> "ThriftConfig":
+    def for_decode(self, *, batch: int, kv_heads: int, head_rows: int, max_blocks: int, budget: float,
+                   high_launch: bool = False) -> "ThriftConfig":
         """This config with ``decode_splits`` and ``decode_splits_high`` set for one decode call.
 
-        Fields already set are kept. Unset: about :data:`DECODE_PROGRAMS` programs in all, at least
-        :data:`DECODE_MIN_BLOCKS` key blocks of the cache's ``max_blocks`` each, shared between the 4-bit and the
-        16-bit runs by the bytes the ``budget`` makes them read (a 16-bit block has 3.56× a 4-bit block's bytes).
-        Powers of two. ``head_rows``: the query rows per kv head (tokens × group).
+        Fields already set are kept. Unset, as powers of two: about :data:`DECODE_PROGRAMS` programs in all, at
+        least :data:`DECODE_MIN_BLOCKS` key blocks of the cache's ``max_blocks`` each, shared between the 4-bit and
+        the 16-bit runs by the bytes the ``budget`` makes them read (a 16-bit block has 3.56× a 4-bit block's
+        bytes). ``high_launch``: the 16-bit runs have a launch of their own (the Mosaic kernel takes the 4-bit ones),
+        so they fill the GPU alone: up to :data:`DECODE_PROGRAMS` programs of one or two 16-bit blocks at the cache's
+        capacity. ``head_rows``: the query rows per kv head (tokens × group).
         """
         if self.decode_splits is not None and self.decode_splits_high is not None:
             return self
         per_split = batch * kv_heads * -(-head_rows // 64)  # programs per split: one per 64-row tile
-        total = _floor_pow2(min(max(DECODE_PROGRAMS // per_split, 2), max(max_blocks // DECODE_MIN_BLOCKS, 2)))
+        fill = max(DECODE_PROGRAMS // per_split, 1)
+        total = _floor_pow2(min(max(fill, 2), max(max_blocks // DECODE_MIN_BLOCKS, 2)))
         high_share = budget * DECODE_BYTES_RATIO / (budget * DECODE_BYTES_RATIO + (1.0 - budget))
-        high = self.decode_splits_high or min(_round_pow2(total * high_share), total)
-        low = self.decode_splits or _round_pow2(total - high)
+        shared = min(_round_pow2(total * high_share), total)
+        low = self.decode_splits or _round_pow2(total - (self.decode_splits_high or shared))
+        own = _floor_pow2(min(max(round(budget * max_blocks), 1), fill))
+        high = self.decode_splits_high or (own if high_launch else shared)
         return dataclasses.replace(self, decode_splits=low, decode_splits_high=high)
 
     def split_counts(self) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 The numerics of the 4-bit splits of :mod:`pallas_kernels.thrift_decode` (the Triton kernel, which keeps the 16-bit
 runs; :func:`lowbit_jax.thrift_reference.combine_splits` merges both). A CTA of one warpgroup owns one run of the
-4-bit key blocks of one (batch, kv head) and one tile of N query rows (the group's heads × the new tokens, N ≥ 16),
+4-bit key blocks of one (batch, kv head) and one tile of N query rows (the group's heads × the new tokens, N = 8…64),
 and writes its partial softmax (Oᵀ unnormalized, m, l).
 
 The products are transposed, Sᵀ = K̃·Q̃ᵀ (64 keys × N) and Oᵀ += Ṽᵀ·P̃ᵀ (D × N), so that the decoded K̃ and Ṽᵀ
@@ -26,7 +26,7 @@ token-major, V's codes (D, S/2) channel-major and its scales (S/16, D). A one-wa
 step's four tiles, the block index read from the run's order in SMEM. Interpreted (the Mosaic GPU interpreter has
 no inline PTX and takes SMEM operands only), the same values by ``jax.numpy`` and SMEM operand tiles.
 
-Covered (:func:`supports`): head dim 64 or 128, ``block`` 64, N = 16…64 query rows a CTA.
+Covered (:func:`supports`): head dim 64 or 128, ``block`` 64, N = 8, 16, 32 or 64 query rows a CTA.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SCALE_ROW = 16  # bytes a row of the K scales' tile (TMA's smallest box row)
 
 def supports(*, head_dim: int, block: int, row_tile: int) -> bool:
     """Whether the Mosaic kernel covers a decode call (else the Triton kernel runs its 4-bit runs too)."""
-    return head_dim in (64, 128) and block == BLOCK and 16 <= row_tile <= 64
+    return head_dim in (64, 128) and block == BLOCK and row_tile in (8, 16, 32, 64)
 
 
 # ----------------------------------------------------------------------------- compiled-only pieces (inline PTX)
@@ -285,7 +285,8 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
         l_acc = l_acc * alpha + p
         gmax = _key_group_max_interpreted(p) if interpret else _key_group_max(p)
         values, sf = nvfp4.fake_quant_parts(p, gmax, nonnegative=True, assume_finite=True)
-        p_smem[...] = (values * (sf * nvfp4.E2M1_F16_BIAS)).astype(jnp.float16)  # V's 2**-14 back
+        # V's 2**-14 back; stored query-major, (N, 64 keys): an 8-column tile has no swizzle, a 64-key row has
+        p_smem.T[...] = (values * (sf * nvfp4.E2M1_F16_BIAS)).astype(jnp.float16)
         plgpu.commit_smem()  # P̃ᵀ is the product's B operand
         if interpret:
             a_ops = []
@@ -296,7 +297,7 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
         else:
             a_ops = vts
         accs = tuple(acc * alpha for acc in accs)  # Oᵀ's tiles have Sᵀ's shape (64, N)
-        accs = accumulate(accs, tuple((a, p_smem) for a in a_ops), fused=fused)
+        accs = accumulate(accs, tuple((a, p_smem.T) for a in a_ops), fused=fused)
         return accs, m_new, l_acc
 
     m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col_layout)
@@ -331,7 +332,7 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
       k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16); v4: uint8 (B, Hkv, D, S_max/2);
         v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the :class:`lowbit_jax.ThriftKVCache` layout).
       scale: softmax scale; config: ``decode_splits`` set (:meth:`ThriftConfig.for_decode`), ``block`` 64;
-      row_tile: query rows a CTA (16, 32 or 64, dividing R_pad).
+      row_tile: query rows a CTA (8, 16, 32 or 64, dividing R_pad).
     Returns:
       accᵀ (B, Hkv, splits, D, R_pad) float32 (unnormalized, transposed), m and l (B, Hkv, splits, R_pad)
       float32 (base 2), splits = ``config.decode_splits``.
@@ -353,7 +354,7 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
     scratch = dict(q_smem=plgpu.SMEM((n, d), f16, transforms=tile_transforms(f16, d)),
                    pos_smem=plgpu.SMEM((n,), jnp.int32), meta_smem=plgpu.SMEM((4,), jnp.int32),
                    order_smem=plgpu.SMEM((nkb // width, width), order.dtype),
-                   p_smem=plgpu.SMEM((BLOCK, n), f16, transforms=tile_transforms(f16, n)),
+                   p_smem=plgpu.SMEM((n, BLOCK), f16, transforms=tile_transforms(f16, BLOCK)),
                    acc_smem=plgpu.SMEM((d, n), f32), ml_smem=plgpu.SMEM((2, n), f32),
                    barrier=plgpu.Barrier(num_barriers=4))
     if interpret:  # the interpreter's SMEM A operands: K̃ and Ṽᵀ's 64-channel tiles

@@ -512,31 +512,53 @@ def test_decode_launch_by_rows_per_program():
     assert thrift_backends.decode_layout(1 * 4)[1] == 16 and thrift_backends.decode_layout(40 * 4)[1] == 64
 
 
-@pytest.mark.parametrize("batch, kv_heads, head_rows, max_blocks, budget, want", [
-    (8, 8, 4, 128, 0.05, (16, 2)),  # 64 programs a split: 16 + 2 splits fill about 1024 programs
-    (2, 8, 4, 2048, 0.05, (64, 8)),  # fewer sequences, longer caches: more splits
-    (8, 8, 4, 24, 0.05, (4, 1)),  # at least 4 key blocks a split
-    (8, 8, 4, 128, 1.0, (1, 16)),  # f = 1: the 16-bit runs take the splits
-    (8, 8, 4, 128, 0.0, (16, 1)),
-    (8, 8, 160, 512, 0.05, (4, 1)),  # 160 rows: three 64-row tiles a head
+@pytest.mark.parametrize("batch, kv_heads, head_rows, max_blocks, budget, want, own_high", [
+    (8, 8, 4, 128, 0.05, (16, 2), 4),  # 64 programs a split: 16 + 2 splits fill about 1024 programs
+    (2, 8, 4, 2048, 0.05, (64, 8), 64),  # fewer sequences, longer caches: more splits
+    (8, 8, 4, 24, 0.05, (4, 1), 1),  # at least 4 key blocks a split
+    (8, 8, 4, 128, 1.0, (1, 16), 16),  # f = 1: the 16-bit runs take the splits
+    (8, 8, 4, 128, 0.0, (16, 1), 1),
+    (8, 8, 160, 512, 0.05, (4, 1), 4),  # 160 rows: three 64-row tiles a head
 ])
-def test_decode_splits_fill_the_gpu_by_call(batch, kv_heads, head_rows, max_blocks, budget, want):
+def test_decode_splits_fill_the_gpu_by_call(batch, kv_heads, head_rows, max_blocks, budget, want, own_high):
     """ThriftConfig.for_decode: unset split counts are powers of two that give about DECODE_PROGRAMS programs
     (the 16-bit runs a share by the bytes the budget reads), never fewer than DECODE_MIN_BLOCKS blocks a run
-    at the cache's capacity; set ones are kept."""
+    at the cache's capacity; with a launch of their own (``high_launch``) the 16-bit runs take one or two blocks
+    each, up to DECODE_PROGRAMS programs, and the 4-bit runs keep their count; set ones are kept."""
     from pallas_kernels import configs
 
-    cfg = lb.ThriftConfig().for_decode(batch=batch, kv_heads=kv_heads, head_rows=head_rows, max_blocks=max_blocks,
-                                       budget=budget)
+    shape = dict(batch=batch, kv_heads=kv_heads, head_rows=head_rows, max_blocks=max_blocks, budget=budget)
+    cfg = lb.ThriftConfig().for_decode(**shape)
     assert (cfg.decode_splits, cfg.decode_splits_high) == want
-    total = cfg.decode_splits + cfg.decode_splits_high
-    assert total * batch * kv_heads * -(-head_rows // 64) <= 2 * configs.DECODE_PROGRAMS
-    kept = lb.ThriftConfig(decode_splits=2).for_decode(batch=batch, kv_heads=kv_heads, head_rows=head_rows,
-                                                               max_blocks=max_blocks, budget=budget)
+    per_split = batch * kv_heads * -(-head_rows // 64)
+    assert (cfg.decode_splits + cfg.decode_splits_high) * per_split <= 2 * configs.DECODE_PROGRAMS
+    own = lb.ThriftConfig().for_decode(**shape, high_launch=True)
+    assert (own.decode_splits, own.decode_splits_high) == (want[0], own_high)
+    assert own_high * per_split <= configs.DECODE_PROGRAMS
+    kept = lb.ThriftConfig(decode_splits=2).for_decode(**shape)
     assert kept.decode_splits == 2 and kept.decode_splits_high == want[1]
     both = lb.ThriftConfig(decode_splits=2, decode_splits_high=4)
-    assert both.for_decode(batch=batch, kv_heads=kv_heads, head_rows=head_rows, max_blocks=max_blocks,
-                           budget=budget) is both
+    assert both.for_decode(**shape) is both and both.for_decode(**shape, high_launch=True) is both
+
+
+def test_decode_config_gives_the_16bit_runs_their_own_fill_where_they_have_their_own_launch():
+    """decode_config resolves the split counts by the backend that will run: with the Mosaic kernel taking the
+    4-bit runs, the 16-bit runs' own fill; with the one Triton kernel, their share. The XLA twin resolves the same
+    counts as the kernels (here both with ``decode_backend="mosaic"``), so the two agree with the splits unset."""
+    from lowbit_jax import thrift as thrift_mod
+
+    q, k, v = make_qkv(1, 1000, 1000, 8, 2, 64, seed=41)
+    cache = filled_cache(k, v, 1000, block=64, max_len=1024)
+    qt = q[:, -1:]
+    shape = dict(batch=1, kv_heads=2, head_rows=4, max_blocks=cache.k.shape[1] // cache.block, budget=0.25)
+    for backend, high_launch in (("mosaic", True), ("triton", False)):
+        cfg = lb.ThriftConfig(decode_backend=backend)
+        got = thrift_mod.decode_config(qt, cache, budget=0.25, config=cfg, interpret=INTERPRET)
+        assert got == cfg.for_decode(**shape, high_launch=high_launch)
+    assert cfg.for_decode(**shape, high_launch=True) != cfg.for_decode(**shape)  # the case tells them apart
+    cfg = lb.ThriftConfig(decode_backend="mosaic")
+    run = functools.partial(lb.thrift_decode, qt, cache, budget=0.25, config=cfg)
+    assert metrics(run(implementation="pallas", interpret=INTERPRET), run(implementation="xla"))[1] < 2e-3
 
 
 def test_decode_kernel_refuses_unresolved_splits():
@@ -596,12 +618,13 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
 # ----------------------------------------------------------------------------- the Mosaic GPU decode of the 4-bit runs
 
 MOSAIC_DECODE_CASES = [  # (B, filled, T new, Hq, Hkv, D, budget, 4-bit splits)
-    (1, 300, 1, 4, 2, 64, 0.25, 2),  # ragged: the last block partial
+    (1, 300, 1, 4, 2, 64, 0.25, 2),  # ragged: the last block partial; 2 rows of an 8-row tile
     (2, 390, 3, 8, 2, 128, 0.1, 4),  # 3 tokens × 4 heads: 12 of 16 rows; 6 blocks in runs of 2, 2, 2, 0
     (1, 128, 1, 2, 2, 64, 0.0, 4),  # MHA, whole blocks, every block 4-bit, runs of 1 and empty runs
     (1, 64, 2, 4, 1, 128, 1.0, 2),  # one block, all 16-bit: every 4-bit run empty
     (1, 1000, 16, 8, 2, 64, 0.05, 4),  # 64 rows: one 64-row tile
     (1, 200, 17, 8, 2, 64, 0.1, 2),  # 68 rows: two 64-row tiles, the second mostly padding
+    (1, 500, 5, 8, 2, 128, 0.1, 2),  # 20 rows: a 32-row tile
 ]
 
 
@@ -627,10 +650,12 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
     _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
     n_low = (cache.length + 63) // 64 - n_high[0]
-    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, positions, n_low, order, k4, ks, v4, vs,
-                                                           scale=d**-0.5, config=cfg, row_tile=row_tile,
+    tile = thrift_backends.mosaic_row_tile(rows)
+    r_low = -(-rows // tile) * tile
+    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf[:, :, :r_low], positions[:r_low], n_low, order, k4,
+                                                           ks, v4, vs, scale=d**-0.5, config=cfg, row_tile=tile,
                                                            interpret=INTERPRET)
-    assert acc_t.shape == (b, hkv, splits, d, r_pad) and m2.shape == l2.shape == (b, hkv, splits, r_pad)
+    assert acc_t.shape == (b, hkv, splits, d, r_low) and m2.shape == l2.shape == (b, hkv, splits, r_low)
     want = [np.asarray(x[:, :, :splits, :rows], np.float64) for x in (acc, m, l)]
     got = [np.asarray(x, np.float64) for x in (jnp.swapaxes(acc_t, -1, -2)[..., :rows, :], m2[..., :rows],
                                                l2[..., :rows])]
