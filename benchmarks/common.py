@@ -75,6 +75,11 @@ ROUNDS = 3
 ROUND_WARMUP = 5
 
 
+#: decode steps a dispatch in the decode timings (:func:`chained`): one step takes tens of µs, less than the host
+#: needs to dispatch it
+DECODE_CALLS = 20
+
+
 def chained(fn: Callable, calls: int) -> Callable:
     """A jitted ``f(*args)`` that runs ``fn(*args)`` ``calls`` times in one ``fori_loop``, each call's first argument
     (a float array) plus zero times a value of the previous call's output, so XLA neither hoists nor merges the

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import (RESULTS_DIR, attention_flops, chained, environment, temp_mib, time_fn, time_rounds,
-                               write_json)
+from benchmarks.common import (DECODE_CALLS, RESULTS_DIR, attention_flops, chained, environment, temp_mib, time_fn,
+                               time_rounds, write_json)
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax import thrift_backends
 from lowbit_jax.thrift_reference import decode_selection
@@ -61,9 +61,6 @@ DECODE_EXTRA_SHAPES = [(8, 32, 32, 32768, 128, 1), (8, 32, 8, 32768, 64, 1), (8,
 DECODE_VARIANTS = [(0.05, None, None, "auto"), (0.05, None, None, "triton"), (0.05, 32, 8, "auto"),
                    (0.05, 64, 16, "auto"), (0.25, None, None, "auto"), (1.0, None, None, "auto"),
                    (0.0, None, None, "auto")]
-#: decode steps a dispatch in the decode section's timings (:func:`benchmarks.common.chained`): one step takes tens
-#: of µs, less than the host needs to dispatch it
-DECODE_CALLS = 20
 SMOKE = dict(prefill=[(1, 4, 2, 256, 64, True)], decode=[(1, 4, 2, 256, 64, 1)], accuracy=(1, 4, 2, 512, 64))
 
 
@@ -363,7 +360,7 @@ def decode(log, smoke):
                 o = fn(qt, cache)
                 timed[name] = (fn, (qt, cache))
                 sel = np.asarray(decode_selection(qt, cache.k_mean, cache.length, budget=f, block=cfg.block))
-                resolved = thrift_mod.decode_config(qt, cache, budget=f, config=cfg)
+                resolved = thrift_mod.decode_config(qt, cache, budget=f, config=cfg, interpret=smoke)
                 moved = decode_bytes(cache, sel, qt, sum(resolved.split_counts()))
                 row["bytes"][name], row.setdefault("kv_bytes", {})[name] = moved["thrift"], moved["kv"]
                 row["error_vs_exact"][name] = lb.error_metrics(o, exact)
@@ -388,15 +385,15 @@ def decode(log, smoke):
     return rows
 
 
-def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
-    """The split-KV kernels alone (selection, row layout and combine done outside the timing): the Triton kernel,
-    or with the Mosaic backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the Triton kernel of
-    the 16-bit ones, their partials merged (:func:`lowbit_jax.thrift_backends.decode_partials`);
-    :data:`DECODE_CALLS` a dispatch."""
+def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
+    """``(fn, args)``: the split-KV kernels alone (selection, row layout and combine done outside), :data:`DECODE_CALLS`
+    a dispatch (:func:`benchmarks.common.chained`; one call when interpreted): the Triton kernel, or with the Mosaic
+    backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the Triton kernel of the 16-bit ones,
+    their partials merged (:func:`lowbit_jax.thrift_backends.decode_partials`)."""
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     interpret = impl.get("interpret", False)
     rows = t * (hq // cache.num_kv_heads)
-    cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg)
+    cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg, interpret=interpret)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block, interpret=interpret)
     q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
@@ -405,8 +402,14 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
         return thrift_backends.decode_partials((q_rows, qf, *rest), cache.length, scale=d**-0.5, config=cfg,
                                                row_tile=row_tile, rows=rows, interpret=interpret)
 
-    calls = 1 if interpret else DECODE_CALLS
-    return time_fn(chained(kernels, calls), qf, q_rows, *rest, warmup=1, iters=max(1, iters // 4), batches=3) / calls
+    return chained(kernels, 1 if interpret else DECODE_CALLS), (qf, q_rows, *rest)
+
+
+def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
+    """ms per decode step of :func:`decode_kernels`."""
+    fn, args = decode_kernels(q, cache, budget, cfg, impl)
+    calls = 1 if impl.get("interpret", False) else DECODE_CALLS
+    return time_fn(fn, *args, warmup=1, iters=max(1, iters // 4), batches=3) / calls
 
 
 def keep_other_sections(payload: dict, path, run: list[str]) -> dict:
