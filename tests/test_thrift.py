@@ -561,6 +561,32 @@ def test_decode_config_gives_the_16bit_runs_their_own_fill_where_they_have_their
     assert metrics(run(implementation="pallas", interpret=INTERPRET), run(implementation="xla"))[1] < 2e-3
 
 
+def test_combine_splits_of_two_groups_is_the_combine_of_their_concatenation():
+    """Two kernels' partial softmaxes merged as groups equal the merge of their concatenation along the split axis
+    to float32 rounding (the sums run in another order), empty splits (m = −inf, l = 0) included, and softmax
+    attention over all the keys (float64 oracle)."""
+    from lowbit_jax.thrift_reference import combine_splits
+
+    rng = np.random.default_rng(7)
+    scores = rng.normal(size=(2, 3, 40)) * 3  # (B, rows, keys)
+    values = rng.normal(size=(2, 40, 8))
+    bounds = [0, 7, 7, 20, 31, 40]  # five splits, the second empty
+
+    def partial(lo, hi):
+        s = scores[..., lo:hi] / np.log(2)  # base 2, as the kernels keep m
+        m = s.max(axis=-1) if hi > lo else np.full(s.shape[:-1], -np.inf)
+        p = np.exp2(s - m[..., None]) if hi > lo else s
+        return p @ values[:, lo:hi], m, p.sum(axis=-1)
+
+    parts = [partial(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    stack = lambda xs: jnp.asarray(np.stack(xs, axis=1), jnp.float32)  # noqa: E731
+    group = lambda ps: tuple(stack([p[i] for p in ps]) for i in range(3))  # noqa: E731
+    both = combine_splits(group(parts[:2]), group(parts[2:]))
+    np.testing.assert_allclose(np.asarray(both), np.asarray(combine_splits(group(parts))), rtol=1e-6, atol=1e-7)
+    w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(both), (w / w.sum(axis=-1, keepdims=True)) @ values, rtol=2e-5, atol=2e-6)
+
+
 def test_decode_kernel_refuses_unresolved_splits():
     from pallas_kernels.thrift_decode import thrift_decode as decode_kernel
 
