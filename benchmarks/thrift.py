@@ -369,9 +369,9 @@ def decode(log, smoke):
             except Exception as e:  # noqa: BLE001
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
                 log(f"  {name} failed: {row['errors'][name]}")
-        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], calls=1 if smoke else DECODE_CALLS,
-                                                  warmup=1, iters=3 if smoke else 5, batches=3)
         row["calls_per_dispatch"] = 1 if smoke else DECODE_CALLS
+        row["ms"], row["ms_rounds"] = time_rounds(timed, row["rounds"], calls=row["calls_per_dispatch"],
+                                                  warmup=1, iters=3 if smoke else 5, batches=3)
         row["gbps"] = {m: row["bytes"][m] / t / 1e6 for m, t in row["ms"].items() if m in row["bytes"]}
         base = row["ms"].get("xla_bf16")
         row["vs_xla_bf16"] = {m: base / t for m, t in row["ms"].items()} if base else {}
@@ -386,10 +386,10 @@ def decode(log, smoke):
 
 
 def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
-    """``(fn, args)``: the split-KV kernels alone (selection, row layout and combine done outside), :data:`DECODE_CALLS`
-    a dispatch (:func:`benchmarks.common.chained`; one call when interpreted): the Triton kernel, or with the Mosaic
-    backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the Triton kernel of the 16-bit ones,
-    their partials merged (:func:`lowbit_jax.thrift_backends.decode_partials`)."""
+    """``(fn, args, calls)``: the split-KV kernels alone (selection, row layout and combine done outside), ``calls``
+    a dispatch (:data:`DECODE_CALLS` by :func:`benchmarks.common.chained`; one when interpreted): the Triton kernel, or
+    with the Mosaic backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the Triton kernel of the
+    16-bit ones, their partials merged (:func:`lowbit_jax.thrift_backends.decode_partials`)."""
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     interpret = impl.get("interpret", False)
     rows = t * (hq // cache.num_kv_heads)
@@ -402,13 +402,13 @@ def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
         return thrift_backends.decode_partials((q_rows, qf, *rest), cache.length, scale=d**-0.5, config=cfg,
                                                row_tile=row_tile, rows=rows, interpret=interpret)
 
-    return chained(kernels, 1 if interpret else DECODE_CALLS), (qf, q_rows, *rest)
+    calls = 1 if interpret else DECODE_CALLS
+    return chained(kernels, calls), (qf, q_rows, *rest), calls
 
 
 def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
     """ms per decode step of :func:`decode_kernels`."""
-    fn, args = decode_kernels(q, cache, budget, cfg, impl)
-    calls = 1 if impl.get("interpret", False) else DECODE_CALLS
+    fn, args, calls = decode_kernels(q, cache, budget, cfg, impl)
     return time_fn(fn, *args, warmup=1, iters=max(1, iters // 4), batches=3) / calls
 
 

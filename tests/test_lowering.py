@@ -253,7 +253,7 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
-@pytest.mark.parametrize("t, hq, d", [(1, 32, 128), (3, 8, 64), (16, 8, 128)])  # 16, 16 and 64 rows a CTA
+@pytest.mark.parametrize("t, hq, d", [(1, 32, 128), (3, 8, 64), (16, 8, 128)])  # Mosaic: 8, 8, 16 rows a CTA
 def test_thrift_decode_mosaic_lowers(t, hq, d):
     """``decode_backend="mosaic"``: the 4-bit runs lower to the Mosaic GPU kernel (its inline PTX decode and lane
     shuffles), the 16-bit runs to the Triton kernel."""
