@@ -7,9 +7,10 @@ One pytree (``jax.tree_util`` dataclass), updated functionally under ``jit``:
 * ``k4``: uint8 (B, Hkv, S_max, D/2) — each token's e2m1 codes in groups of 16 along D, packed by
   :func:`pallas_kernels.numerics.nvfp4.pack_halves` (channel i with channel i + D/2); ``k4_scale``:
   float8_e4m3fn (B, Hkv, S_max, D/16);
-* ``v4``: uint8 (B, Hkv, D, S_max/2) — V channel-major, in groups of 16 tokens per channel (the P·V product
-  contracts over tokens), each ``block`` of tokens packed by halves (token t with t + block/2) into block/2
-  bytes: a block of a channel is contiguous, as the decode's Ṽᵀ operand reads it;
+* ``v4``: uint8 (B, Hkv, S_max/block · D, block/2) — V block-major and, within a block, channel-major: rows
+  j·D … j·D + D − 1 are block j's channels, each the block's tokens in groups of 16 (the P·V product contracts
+  over tokens) packed by halves (token t with t + block/2) into block/2 bytes. A block's codes are one contiguous
+  D · block/2 bytes, as the decode reads them (Ṽᵀ);
   ``v4_scale``: float8_e4m3fn (B, Hkv, S_max/16, D);
 * ``k_mean``: float32 (B, Hkv, S_max/block, D) — the mean of each complete key block (the decode
   selection's k̄; blocks not yet complete hold partial values that nothing reads);
@@ -94,7 +95,8 @@ class ThriftKVCache:
         return cls(
             k=jnp.zeros((b, s, h, d), dtype), v=jnp.zeros((b, s, h, d), dtype),
             k4=jnp.zeros((b, h, s, d // 2), jnp.uint8), k4_scale=jnp.ones((b, h, s, d // nvfp4.GROUP), e4m3),
-            v4=jnp.zeros((b, h, d, s // 2), jnp.uint8), v4_scale=jnp.ones((b, h, s // nvfp4.GROUP, d), e4m3),
+            v4=jnp.zeros((b, h, s // block * d, block // 2), jnp.uint8),
+            v4_scale=jnp.ones((b, h, s // nvfp4.GROUP, d), e4m3),
             k_mean=jnp.zeros((b, h, s // block, d), jnp.float32), length=jnp.zeros((), jnp.int32),
             overflow=jnp.zeros((), jnp.bool_), block=block)
 
@@ -182,7 +184,8 @@ class ThriftKVCache:
         v_codes, v_scale = nvfp4.encode_last(vw)
         b, h, d, _ = v_codes.shape
         packed = nvfp4.pack_halves(v_codes.reshape(b, h, d, width // blk, blk))  # (B, Hkv, D, W/blk, blk/2)
-        v4 = put(self.v4, packed.reshape(b, h, d, width // 2), (0, 0, 0, w0 // 2))
+        packed = jnp.swapaxes(packed, 2, 3).reshape(b, h, width // blk * d, blk // 2)  # block-major
+        v4 = put(self.v4, packed, (0, 0, w0 // blk * d, 0))
         v4_scale = put(self.v4_scale, jnp.swapaxes(v_scale, 2, 3), (0, 0, w0 // nvfp4.GROUP, 0))
         kw = window(k).reshape(b, width // blk, blk, h, d)
         means = jnp.swapaxes(jnp.mean(kw, axis=2), 1, 2)  # (B, Hkv, W/blk, D)

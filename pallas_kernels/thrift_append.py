@@ -57,10 +57,10 @@ def _append_kernel(meta_ref, k_new_ref, v_new_ref, k_ref, v_ref, k4_ref, ks_ref,
     codes, sf = nvfp4.encode_last(vg.T)  # groups along tokens: (D, 16) codes, (D, 1) scales
     offset = g0 % block  # the group's first token within its block; a group sits in one half of it
     high = offset >= block // 2
-    first = (g0 // block) * (block // 2) + offset % (block // 2)
-    old = v4_out[:, pl.ds(first, group)].astype(jnp.int32)  # (D, 16): V is channel-major
+    at = (pl.ds((g0 // block) * d, d), pl.ds(offset % (block // 2), group))  # its block's D rows (block-major)
+    old = v4_out[at].astype(jnp.int32)  # (D, 16): V is channel-major within a block
     new = jnp.where(high, (old & 0x0F) | (codes << 4), (old & 0xF0) | codes)
-    put(v4_out.at[:, pl.ds(first, group)], new.astype(jnp.uint8))
+    put(v4_out.at[at], new.astype(jnp.uint8))
     put(vs_out.at[pl.ds(p // group, 1), :], sf.T.astype(vs_out.dtype))
 
     # the mean of K's block holding p, over its 16-bit rows with the new one
@@ -84,7 +84,8 @@ def thrift_append_token(meta: jax.Array, k_new: jax.Array, v_new: jax.Array, k: 
       meta: int32 (2,): the token's position p (the cache's length) and 1 if it fits (p < S_max), else 0.
       k_new, v_new: (B, Hkv, 1, D) the token's key and value (any float dtype; rounded to the cache's).
       k, v: (B, S_max, Hkv, D) the 16-bit cache; k4: uint8 (B, Hkv, S_max, D/2), k4_scale: float8_e4m3fn
-        (B, Hkv, S_max, D/16); v4: uint8 (B, Hkv, D, S_max/2), v4_scale: float8_e4m3fn (B, Hkv, S_max/16, D);
+        (B, Hkv, S_max, D/16); v4: uint8 (B, Hkv, S_max/block · D, block/2), v4_scale: float8_e4m3fn
+        (B, Hkv, S_max/16, D);
         k_mean: float32 (B, Hkv, S_max/block, D) (the :class:`lowbit_jax.ThriftKVCache` layout).
       block: the cache's block.
     Returns:

@@ -82,7 +82,7 @@ def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref,
             return (nt(qf_lo, k_lo) + nt(qf_hi, k_hi)) * (score_scale * nvfp4.E2M1_F16_BIAS)
 
         def update(p_a, p_b):
-            lo, hi = unpack(v4_ref[:, pl.ds(j * half, half)])  # (D, half): V is channel-major
+            lo, hi = unpack(v4_ref[pl.ds(j * d, d), :])  # (D, half): block j's rows, channel-major
             lo, hi = lo.T, hi.T
             groups = j * (block // nvfp4.GROUP)
             v_a = nvfp4.scale_tile_f16(lo, vs_ref[pl.ds(groups, vg), :], axis=0)
@@ -158,7 +158,7 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
       n_high: int32 (1,): 16-bit blocks per (batch, kv head).
       k16, v16: (B, S_max, Hkv, D) the 16-bit cache, S_max a multiple of ``config.block``.
       k4: uint8 (B, Hkv, S_max, D/2), k4_scale_bits: uint8 (B, Hkv, S_max, D/16) e4m3 bits;
-      v4: uint8 (B, Hkv, D, S_max/2), v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
+      v4: uint8 (B, Hkv, S_max/block · D, block/2), v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
         :class:`lowbit_jax.ThriftKVCache` layout).
       order: int16 (B, Hkv, Nkb_pad): the blocks, 4-bit then 16-bit (:func:`lowbit_jax.thrift_reference.block_order`),
         Nkb_pad a power of two.

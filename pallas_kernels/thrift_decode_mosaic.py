@@ -22,7 +22,8 @@ are the ``wgmma`` register A operands and the few query rows sit on N instead of
 * V is decoded while the tensor cores compute Sᵀ.
 
 The cache layout (:class:`lowbit_jax.ThriftKVCache`) is the kernel's: K's codes (S, D/2) and scales (S, D/16)
-token-major, V's codes (D, S/2) channel-major and its scales (S/16, D). A one-warpgroup pipeline streams each
+token-major, V's codes block-major and channel-major within a block (a block's D rows of 32 bytes, one
+contiguous 4 KB read at D128) and its scales (S/16, D). A one-warpgroup pipeline streams each
 step's four tiles, the block index read from the run's order in SMEM. Interpreted (the Mosaic GPU interpreter has
 no inline PTX and takes SMEM operands only), the same values by ``jax.numpy`` and SMEM operand tiles.
 
@@ -253,7 +254,7 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
     in_specs = [
         plgpu.BlockSpec((BLOCK, d // 2), lambda i: (block_of(i), 0), transforms=tile_transforms(jnp.uint8, d // 2)),
         plgpu.BlockSpec((BLOCK * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW), lambda i: (block_of(i), 0)),
-        plgpu.BlockSpec((d, BLOCK // 2), lambda i: (0, block_of(i)), transforms=tile_transforms(jnp.uint8, BLOCK // 2)),
+        plgpu.BlockSpec((d, BLOCK // 2), lambda i: (block_of(i), 0), transforms=tile_transforms(jnp.uint8, BLOCK // 2)),
         plgpu.BlockSpec((BLOCK // nvfp4.GROUP, d), lambda i: (block_of(i), 0)),
     ]
 
@@ -329,8 +330,8 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
       positions: int32 (R_pad,) each row's token position (−1 for padding rows).
       n_low: int32 (): 4-bit blocks per (batch, kv head), the first ``n_low`` entries of ``order``.
       order: int16 (B, Hkv, Nkb_pad) (:func:`lowbit_jax.thrift_reference.block_order`).
-      k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16); v4: uint8 (B, Hkv, D, S_max/2);
-        v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the :class:`lowbit_jax.ThriftKVCache` layout).
+      k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16);
+        v4: uint8 (B, Hkv, S_max/64 · D, 32); v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the :class:`lowbit_jax.ThriftKVCache` layout).
       scale: softmax scale; config: ``decode_splits`` set (:meth:`ThriftConfig.for_decode`), ``block`` 64;
       row_tile: query rows a CTA (8, 16, 32 or 64, dividing R_pad).
     Returns:
