@@ -232,7 +232,7 @@ def decode_partials(args: tuple, length: jax.Array, *, scale: float, config: Thr
     if not takes_mosaic_decode(config, head_dim=args[0].shape[-1], row_tile=tile, interpret=interpret):
         return (real(*triton()),)
     _, qf_rows, positions, n_high, _, _, k4, k4_scale, v4, v4_scale, order = args
-    r_low = -(-rows // tile) * tile  # ≤ the Triton kernel's padded rows
+    r_low = padded(rows, tile)  # ≤ the Triton kernel's padded rows
     n_low = (length + config.block - 1) // config.block - n_high[0]
     acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(qf_rows[:, :, :r_low], positions[:r_low], n_low, order, k4,
                                                          k4_scale, v4, v4_scale, scale=scale, config=config,

@@ -350,8 +350,8 @@ def dequantized_cache(k4: jax.Array, k4_scale: jax.Array, v4: jax.Array, v4_scal
     kf = nvfp4.e2m1_decode(k_codes) * jnp.repeat(k4_scale.astype(jnp.float32), nvfp4.GROUP, axis=-1)
     b, h, rows, _ = v4.shape
     d, half = k4.shape[-1] * 2, block // 2
-    v_codes = nvfp4.unpack_halves(jnp.swapaxes(v4.reshape(b, h, rows // d, d, half), 2, 3))  # (B, H, D, nb, blk)
-    v_codes = jnp.swapaxes(v_codes.reshape(b, h, d, rows // d * 2 * half), -1, -2)
+    v_codes = nvfp4.unpack_halves(v4.reshape(b, h, rows // d, d, half))  # (B, H, nb, D, blk)
+    v_codes = jnp.swapaxes(v_codes, -1, -2).reshape(b, h, rows // d * 2 * half, d)
     vf = nvfp4.e2m1_decode(v_codes) * jnp.repeat(v4_scale.astype(jnp.float32), nvfp4.GROUP, axis=-2)
     return kf, vf
 

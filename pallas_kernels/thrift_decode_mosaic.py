@@ -331,7 +331,8 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
       n_low: int32 (): 4-bit blocks per (batch, kv head), the first ``n_low`` entries of ``order``.
       order: int16 (B, Hkv, Nkb_pad) (:func:`lowbit_jax.thrift_reference.block_order`).
       k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16);
-        v4: uint8 (B, Hkv, S_max/64 · D, 32); v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the :class:`lowbit_jax.ThriftKVCache` layout).
+        v4: uint8 (B, Hkv, S_max/64 · D, 32); v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
+        :class:`lowbit_jax.ThriftKVCache` layout).
       scale: softmax scale; config: ``decode_splits`` set (:meth:`ThriftConfig.for_decode`), ``block`` 64;
       row_tile: query rows a CTA (8, 16, 32 or 64, dividing R_pad).
     Returns:

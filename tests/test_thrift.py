@@ -13,6 +13,7 @@ import lowbit_jax as lb
 from attention_base import INTERPRET, AttentionTestBase, cotangent, exact_attention_f64, make_qkv, metrics
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax import thrift_backends
+from lowbit_jax.qat_reference import padded
 from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import (
     block_means,
@@ -677,7 +678,7 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
     n_low = (cache.length + 63) // 64 - n_high[0]
     tile = thrift_backends.mosaic_row_tile(rows)
-    r_low = -(-rows // tile) * tile
+    r_low = padded(rows, tile)
     acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf[:, :, :r_low], positions[:r_low], n_low, order, k4,
                                                            ks, v4, vs, scale=d**-0.5, config=cfg, row_tile=tile,
                                                            interpret=INTERPRET)
