@@ -147,11 +147,16 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
 
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     proc = _pretrain(tmp_path / "run", 100_000)
-    deadline = time.time() + 120
-    while not (tmp_path / "run" / "checkpoints" / "10").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "run" / "checkpoints" / "10").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # a run that ignored the signal must not train on under the rest of the suite
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130
     assert "Traceback" not in err and "terminate called" not in err
     last = err.strip().splitlines()[-1]
