@@ -187,8 +187,10 @@ class Checkpoints:
 def _interrupt_after():
     """Ctrl-C inside: the block runs to its end, then ``KeyboardInterrupt`` is raised. Orbax's wait for a save to
     finish logs a traceback when interrupted and drops that step; deferred, the step commits whole and the CLI's
-    one-line interrupt message is all the user sees. A no-op off the main thread (signals go to the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
+    one-line interrupt message is all the user sees. A no-op off the main thread (signals go to the main thread),
+    and where SIGINT is ignored (a job a script started in the background): a save must not turn it into a stop."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         yield
         return
     caught = []
