@@ -137,6 +137,18 @@ def _kill_inside_a_save(proc: subprocess.Popen, ckpt_dir: Path, timeout: float =
     return False
 
 
+def _kill_past(proc: subprocess.Popen, ckpt_dir: Path, step: int, delay: float, timeout: float = 120) -> None:
+    """SIGKILL ``proc`` ``delay`` seconds after its checkpoint of ``step`` or a later one appears (by progress, not
+    by the clock: a fast or a loaded machine kills at the same point of the run)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if max((int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()), default=-1) >= step:
+            break
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+
+
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
     steps = 200
     whole = _pretrain(tmp_path / "whole", steps)
@@ -144,11 +156,10 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
     run, rng, kills, in_save = tmp_path / "killed", random.Random(0), 0, 0
     while True:
         proc = _pretrain(run, steps)
-        if kills == 1:  # one kill inside a save, the others at random moments
+        if kills == 1:  # one kill inside a save, the others at random moments of the run's second to last third
             in_save += _kill_inside_a_save(proc, run / "checkpoints")
         elif kills < 4:
-            time.sleep(rng.uniform(4.0, 9.0))
-            proc.send_signal(signal.SIGKILL)
+            _kill_past(proc, run / "checkpoints", 10 * rng.randint(2 + 4 * kills, 4 + 4 * kills), rng.uniform(0, 0.05))
         rc = proc.wait(timeout=300)
         if rc == 0:
             break
