@@ -44,6 +44,7 @@ from benchmarks.common import (DECODE_CALLS, RESULTS_DIR, attention_flops, chain
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax import thrift_backends
 from lowbit_jax.thrift_reference import decode_selection
+from pallas_kernels import thrift_combine
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -386,24 +387,28 @@ def decode(log, smoke):
 
 
 def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
-    """``(fn, args, calls)``: the split-KV kernels alone (selection, row layout and combine done outside), ``calls``
-    a dispatch (:data:`DECODE_CALLS` by :func:`benchmarks.common.chained`; one when interpreted): the Triton kernel, or
-    with the Mosaic backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the Triton kernel of the
-    16-bit ones, their partials merged (:func:`lowbit_jax.thrift_backends.decode_partials`)."""
+    """``(fn, args, calls)``: the split-KV kernels and their combine alone (selection and row layout done outside),
+    ``calls`` a dispatch (:data:`DECODE_CALLS` by :func:`benchmarks.common.chained`; one when interpreted): the
+    Triton kernel, or with the Mosaic backend (``cfg.decode_backend``) the Mosaic kernel of the 4-bit runs and the
+    Triton kernel of the 16-bit ones (:func:`lowbit_jax.thrift_backends.decode_partials`), then
+    :func:`pallas_kernels.thrift_combine.combine_decode`."""
     t, hq, d = q.shape[1], q.shape[2], q.shape[3]
     interpret = impl.get("interpret", False)
     rows = t * (hq // cache.num_kv_heads)
     cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg, interpret=interpret)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block, interpret=interpret)
-    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
+    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, budget=budget, block=cfg.block, r_pad=r_pad,
+                                                          interpret=interpret)
+    meta = thrift_backends.decode_meta(q, cache, rest[1], cfg.block)
 
-    def kernels(qf, q_rows, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
-        return thrift_backends.decode_partials((q_rows, qf, *rest), cache.length, scale=d**-0.5, config=cfg,
-                                               row_tile=row_tile, rows=rows, interpret=interpret)
+    def kernels(qf, q_rows, meta, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
+        groups = thrift_backends.decode_partials((q_rows, qf, *rest), meta, scale=d**-0.5, config=cfg,
+                                                 row_tile=row_tile, rows=rows, interpret=interpret)
+        return thrift_combine.combine_decode(groups, meta, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
+                                             interpret=interpret)
 
     calls = 1 if interpret else DECODE_CALLS
-    return chained(kernels, calls), (qf, q_rows, *rest), calls
+    return chained(kernels, calls), (qf, q_rows, meta, *rest), calls
 
 
 def decode_kernel_ms(q, cache, budget, cfg, impl, iters):

@@ -271,10 +271,8 @@ def decode_config(q: jax.Array, cache: ThriftKVCache, *, budget: float, config: 
 def _decode(q, cache: ThriftKVCache, *, budget: float, scale: float, implementation: str, interpret: bool,
             config: ThriftConfig):
     config = decode_config(q, cache, budget=budget, config=config, interpret=interpret)
-    o = implementation_for(implementation, interpret).decode(q, cache, budget=budget, scale=scale, config=config,
-                                                             interpret=interpret)
-    usable = (cache.length >= q.shape[1]) & ~cache.overflow  # traced: NaN instead of values from a bad state
-    return jnp.where(usable, o, jnp.nan).astype(q.dtype)
+    return implementation_for(implementation, interpret).decode(q, cache, budget=budget, scale=scale, config=config,
+                                                                interpret=interpret)
 
 
 __all__ = ["MAX_DECODE_ROWS", "ThriftConfig", "ThriftKVCache", "ThriftOptions", "decode_config", "thrift_attention",

@@ -23,14 +23,13 @@ from lowbit_jax.thrift_cache import ThriftKVCache
 from lowbit_jax.thrift_reference import (
     block_means,
     block_order,
-    combine_splits,
     decode_budget,
-    decode_outputs,
-    decode_reference,
     decode_rows,
     decode_scores,
+    decode_reference,
     decode_selection,
     decode_top_blocks,
+    decode_usable,
     fake_quant_operand,
     prefill_reference,
     row_positions,
@@ -38,6 +37,7 @@ from lowbit_jax.thrift_reference import (
     valid_key_blocks,
 )
 from pallas_kernels import fake_quant as fake_quant_kernels
+from pallas_kernels import thrift_combine
 from pallas_kernels import thrift_decode as thrift_decode_kernels
 from pallas_kernels import thrift_decode_mosaic
 from pallas_kernels._mosaic import on_hopper
@@ -94,8 +94,9 @@ class XlaThrift:
     def decode(self, q, cache: ThriftKVCache, *, budget: float, scale: float, config: ThriftConfig,
                interpret: bool) -> jax.Array:
         sel = decode_selection(q, cache.k_mean, cache.length, budget=budget, block=config.block)
-        return decode_reference(q, cache.k, cache.v, cache.k4, cache.k4_scale, cache.v4, cache.v4_scale, sel,
-                                cache.length, scale=scale, config=config)
+        o = decode_reference(q, cache.k, cache.v, cache.k4, cache.k4_scale, cache.v4, cache.v4_scale, sel,
+                             cache.length, scale=scale, config=config)
+        return jnp.where(decode_usable(cache, q.shape[1]), o, jnp.nan).astype(q.dtype)
 
 
 class TritonThrift:
@@ -125,12 +126,14 @@ class TritonThrift:
     def decode(self, q, cache: ThriftKVCache, *, budget: float, scale: float, config: ThriftConfig,
                interpret: bool) -> jax.Array:
         t, hq = q.shape[1], q.shape[2]
-        rows = t * (hq // cache.num_kv_heads)  # the kernel leaves the padding rows below r_pad unwritten
+        rows = t * (hq // cache.num_kv_heads)  # the kernels leave the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
-        order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
-        groups = decode_partials(decode_kernel_args(q, cache, order, n_high, r_pad), cache.length, scale=scale,
-                                 config=config, row_tile=row_tile, rows=rows, interpret=interpret)
-        return decode_outputs(combine_splits(*groups), t, hq)
+        args = decode_kernel_args(q, cache, budget=budget, block=config.block, r_pad=r_pad, interpret=interpret)
+        meta = decode_meta(q, cache, args[3], config.block)
+        groups = decode_partials(args, meta, scale=scale, config=config, row_tile=row_tile, rows=rows,
+                                 interpret=interpret)
+        return thrift_combine.combine_decode(groups, meta, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
+                                             interpret=interpret)
 
 
 IMPLEMENTATIONS = (TritonThrift(), XlaThrift())
@@ -217,27 +220,34 @@ def prefill_order(selected: jax.Array, opts: ThriftOptions, first_block: jax.Arr
     return block_order(high, counts)
 
 
-def decode_partials(args: tuple, length: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int,
-                    interpret: bool) -> tuple[tuple[jax.Array, jax.Array, jax.Array], ...]:
-    """The split-KV kernels on :func:`decode_kernel_args`'s ``args`` over a cache holding ``length`` tokens: groups
-    of partial softmaxes for :func:`lowbit_jax.thrift_reference.combine_splits`, each acc (B, Hkv, splits, rows, D)
-    and m, l (B, Hkv, splits, rows) of the ``rows`` real rows. One group from
-    :func:`pallas_kernels.thrift_decode.thrift_decode`; with :func:`takes_mosaic_decode`, the 4-bit runs from the
-    Mosaic GPU kernel (transposed back; its own row tile, :func:`mosaic_row_tile`) and then the 16-bit ones from the
-    Triton kernel."""
-    real = lambda acc, m, l: (acc[..., :rows, :], m[..., :rows], l[..., :rows])  # noqa: E731
+def decode_partials(args: tuple, meta: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int,
+                    interpret: bool) -> tuple[thrift_combine.Partials, ...]:
+    """The split-KV kernels on :func:`decode_kernel_args`'s ``args`` with :func:`decode_meta`'s ``meta``: one
+    :class:`pallas_kernels.thrift_combine.Partials` a kernel, each of R_pad rows of which the first ``rows`` are
+    written. One from :func:`pallas_kernels.thrift_decode.thrift_decode`; with :func:`takes_mosaic_decode`, the
+    4-bit runs from the Mosaic GPU kernel (transposed; its own row tile, :func:`mosaic_row_tile`) and then the
+    16-bit ones from the Triton kernel."""
     triton = functools.partial(thrift_decode_kernels.thrift_decode, *args, scale=scale, config=config,
                                row_tile=row_tile, rows=rows, interpret=interpret)
     tile = mosaic_row_tile(rows)
     if not takes_mosaic_decode(config, head_dim=args[0].shape[-1], row_tile=tile, interpret=interpret):
-        return (real(*triton()),)
-    _, qf_rows, positions, n_high, _, _, k4, k4_scale, v4, v4_scale, order = args
-    r_low = padded(rows, tile)  # ≤ the Triton kernel's padded rows
-    n_low = (length + config.block - 1) // config.block - n_high[0]
-    acc_t, m, l = thrift_decode_mosaic.thrift_decode_low(qf_rows[:, :, :r_low], positions[:r_low], n_low, order, k4,
-                                                         k4_scale, v4, v4_scale, scale=scale, config=config,
-                                                         row_tile=tile, interpret=interpret)
-    return real(jnp.swapaxes(acc_t, -1, -2), m, l), real(*triton(only_high=True))
+        return (thrift_combine.Partials(*triton()),)
+    _, qf_rows, positions, _, _, _, k4, k4_scale, v4, v4_scale, order = args
+    low = thrift_decode_mosaic.thrift_decode_low(qf_rows, positions, meta, order, k4, k4_scale, v4, v4_scale,
+                                                 scale=scale, config=config, row_tile=tile, rows=rows,
+                                                 interpret=interpret)
+    return thrift_combine.Partials(*low, transposed=True), thrift_combine.Partials(*triton(only_high=True))
+
+
+def decode_meta(q: jax.Array, cache: ThriftKVCache, n_high: jax.Array, block: int) -> jax.Array:
+    """The decode kernels' scalars in one int32 (4,) vector (one small launch for all of them): the 4-bit blocks
+    per (batch, kv head) (entry 0, :func:`pallas_kernels.thrift_decode_mosaic.thrift_decode_low`), and whether the
+    cache is usable (entry :data:`pallas_kernels.thrift_combine.USABLE`, :func:`decode_usable`)."""
+    n_low = (cache.length + block - 1) // block - n_high[0]
+    usable = decode_usable(cache, q.shape[1]).astype(jnp.int32)
+    meta = [n_low.astype(jnp.int32), jnp.int32(0), jnp.int32(0), jnp.int32(0)]
+    meta[thrift_combine.USABLE] = usable
+    return jnp.stack(meta)
 
 
 def mosaic_row_tile(rows: int) -> int:
@@ -262,40 +272,46 @@ def decode_layout(rows: int) -> tuple[int, int]:
     return padded(rows, 64), 64
 
 
-def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int,
+def decode_order(scores: jax.Array, cache: ThriftKVCache, *, budget: float, block: int,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The decode kernel's key-block order and its 16-bit block count for the new tokens ``q`` (B, T, Hq, D).
+    """The decode kernels' key-block order and its 16-bit block count from the block scores.
 
-    The selection (:func:`lowbit_jax.thrift_reference.decode_selection`) and its
+    The selection (:func:`lowbit_jax.thrift_reference.decode_selection` of ``scores``) and its
     :func:`lowbit_jax.thrift_reference.block_order`, in the selection kernel
     :func:`pallas_kernels.thrift_select.thrift_decode_order` up to its
     :data:`~pallas_kernels.thrift_select.DECODE_ORDER_MAX_BLOCKS` key blocks, by XLA beyond (the same values).
 
+    Args:
+      scores: float32 (B, Hkv, W): :func:`lowbit_jax.thrift_reference.decode_scores` of the cache's Nkb blocks,
+        W ≥ Nkb (entries past the complete blocks are not read).
     Returns:
       int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two), int32 (1,) the
       16-bit blocks per (batch, kv head).
     """
-    scores = decode_scores(q, cache.k_mean)
     n_complete, take = decode_budget(cache.length, budget=budget, block=block)
     n_blocks = (cache.length + block - 1) // block
-    nkb = scores.shape[-1]
-    pad = ((0, 0), (0, 0), (0, next_pow2(nkb) - nkb))
-    if next_pow2(nkb) <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
-        order = thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), n_complete, take, n_blocks,
-                                                          interpret=interpret)
+    nkb = cache.k_mean.shape[2]
+    width = next_pow2(nkb)
+    scores = scores[..., :width] if scores.shape[-1] >= width else jnp.pad(
+        scores, ((0, 0), (0, 0), (0, width - scores.shape[-1])))
+    if width <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
+        order = thrift_select_kernels.thrift_decode_order(scores, n_complete, take, n_blocks, interpret=interpret)
     else:
-        order = block_order(jnp.pad(decode_top_blocks(scores, n_complete, take), pad), n_blocks)
+        order = block_order(decode_top_blocks(scores, n_complete, take), n_blocks)
     return order, take[None]
 
 
-def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, order: jax.Array, n_high: jax.Array, r_pad: int) -> tuple:
-    """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options: the query rows
-    (16-bit and fake-quantized), their positions, the 16-bit block count and the order (:func:`decode_order`),
-    the cache's arrays."""
+def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int, r_pad: int,
+                       interpret: bool = False) -> tuple:
+    """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options, for the new tokens
+    ``q`` (B, T, Hq, D): the query rows (16-bit and fake-quantized), their positions, the 16-bit block count
+    (entry 3) and the order (last; :func:`decode_order` of :func:`lowbit_jax.thrift_reference.decode_scores`), the
+    cache's arrays."""
     t, hq = q.shape[1], q.shape[2]
-    group = hq // cache.num_kv_heads
+    order, n_high = decode_order(decode_scores(q, cache.k_mean), cache, budget=budget, block=block,
+                                 interpret=interpret)
     rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16),
-            row_positions(cache.length, t, group, r_pad), n_high,
+            row_positions(cache.length, t, hq // cache.num_kv_heads, r_pad), n_high,
             cache.k, cache.v, cache.k4, bits(cache.k4_scale), cache.v4, bits(cache.v4_scale), order)

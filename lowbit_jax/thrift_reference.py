@@ -284,6 +284,13 @@ def row_positions(length: jax.Array, t: int, group: int, rows: int) -> jax.Array
     return jnp.where(r < group * t, length - t + r % t, -1).astype(jnp.int32)
 
 
+def decode_usable(cache, tokens: int) -> jax.Array:
+    """bool scalar: whether a decode of ``tokens`` new tokens may read ``cache`` (a
+    :class:`lowbit_jax.ThriftKVCache`): it holds them and never overflowed. Under ``jit`` the decode returns NaN
+    everywhere otherwise, not values from a bad state."""
+    return (cache.length >= tokens) & ~cache.overflow
+
+
 def decode_scores(q: jax.Array, k_mean: jax.Array) -> jax.Array:
     """Each cached key block's importance for the new tokens: ``max over the group's heads and tokens of q·k̄``.
 

@@ -5,7 +5,7 @@ tile of query rows (the group's query heads × the new tokens, :func:`lowbit_jax
 of one (batch, kv head) and one run of its key blocks in the order of
 :func:`lowbit_jax.thrift_reference.block_order`: the first ``config.decode_splits`` programs cut the 4-bit
 blocks into contiguous runs, the last ``config.decode_splits_high`` the 16-bit ones. Each writes its partial
-softmax (unnormalized O, m, l) of its real rows for :func:`lowbit_jax.thrift_reference.combine_splits` (one
+softmax (unnormalized O, m, l) of its real rows for :func:`pallas_kernels.thrift_combine.combine_decode` (one
 token of a group of 4 heads fills 4 of a 16-row tile: the padding rows are neither written nor read back, 7–14%
 of a one-token step at B8–B32); no program branches per block, so Triton pipelines the loads. The products need
 16 rows, but the softmax and FQ(P) run on the real rows only (rounded up to a power of two, ``softmax_rows``): the
@@ -164,8 +164,8 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
         Nkb_pad a power of two.
       scale: softmax scale; row_tile: query rows per program (a power of two ≥ 16 dividing R_pad).
       rows: the real query rows (tokens × group), the first of R_pad; below R_pad the padding rows (position
-        −1) are left unwritten, so slice ``[..., :rows, :]`` before
-        :func:`lowbit_jax.thrift_reference.combine_splits`. None: every row is written.
+        −1) are left unwritten (:func:`pallas_kernels.thrift_combine.combine_decode` masks them; slice
+        ``[..., :rows, :]`` before :func:`lowbit_jax.thrift_reference.combine_splits`). None: every row is written.
       only_high: run the 16-bit runs only (the 4-bit ones are :mod:`pallas_kernels.thrift_decode_mosaic`'s).
     Returns:
       acc (B, Hkv, splits, R_pad, D) float32 (unnormalized), m and l (B, Hkv, splits, R_pad) float32 (base 2),

@@ -1,7 +1,7 @@
 """ThriftAttention decode, the 4-bit runs: split-KV over the NVFP4 cache in Pallas Mosaic GPU (Hopper).
 
 The numerics of the 4-bit splits of :mod:`pallas_kernels.thrift_decode` (the Triton kernel, which keeps the 16-bit
-runs; :func:`lowbit_jax.thrift_reference.combine_splits` merges both). A CTA of one warpgroup owns one run of the
+runs; :func:`pallas_kernels.thrift_combine.combine_decode` merges both). A CTA of one warpgroup owns one run of the
 4-bit key blocks of one (batch, kv head) and one tile of N query rows (the group's heads × the new tokens, N = 8…64),
 and writes its partial softmax (Oᵀ unnormalized, m, l).
 
@@ -317,10 +317,10 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "interpret"))
-def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array, order: jax.Array, k4: jax.Array,
+@functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "rows", "interpret"))
+def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array, order: jax.Array, k4: jax.Array,
                       k4_scale_bits: jax.Array, v4: jax.Array, v4_scale_bits: jax.Array, *, scale: float,
-                      config: ThriftConfig, row_tile: int,
+                      config: ThriftConfig, row_tile: int, rows: int | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmaxes of the decode rows over each run of the cache's 4-bit key blocks (the first
     ``config.decode_splits`` splits of :func:`pallas_kernels.thrift_decode.thrift_decode`, transposed).
@@ -328,13 +328,15 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
     Args:
       qf_rows: (B, Hkv, R_pad, D) float16 φ⁻¹(φ(q_rows)) (:func:`lowbit_jax.thrift_reference.decode_rows`).
       positions: int32 (R_pad,) each row's token position (−1 for padding rows).
-      n_low: int32 (): 4-bit blocks per (batch, kv head), the first ``n_low`` entries of ``order``.
+      meta: int32 (4,), entry 0 the 4-bit blocks per (batch, kv head): the first entries of ``order``
+        (:func:`lowbit_jax.thrift_backends.decode_meta`; the others are not read).
       order: int16 (B, Hkv, Nkb_pad) (:func:`lowbit_jax.thrift_reference.block_order`).
       k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16);
         v4: uint8 (B, Hkv, S_max/64 · D, 32); v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
         :class:`lowbit_jax.ThriftKVCache` layout).
       scale: softmax scale; config: ``decode_splits`` set (:meth:`ThriftConfig.for_decode`), ``block`` 64;
-      row_tile: query rows a CTA (8, 16, 32 or 64, dividing R_pad).
+      row_tile: query rows a CTA (8, 16, 32 or 64, dividing R_pad); rows: the real rows, the first of R_pad
+        (None: all): the tiles past them are not run, and their rows of the outputs are left unwritten.
     Returns:
       accᵀ (B, Hkv, splits, D, R_pad) float32 (unnormalized, transposed), m and l (B, Hkv, splits, R_pad)
       float32 (base 2), splits = ``config.decode_splits``.
@@ -343,7 +345,7 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
     if not supports(head_dim=d, block=config.block, row_tile=row_tile):
         raise NotImplementedError(f"thrift_decode_low: head dim {d}, block {config.block}, {row_tile} rows a CTA")
     splits, _ = config.split_counts()
-    n, n_rt = row_tile, r_pad // row_tile
+    n, n_rt = row_tile, -(-(r_pad if rows is None else rows) // row_tile)
     s_max = k4.shape[2]
     if order.shape[-1] < 8:  # a TMA copy moves 16 bytes or more
         order = jnp.pad(order, ((0, 0), (0, 0), (0, 8 - order.shape[-1])))
@@ -352,7 +354,6 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, n_low: jax.Array
     order = order.reshape(b, hkv, nkb // width, width)
     f16, f32 = jnp.float16, jnp.float32
     ks = k4_scale_bits.reshape(b, hkv, s_max * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW)  # 16-byte rows for TMA
-    meta = jnp.stack([n_low.astype(jnp.int32).reshape(()), 0, 0, 0]).astype(jnp.int32)  # 16 bytes for TMA
     scratch = dict(q_smem=plgpu.SMEM((n, d), f16, transforms=tile_transforms(f16, d)),
                    pos_smem=plgpu.SMEM((n,), jnp.int32), meta_smem=plgpu.SMEM((4,), jnp.int32),
                    order_smem=plgpu.SMEM((nkb // width, width), order.dtype),

@@ -250,6 +250,7 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     text = lower_for_h200(lambda q, c: thrift_mod._decode(q, c, budget=0.05, scale=d**-0.5, implementation="pallas",
                                                           interpret=False, config=cfg), q, cache)
     assert triton_named(text, "thrift_decode") and triton_named(text, "thrift_decode_order")
+    assert triton_named(text, "thrift_combine")
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
@@ -265,7 +266,7 @@ def test_thrift_decode_mosaic_lowers(t, hq, d):
     text = lower_for_h200(lambda q, c: thrift_mod._decode(q, c, budget=0.05, scale=d**-0.5, implementation="pallas",
                                                           interpret=False, config=cfg), q, cache)
     assert text.count("mosaic_gpu_v2(") == 1 and "thrift_decode_low" in text
-    assert triton_named(text, "thrift_decode")
+    assert triton_named(text, "thrift_decode") and triton_named(text, "thrift_combine")
 
 
 @pytest.mark.parametrize("d, block, dtype", [(128, 64, jnp.bfloat16), (64, 32, jnp.float32), (32, 128, jnp.float16)])

@@ -17,6 +17,7 @@ from lowbit_jax.qat_reference import padded
 from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import (
     block_means,
+    decode_scores,
     dequantized_cache,
     prefill_reference,
     topk_count,
@@ -494,7 +495,8 @@ def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
     q, k, v = make_qkv(2, 200, 200, 4, 2, 64, seed=31)
     cache = filled_cache(k, v, 200)
     def run():
-        return thrift_backends.decode_order(q[:, -2:], cache, budget=0.5, block=32, interpret=INTERPRET)
+        return thrift_backends.decode_order(decode_scores(q[:, -2:], cache.k_mean), cache, budget=0.5, block=32,
+                                            interpret=INTERPRET)
     order, n_high = run()
     monkeypatch.setattr(thrift_select, "DECODE_ORDER_MAX_BLOCKS", 0)
     order_xla, n_high_xla = run()
@@ -588,13 +590,60 @@ def test_combine_splits_of_two_groups_is_the_combine_of_their_concatenation():
     np.testing.assert_allclose(np.asarray(both), (w / w.sum(axis=-1, keepdims=True)) @ values, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("tokens, group, r_pad, d, splits", [
+    (1, 4, 16, 64, (4, 2)),  # one token of a group of 4: 4 of 16 rows; power-of-two splits, merged whole
+    (3, 3, 16, 96, (5, 2)),  # a group of 3, three tokens; head dim 96; 5 splits, merged one at a time
+    (17, 8, 192, 32, (8, 16)),  # 136 rows in three 64-row tiles, the last mostly padding
+])
+def test_combine_kernel_is_combine_splits_in_the_output_layout(tokens, group, r_pad, d, splits):
+    """pallas_kernels.thrift_combine.combine_decode (interpret mode) on two groups of partials, one transposed as
+    the Mosaic kernel writes it: equal to combine_splits + decode_outputs to float32 rounding and to the float64
+    merge of the partials; empty splits (m = −inf, l = 0) and padding rows holding NaN (left unwritten by the
+    kernels) change nothing; a cache flagged unusable gives NaN everywhere."""
+    from lowbit_jax.thrift_reference import combine_splits, decode_outputs
+    from pallas_kernels.thrift_combine import USABLE, Partials, combine_decode
+
+    rng = np.random.default_rng(tokens * 100 + group)
+    b, hkv, rows = 2, 3, tokens * group
+
+    def partials(splits):
+        acc = rng.normal(size=(b, hkv, splits, r_pad, d))
+        m = rng.normal(size=(b, hkv, splits, r_pad)) * 4
+        l = rng.uniform(1.0, 3.0, size=(b, hkv, splits, r_pad))
+        m[:, :, 1], l[:, :, 1], acc[:, :, 1] = -np.inf, 0.0, 0.0  # an empty split
+        acc[..., rows:, :], m[..., rows:], l[..., rows:] = np.nan, np.nan, np.nan
+        return acc, m, l
+
+    groups64 = [partials(splits[0]), partials(splits[1])]
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    kernel_groups = (Partials(f32(np.swapaxes(groups64[0][0], -1, -2)), f32(groups64[0][1]), f32(groups64[0][2]),
+                                transposed=True), Partials(*map(f32, groups64[1])))
+    meta = np.zeros(4, np.int32)
+    meta[USABLE] = 1
+    run = functools.partial(combine_decode, kernel_groups, rows=rows, tokens=tokens, num_heads=hkv * group,
+                            out_dtype=jnp.float32, interpret=INTERPRET)
+    got = np.asarray(run(jnp.asarray(meta)))
+    assert got.shape == (b, tokens, hkv * group, d)
+    real = lambda x: f32(x[..., :rows, :] if x.ndim == 5 else x[..., :rows])  # noqa: E731
+    twin = decode_outputs(combine_splits(*[tuple(map(real, g)) for g in groups64]), tokens, hkv * group)
+    np.testing.assert_allclose(got, np.asarray(twin), rtol=2e-6, atol=2e-6)
+    acc = np.concatenate([g[0][..., :rows, :] for g in groups64], axis=2)
+    m = np.concatenate([g[1][..., :rows] for g in groups64], axis=2)
+    l = np.concatenate([g[2][..., :rows] for g in groups64], axis=2)
+    w = np.exp2(m - m.max(axis=2, keepdims=True))
+    o = (acc * w[..., None]).sum(axis=2) / (l * w).sum(axis=2)[..., None]  # (b, hkv, rows, d), rows g·T + t
+    oracle = o.reshape(b, hkv, group, tokens, d).transpose(0, 3, 1, 2, 4).reshape(b, tokens, hkv * group, d)
+    np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5)
+    meta[USABLE] = 0
+    assert np.isnan(np.asarray(run(jnp.asarray(meta)))).all()
+
+
 def test_decode_kernel_refuses_unresolved_splits():
     from pallas_kernels.thrift_decode import thrift_decode as decode_kernel
 
     q, k, v = make_qkv(1, 64, 64, 4, 2, 64, seed=3)
     cache = filled_cache(k, v, 64)
-    order, n_high = thrift_backends.decode_order(q[:, -1:], cache, budget=0.3, block=32, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, order, n_high, 16)
+    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, budget=0.3, block=32, r_pad=16, interpret=INTERPRET)
     with pytest.raises(ValueError, match="for_decode"):
         decode_kernel(*args, scale=0.125, config=lb.ThriftConfig(block=32, quant_block=32), row_tile=16,
                       interpret=INTERPRET)
@@ -630,8 +679,9 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     assert r_pad > rows
-    order, n_high = thrift_backends.decode_order(qt, cache, budget=0.3, block=SMALL.block, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    args = thrift_backends.decode_kernel_args(qt, cache, budget=0.3, block=SMALL.block, r_pad=r_pad,
+                                              interpret=INTERPRET)
+    n_high = args[3]
     run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
                             interpret=INTERPRET)
     full, skipped = run(), run(rows=rows)
@@ -672,17 +722,18 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2)
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    order, n_high = thrift_backends.decode_order(qt, cache, budget=budget, block=64, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    args = thrift_backends.decode_kernel_args(qt, cache, budget=budget, block=64, r_pad=r_pad,
+                                              interpret=INTERPRET)
+    n_high = args[3]
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
-    _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
-    n_low = (cache.length + 63) // 64 - n_high[0]
+    _, qf, positions, _, _, _, k4, ks, v4, vs, order = args
+    meta = thrift_backends.decode_meta(qt, cache, n_high, 64)
+    assert int(meta[0]) == (int(cache.length) + 63) // 64 - int(n_high[0])
     tile = thrift_backends.mosaic_row_tile(rows)
-    r_low = padded(rows, tile)
-    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf[:, :, :r_low], positions[:r_low], n_low, order, k4,
-                                                           ks, v4, vs, scale=d**-0.5, config=cfg, row_tile=tile,
+    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, positions, meta, order, k4, ks, v4, vs,
+                                                           scale=d**-0.5, config=cfg, row_tile=tile, rows=rows,
                                                            interpret=INTERPRET)
-    assert acc_t.shape == (b, hkv, splits, d, r_low) and m2.shape == l2.shape == (b, hkv, splits, r_low)
+    assert acc_t.shape == (b, hkv, splits, d, r_pad) and m2.shape == l2.shape == (b, hkv, splits, r_pad)
     want = [np.asarray(x[:, :, :splits, :rows], np.float64) for x in (acc, m, l)]
     got = [np.asarray(x, np.float64) for x in (jnp.swapaxes(acc_t, -1, -2)[..., :rows, :], m2[..., :rows],
                                                l2[..., :rows])]
