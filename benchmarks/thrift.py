@@ -397,9 +397,9 @@ def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
     rows = t * (hq // cache.num_kv_heads)
     cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg, interpret=interpret)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, budget=budget, block=cfg.block, r_pad=r_pad,
-                                                          interpret=interpret)
-    meta = thrift_backends.decode_meta(q, cache, rest[1], cfg.block)
+    order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block, interpret=interpret)
+    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
+    meta = thrift_backends.decode_meta(q, cache, n_high, cfg.block)
 
     def kernels(qf, q_rows, meta, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
         groups = thrift_backends.decode_partials((q_rows, qf, *rest), meta, scale=d**-0.5, config=cfg,

@@ -24,9 +24,9 @@ from lowbit_jax.thrift_reference import (
     block_means,
     block_order,
     decode_budget,
+    decode_reference,
     decode_rows,
     decode_scores,
-    decode_reference,
     decode_selection,
     decode_top_blocks,
     decode_usable,
@@ -128,8 +128,9 @@ class TritonThrift:
         t, hq = q.shape[1], q.shape[2]
         rows = t * (hq // cache.num_kv_heads)  # the kernels leave the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
-        args = decode_kernel_args(q, cache, budget=budget, block=config.block, r_pad=r_pad, interpret=interpret)
-        meta = decode_meta(q, cache, args[3], config.block)
+        order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
+        args = decode_kernel_args(q, cache, order, n_high, r_pad)
+        meta = decode_meta(q, cache, n_high, config.block)
         groups = decode_partials(args, meta, scale=scale, config=config, row_tile=row_tile, rows=rows,
                                  interpret=interpret)
         return thrift_combine.combine_decode(groups, meta, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
@@ -272,46 +273,40 @@ def decode_layout(rows: int) -> tuple[int, int]:
     return padded(rows, 64), 64
 
 
-def decode_order(scores: jax.Array, cache: ThriftKVCache, *, budget: float, block: int,
+def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The decode kernels' key-block order and its 16-bit block count from the block scores.
+    """The decode kernel's key-block order and its 16-bit block count for the new tokens ``q`` (B, T, Hq, D).
 
-    The selection (:func:`lowbit_jax.thrift_reference.decode_selection` of ``scores``) and its
+    The selection (:func:`lowbit_jax.thrift_reference.decode_selection`) and its
     :func:`lowbit_jax.thrift_reference.block_order`, in the selection kernel
     :func:`pallas_kernels.thrift_select.thrift_decode_order` up to its
     :data:`~pallas_kernels.thrift_select.DECODE_ORDER_MAX_BLOCKS` key blocks, by XLA beyond (the same values).
 
-    Args:
-      scores: float32 (B, Hkv, W): :func:`lowbit_jax.thrift_reference.decode_scores` of the cache's Nkb blocks,
-        W ≥ Nkb (entries past the complete blocks are not read).
     Returns:
       int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two), int32 (1,) the
       16-bit blocks per (batch, kv head).
     """
+    scores = decode_scores(q, cache.k_mean)
     n_complete, take = decode_budget(cache.length, budget=budget, block=block)
     n_blocks = (cache.length + block - 1) // block
-    nkb = cache.k_mean.shape[2]
-    width = next_pow2(nkb)
-    scores = scores[..., :width] if scores.shape[-1] >= width else jnp.pad(
-        scores, ((0, 0), (0, 0), (0, width - scores.shape[-1])))
-    if width <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
-        order = thrift_select_kernels.thrift_decode_order(scores, n_complete, take, n_blocks, interpret=interpret)
+    nkb = scores.shape[-1]
+    pad = ((0, 0), (0, 0), (0, next_pow2(nkb) - nkb))
+    if next_pow2(nkb) <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
+        order = thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), n_complete, take, n_blocks,
+                                                          interpret=interpret)
     else:
-        order = block_order(decode_top_blocks(scores, n_complete, take), n_blocks)
+        order = block_order(jnp.pad(decode_top_blocks(scores, n_complete, take), pad), n_blocks)
     return order, take[None]
 
 
-def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int, r_pad: int,
-                       interpret: bool = False) -> tuple:
-    """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options, for the new tokens
-    ``q`` (B, T, Hq, D): the query rows (16-bit and fake-quantized), their positions, the 16-bit block count
-    (entry 3) and the order (last; :func:`decode_order` of :func:`lowbit_jax.thrift_reference.decode_scores`), the
-    cache's arrays."""
+def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, order: jax.Array, n_high: jax.Array, r_pad: int) -> tuple:
+    """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options: the query rows
+    (16-bit and fake-quantized), their positions, the 16-bit block count and the order (:func:`decode_order`),
+    the cache's arrays."""
     t, hq = q.shape[1], q.shape[2]
-    order, n_high = decode_order(decode_scores(q, cache.k_mean), cache, budget=budget, block=block,
-                                 interpret=interpret)
+    group = hq // cache.num_kv_heads
     rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16),
-            row_positions(cache.length, t, hq // cache.num_kv_heads, r_pad), n_high,
+            row_positions(cache.length, t, group, r_pad), n_high,
             cache.k, cache.v, cache.k4, bits(cache.k4_scale), cache.v4, bits(cache.v4_scale), order)

@@ -17,7 +17,6 @@ from lowbit_jax.qat_reference import padded
 from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import (
     block_means,
-    decode_scores,
     dequantized_cache,
     prefill_reference,
     topk_count,
@@ -495,8 +494,7 @@ def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
     q, k, v = make_qkv(2, 200, 200, 4, 2, 64, seed=31)
     cache = filled_cache(k, v, 200)
     def run():
-        return thrift_backends.decode_order(decode_scores(q[:, -2:], cache.k_mean), cache, budget=0.5, block=32,
-                                            interpret=INTERPRET)
+        return thrift_backends.decode_order(q[:, -2:], cache, budget=0.5, block=32, interpret=INTERPRET)
     order, n_high = run()
     monkeypatch.setattr(thrift_select, "DECODE_ORDER_MAX_BLOCKS", 0)
     order_xla, n_high_xla = run()
@@ -643,7 +641,8 @@ def test_decode_kernel_refuses_unresolved_splits():
 
     q, k, v = make_qkv(1, 64, 64, 4, 2, 64, seed=3)
     cache = filled_cache(k, v, 64)
-    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, budget=0.3, block=32, r_pad=16, interpret=INTERPRET)
+    order, n_high = thrift_backends.decode_order(q[:, -1:], cache, budget=0.3, block=32, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, order, n_high, 16)
     with pytest.raises(ValueError, match="for_decode"):
         decode_kernel(*args, scale=0.125, config=lb.ThriftConfig(block=32, quant_block=32), row_tile=16,
                       interpret=INTERPRET)
@@ -679,9 +678,8 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     assert r_pad > rows
-    args = thrift_backends.decode_kernel_args(qt, cache, budget=0.3, block=SMALL.block, r_pad=r_pad,
-                                              interpret=INTERPRET)
-    n_high = args[3]
+    order, n_high = thrift_backends.decode_order(qt, cache, budget=0.3, block=SMALL.block, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
     run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
                             interpret=INTERPRET)
     full, skipped = run(), run(rows=rows)
@@ -722,11 +720,10 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2)
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    args = thrift_backends.decode_kernel_args(qt, cache, budget=budget, block=64, r_pad=r_pad,
-                                              interpret=INTERPRET)
-    n_high = args[3]
+    order, n_high = thrift_backends.decode_order(qt, cache, budget=budget, block=64, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
-    _, qf, positions, _, _, _, k4, ks, v4, vs, order = args
+    _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
     meta = thrift_backends.decode_meta(qt, cache, n_high, 64)
     assert int(meta[0]) == (int(cache.length) + 63) // 64 - int(n_high[0])
     tile = thrift_backends.mosaic_row_tile(rows)
