@@ -606,9 +606,10 @@ def render_thrift(data: dict) -> list[str]:
                  + (f" T{r['t']}" if r.get("t", 1) > 1 else "") + f" {t:.3f} ms"
                  for r in dec for m, t in r.get("kernel_ms", {}).items()]
         b16, b4 = dec[0]["cache_bytes"]["16bit"], dec[0]["cache_bytes"]["4bit"]
-        lines += ["", (f"The split-KV kernels and their merge kernel alone (selection and row layout outside): "
-                       f"{'; '.join(alone)}. " if alone else "") + f"Cache: the 4-bit part adds {b4 / b16:.1%} to the 16-bit one (plus the "
-                  "block means).", ""]
+        kernels = (f"The split-KV kernels and their merge kernel alone (selection and row layout outside): "
+                   f"{'; '.join(alone)}. " if alone else "")
+        lines += ["", kernels + f"Cache: the 4-bit part adds {b4 / b16:.1%} to the 16-bit one (plus the block means).",
+                  ""]
     sweep = data.get("sweep", [])
     pre_sweep = [r for r in sweep if r.get("kind", "prefill") == "prefill"]
     # runs before decode_sweep was its own section kept the decode rows in "sweep" (one token each)

@@ -242,12 +242,13 @@ def decode_partials(args: tuple, meta: jax.Array, *, scale: float, config: Thrif
 
 def decode_meta(q: jax.Array, cache: ThriftKVCache, n_high: jax.Array, block: int) -> jax.Array:
     """The decode kernels' scalars in one int32 (4,) vector (one small launch for all of them): the 4-bit blocks
-    per (batch, kv head) (entry 0, :func:`pallas_kernels.thrift_decode_mosaic.thrift_decode_low`), and whether the
-    cache is usable (entry :data:`pallas_kernels.thrift_combine.USABLE`, :func:`decode_usable`)."""
+    per (batch, kv head) (entry :data:`pallas_kernels.thrift_decode_mosaic.N_LOW`, read by
+    :func:`pallas_kernels.thrift_decode_mosaic.thrift_decode_low`), and whether the cache is usable (entry
+    :data:`pallas_kernels.thrift_combine.USABLE`, :func:`decode_usable`); the other entries are 0."""
     n_low = (cache.length + block - 1) // block - n_high[0]
     usable = decode_usable(cache, q.shape[1]).astype(jnp.int32)
-    meta = [n_low.astype(jnp.int32), jnp.int32(0), jnp.int32(0), jnp.int32(0)]
-    meta[thrift_combine.USABLE] = usable
+    meta = [jnp.int32(0)] * 4
+    meta[thrift_decode_mosaic.N_LOW], meta[thrift_combine.USABLE] = n_low.astype(jnp.int32), usable
     return jnp.stack(meta)
 
 

@@ -52,6 +52,7 @@ LOG2E = math.log2(math.e)
 BLOCK = 64  # keys a step: the wgmma M of Sᵀ
 STAGES = 4  # TMA stages in flight (2 and 8 measured level with 4)
 SCALE_ROW = 16  # bytes a row of the K scales' tile (TMA's smallest box row)
+N_LOW = 0  # the entry of the decode's scalars (``meta``) that holds the 4-bit blocks per (batch, kv head)
 
 
 def supports(*, head_dim: int, block: int, row_tile: int) -> bool:
@@ -238,7 +239,7 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
         plgpu.copy_gmem_to_smem(src, dst, barrier.at[i])
     for i in range(4):
         plgpu.barrier_wait(barrier.at[i])
-    n_low = meta_smem[0]
+    n_low = meta_smem[N_LOW]
     per = (n_low + splits - 1) // splits
     i0 = split * per
     count = jnp.clip(n_low - i0, 0, per)
@@ -328,7 +329,7 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array,
     Args:
       qf_rows: (B, Hkv, R_pad, D) float16 φ⁻¹(φ(q_rows)) (:func:`lowbit_jax.thrift_reference.decode_rows`).
       positions: int32 (R_pad,) each row's token position (−1 for padding rows).
-      meta: int32 (4,), entry 0 the 4-bit blocks per (batch, kv head): the first entries of ``order``
+      meta: int32 (4,), entry :data:`N_LOW` the 4-bit blocks per (batch, kv head): the first entries of ``order``
         (:func:`lowbit_jax.thrift_backends.decode_meta`; the others are not read).
       order: int16 (B, Hkv, Nkb_pad) (:func:`lowbit_jax.thrift_reference.block_order`).
       k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16);

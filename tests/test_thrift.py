@@ -13,7 +13,6 @@ import lowbit_jax as lb
 from attention_base import INTERPRET, AttentionTestBase, cotangent, exact_attention_f64, make_qkv, metrics
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax import thrift_backends
-from lowbit_jax.qat_reference import padded
 from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import (
     block_means,
@@ -725,7 +724,7 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
     _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
     meta = thrift_backends.decode_meta(qt, cache, n_high, 64)
-    assert int(meta[0]) == (int(cache.length) + 63) // 64 - int(n_high[0])
+    assert int(meta[thrift_decode_mosaic.N_LOW]) == (int(cache.length) + 63) // 64 - int(n_high[0])
     tile = thrift_backends.mosaic_row_tile(rows)
     acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, positions, meta, order, k4, ks, v4, vs,
                                                            scale=d**-0.5, config=cfg, row_tile=tile, rows=rows,
