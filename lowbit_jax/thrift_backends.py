@@ -290,9 +290,9 @@ def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: in
     scores = decode_scores(q, cache.k_mean)
     n_complete, take = decode_budget(cache.length, budget=budget, block=block)
     n_blocks = (cache.length + block - 1) // block
-    nkb = scores.shape[-1]
-    pad = ((0, 0), (0, 0), (0, next_pow2(nkb) - nkb))
-    if next_pow2(nkb) <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
+    nkb, width = scores.shape[-1], next_pow2(scores.shape[-1])
+    pad = ((0, 0), (0, 0), (0, width - nkb))
+    if width <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
         order = thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), n_complete, take, n_blocks,
                                                           interpret=interpret)
     else:
