@@ -397,18 +397,18 @@ def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
     rows = t * (hq // cache.num_kv_heads)
     cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg, interpret=interpret)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    order, n_high = thrift_backends.decode_order(q, cache, budget=budget, block=cfg.block, interpret=interpret)
-    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, order, n_high, r_pad)
-    meta = thrift_backends.decode_meta(q, cache, n_high, cfg.block)
+    scalars = thrift_backends.decode_scalars(q, cache, budget=budget, block=cfg.block, r_pad=r_pad)
+    order = thrift_backends.decode_order(q, cache, scalars, budget=budget, block=cfg.block, interpret=interpret)
+    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, order, scalars)
 
-    def kernels(qf, q_rows, meta, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
-        groups = thrift_backends.decode_partials((q_rows, qf, *rest), meta, scale=d**-0.5, config=cfg,
+    def kernels(qf, q_rows, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
+        groups = thrift_backends.decode_partials((q_rows, qf, *rest), scale=d**-0.5, config=cfg,
                                                  row_tile=row_tile, rows=rows, interpret=interpret)
-        return thrift_combine.combine_decode(groups, meta, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
+        return thrift_combine.combine_decode(groups, rest[0], rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
                                              interpret=interpret)
 
     calls = 1 if interpret else DECODE_CALLS
-    return chained(kernels, calls), (qf, q_rows, meta, *rest), calls
+    return chained(kernels, calls), (qf, q_rows, *rest), calls
 
 
 def decode_kernel_ms(q, cache, budget, cfg, impl, iters):

@@ -42,6 +42,7 @@ from pallas_kernels import thrift_decode as thrift_decode_kernels
 from pallas_kernels import thrift_decode_mosaic
 from pallas_kernels._mosaic import on_hopper
 from pallas_kernels import thrift_prefill as thrift_prefill_kernels
+from pallas_kernels import thrift_scalars
 from pallas_kernels import thrift_select as thrift_select_kernels
 from pallas_kernels.configs import ThriftConfig, next_pow2
 from pallas_kernels.numerics import nvfp4
@@ -128,12 +129,11 @@ class TritonThrift:
         t, hq = q.shape[1], q.shape[2]
         rows = t * (hq // cache.num_kv_heads)  # the kernels leave the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
-        order, n_high = decode_order(q, cache, budget=budget, block=config.block, interpret=interpret)
-        args = decode_kernel_args(q, cache, order, n_high, r_pad)
-        meta = decode_meta(q, cache, n_high, config.block)
-        groups = decode_partials(args, meta, scale=scale, config=config, row_tile=row_tile, rows=rows,
-                                 interpret=interpret)
-        return thrift_combine.combine_decode(groups, meta, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
+        scalars = decode_scalars(q, cache, budget=budget, block=config.block, r_pad=r_pad)
+        order = decode_order(q, cache, scalars, budget=budget, block=config.block, interpret=interpret)
+        args = decode_kernel_args(q, cache, order, scalars)
+        groups = decode_partials(args, scale=scale, config=config, row_tile=row_tile, rows=rows, interpret=interpret)
+        return thrift_combine.combine_decode(groups, scalars, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
                                              interpret=interpret)
 
 
@@ -221,9 +221,9 @@ def prefill_order(selected: jax.Array, opts: ThriftOptions, first_block: jax.Arr
     return block_order(high, counts)
 
 
-def decode_partials(args: tuple, meta: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int,
+def decode_partials(args: tuple, *, scale: float, config: ThriftConfig, row_tile: int, rows: int,
                     interpret: bool) -> tuple[thrift_combine.Partials, ...]:
-    """The split-KV kernels on :func:`decode_kernel_args`'s ``args`` with :func:`decode_meta`'s ``meta``: one
+    """The split-KV kernels on :func:`decode_kernel_args`'s ``args``: one
     :class:`pallas_kernels.thrift_combine.Partials` a kernel, each of R_pad rows of which the first ``rows`` are
     written. One from :func:`pallas_kernels.thrift_decode.thrift_decode`; with :func:`takes_mosaic_decode`, the
     4-bit runs from the Mosaic GPU kernel (transposed; its own row tile, :func:`mosaic_row_tile`) and then the
@@ -233,23 +233,33 @@ def decode_partials(args: tuple, meta: jax.Array, *, scale: float, config: Thrif
     tile = mosaic_row_tile(rows)
     if not takes_mosaic_decode(config, head_dim=args[0].shape[-1], row_tile=tile, interpret=interpret):
         return (thrift_combine.Partials(*triton()),)
-    _, qf_rows, positions, _, _, _, k4, k4_scale, v4, v4_scale, order = args
-    low = thrift_decode_mosaic.thrift_decode_low(qf_rows, positions, meta, order, k4, k4_scale, v4, v4_scale,
+    _, qf_rows, scalars, _, _, k4, k4_scale, v4, v4_scale, order = args
+    low = thrift_decode_mosaic.thrift_decode_low(qf_rows, scalars, order, k4, k4_scale, v4, v4_scale,
                                                  scale=scale, config=config, row_tile=tile, rows=rows,
                                                  interpret=interpret)
     return thrift_combine.Partials(*low, transposed=True), thrift_combine.Partials(*triton(only_high=True))
 
 
-def decode_meta(q: jax.Array, cache: ThriftKVCache, n_high: jax.Array, block: int) -> jax.Array:
-    """The decode kernels' scalars in one int32 (4,) vector (one small launch for all of them): the 4-bit blocks
-    per (batch, kv head) (entry :data:`pallas_kernels.thrift_decode_mosaic.N_LOW`, read by
-    :func:`pallas_kernels.thrift_decode_mosaic.thrift_decode_low`), and whether the cache is usable (entry
-    :data:`pallas_kernels.thrift_combine.USABLE`, :func:`decode_usable`); the other entries are 0."""
-    n_low = (cache.length + block - 1) // block - n_high[0]
-    usable = decode_usable(cache, q.shape[1]).astype(jnp.int32)
-    meta = [jnp.int32(0)] * 4
-    meta[thrift_decode_mosaic.N_LOW], meta[thrift_combine.USABLE] = n_low.astype(jnp.int32), usable
-    return jnp.stack(meta)
+def decode_scalars(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int, r_pad: int) -> jax.Array:
+    """The decode kernels' scalars in one int32 (R_pad + 8,) vector, one small launch for all of them
+    (:mod:`pallas_kernels.thrift_scalars`): each query row's token position
+    (:func:`lowbit_jax.thrift_reference.row_positions`), then the header: the complete and the valid key blocks,
+    the 16-bit ones (:func:`lowbit_jax.thrift_reference.decode_budget`) and the 4-bit ones per (batch, kv head),
+    and whether the cache is usable (:func:`decode_usable`); its other entries are 0.
+
+    Args:
+      q: (B, T, Hq, D) the new query tokens; cache: the :class:`ThriftKVCache` they attend to;
+      budget, block: the decode's; r_pad: the padded query rows (:func:`decode_layout`).
+    """
+    n_complete, n_high = decode_budget(cache.length, budget=budget, block=block)
+    n_blocks = (cache.length + block - 1) // block
+    header = [jnp.int32(0)] * thrift_scalars.HEADER
+    for entry, value in ((thrift_scalars.N_LOW, n_blocks - n_high), (thrift_scalars.N_HIGH, n_high),
+                         (thrift_scalars.USABLE, decode_usable(cache, q.shape[1])),
+                         (thrift_scalars.N_COMPLETE, n_complete), (thrift_scalars.N_BLOCKS, n_blocks)):
+        header[entry] = jnp.asarray(value, jnp.int32)
+    positions = row_positions(cache.length, q.shape[1], q.shape[2] // cache.num_kv_heads, r_pad)
+    return jnp.concatenate([positions, jnp.stack(header)])
 
 
 def mosaic_row_tile(rows: int) -> int:
@@ -274,9 +284,10 @@ def decode_layout(rows: int) -> tuple[int, int]:
     return padded(rows, 64), 64
 
 
-def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: int,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The decode kernel's key-block order and its 16-bit block count for the new tokens ``q`` (B, T, Hq, D).
+def decode_order(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, budget: float, block: int,
+                 interpret: bool = False) -> jax.Array:
+    """The decode kernels' key-block order for the new tokens ``q`` (B, T, Hq, D), given the step's
+    :func:`decode_scalars` (the order kernel reads its block counts from them).
 
     The selection (:func:`lowbit_jax.thrift_reference.decode_selection`) and its
     :func:`lowbit_jax.thrift_reference.block_order`, in the selection kernel
@@ -284,30 +295,24 @@ def decode_order(q: jax.Array, cache: ThriftKVCache, *, budget: float, block: in
     :data:`~pallas_kernels.thrift_select.DECODE_ORDER_MAX_BLOCKS` key blocks, by XLA beyond (the same values).
 
     Returns:
-      int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two), int32 (1,) the
-      16-bit blocks per (batch, kv head).
+      int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two).
     """
     scores = decode_scores(q, cache.k_mean)
-    n_complete, take = decode_budget(cache.length, budget=budget, block=block)
-    n_blocks = (cache.length + block - 1) // block
     nkb, width = scores.shape[-1], next_pow2(scores.shape[-1])
     pad = ((0, 0), (0, 0), (0, width - nkb))
     if width <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
-        order = thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), n_complete, take, n_blocks,
-                                                          interpret=interpret)
-    else:
-        order = block_order(jnp.pad(decode_top_blocks(scores, n_complete, take), pad), n_blocks)
-    return order, take[None]
+        return thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), scalars, interpret=interpret)
+    n_complete, take = decode_budget(cache.length, budget=budget, block=block)
+    n_blocks = (cache.length + block - 1) // block
+    return block_order(jnp.pad(decode_top_blocks(scores, n_complete, take), pad), n_blocks)
 
 
-def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, order: jax.Array, n_high: jax.Array, r_pad: int) -> tuple:
+def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, order: jax.Array, scalars: jax.Array) -> tuple:
     """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options: the query rows
-    (16-bit and fake-quantized), their positions, the 16-bit block count and the order (:func:`decode_order`),
-    the cache's arrays."""
-    t, hq = q.shape[1], q.shape[2]
-    group = hq // cache.num_kv_heads
+    (16-bit and fake-quantized, R_pad = ``scalars``' positions), the step's :func:`decode_scalars`, the cache's
+    arrays and the order (:func:`decode_order`)."""
+    r_pad = scalars.shape[0] - thrift_scalars.HEADER
     rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
-    return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16),
-            row_positions(cache.length, t, group, r_pad), n_high,
+    return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16), scalars,
             cache.k, cache.v, cache.k4, bits(cache.k4_scale), cache.v4, bits(cache.v4_scale), order)

@@ -23,11 +23,10 @@ from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, plgpu
 from pallas_kernels.numerics import int8
+from pallas_kernels.thrift_scalars import HEADER, USABLE, check_scalars, header_block
 
 #: query rows a program (a power of two; more rows are cut into tiles of this many)
 ROW_TILE = 64
-#: the entry of the decode's scalars (``meta``) that says whether the cache is usable
-USABLE = 1
 #: channels a program: the head dim's chunks spread a (batch, kv head)'s bytes over more SMs
 D_CHUNK = 32
 
@@ -41,7 +40,7 @@ class Partials(NamedTuple):
     transposed: bool = False
 
 
-def _combine_kernel(meta_ref, *refs, kinds, rows, tokens, group, kv_heads, row_tile, d_chunk):
+def _combine_kernel(header_ref, *refs, kinds, rows, tokens, group, kv_heads, row_tile, d_chunk):
     o_ref = refs[-1]
     parts = [refs[3 * i:3 * i + 3] for i in range(len(kinds))]
     x, dc = pl.program_id(1), pl.program_id(2)
@@ -55,7 +54,7 @@ def _combine_kernel(meta_ref, *refs, kinds, rows, tokens, group, kv_heads, row_t
     else:
         num, den = _merge_by_split(parts, kinds, real, rws, cols, d_chunk)
     o = num * int8.reciprocal_or_zero(den)[:, None]
-    o = jnp.where(meta_ref[USABLE] != 0, o, jnp.nan)
+    o = jnp.where(header_ref[USABLE] != 0, o, jnp.nan)
     # row g·T + t of kv head h is query head h·G + g at token t: output row t·Hq + h·G + g of the (B, T·Hq, D) view
     out_row = (r % tokens) * (kv_heads * group) + hkv * group + r // tokens
     # both indices whole tiles: the interpreter scatters array indices only; padding rows point past the end, where
@@ -116,7 +115,7 @@ def _tiles(rows: int, row_tile: int) -> int:
     return -(-rows // row_tile)
 
 
-def combine_decode(groups: tuple[Partials, ...], meta: jax.Array, *, rows: int, tokens: int, num_heads: int,
+def combine_decode(groups: tuple[Partials, ...], scalars: jax.Array, *, rows: int, tokens: int, num_heads: int,
                    out_dtype, interpret: bool = False) -> jax.Array:
     """The decode output from its kernels' partial softmaxes.
 
@@ -124,8 +123,8 @@ def combine_decode(groups: tuple[Partials, ...], meta: jax.Array, *, rows: int, 
       groups: one :class:`Partials` a decode kernel, each with R_pad ≥ ``rows`` rows (a power of two up to 64, or a
         multiple of 64) of which the first ``rows`` are real (row g·T + t: query head g of the kv group at token t,
         :func:`lowbit_jax.thrift_reference.decode_rows`); their splits merge as one concatenation would.
-      meta: int32 (4,), the decode's scalars (:func:`lowbit_jax.thrift_backends.decode_meta`): entry
-        :data:`USABLE` 0 gives NaN everywhere (a decode on a cache in a bad state).
+      scalars: int32 (R_pad + 8,) the decode's scalars (:mod:`pallas_kernels.thrift_scalars`): its header's
+        :data:`~pallas_kernels.thrift_scalars.USABLE` 0 gives NaN everywhere (a decode on a cache in a bad state).
       rows: T · group; tokens: T; num_heads: Hq; out_dtype: the output's dtype.
     Returns:
       (B, T, Hq, D) in ``out_dtype``: ``combine_splits`` of the groups in :func:`decode_outputs`'s layout.
@@ -144,7 +143,8 @@ def combine_decode(groups: tuple[Partials, ...], meta: jax.Array, *, rows: int, 
                                group=group, kv_heads=hkv, row_tile=row_tile, d_chunk=d_chunk)
     head = lambda x: pl.BlockSpec((None, None) + x.shape[2:],  # noqa: E731  (a (batch, kv head)'s partials)
                                   lambda bi, xi, c: (bi, xi // n_tiles) + (0,) * (x.ndim - 2))
-    in_specs, args = [pl.BlockSpec((4,), lambda bi, xi, c: (0,))], [meta]
+    check_scalars(scalars, r_pad)
+    in_specs, args = [pl.BlockSpec((HEADER,), lambda bi, xi, c: (header_block(r_pad),))], [scalars]
     for g in groups:
         if g.m.shape[-1] != r_pad:
             raise ValueError(f"every group needs the same padded rows, got {g.m.shape[-1]} and {r_pad}")

@@ -35,13 +35,14 @@ from pallas_kernels.numerics import nvfp4
 from pallas_kernels._triton import compiler_params, e2m1_unpack_f16, pl, store_rows
 from pallas_kernels.configs import ThriftConfig, next_pow2
 from pallas_kernels.numerics.online_softmax import online_softmax_step
+from pallas_kernels.thrift_scalars import HEADER, N_HIGH, check_scalars, header_block
 
 LOG2E = math.log2(math.e)
 DOT_NT = (((1,), (1,)), ((), ()))
 DOT_NN = (((1,), (0,)), ((), ()))
 
 
-def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref, k4_ref, ks_ref, v4_ref, vs_ref,
+def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, header_ref, k_ref, v_ref, k4_ref, ks_ref, v4_ref, vs_ref,
                    order_ref, acc_ref, m_ref, l_ref, *, block, splits_low, splits_high, score_scale, dtype,
                    softmax_rows, skip_padding, only_high, interpret):
     half, d = block // 2, q_ref.shape[-1]
@@ -50,7 +51,7 @@ def _decode_kernel(q_ref, qf_lo_ref, qf_hi_ref, pos_ref, meta_ref, k_ref, v_ref,
     tile, srows = q_ref.shape[0], softmax_rows
     pos = pos_ref[pl.ds(0, srows)]
     n_blocks = (jnp.max(pos) + block) // block  # max(pos) + 1 tokens in the cache
-    n_high = meta_ref[0]
+    n_high = header_ref[N_HIGH]
     n_low = n_blocks - n_high
     split = pl.program_id(2)
     nt = lambda a, b: lax.dot_general(a, b, DOT_NT, preferred_element_type=jnp.float32)  # noqa: E731
@@ -145,7 +146,7 @@ def _tiled(x: jax.Array, *, tile: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "rows", "only_high", "interpret"))
-def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n_high: jax.Array, k16: jax.Array,
+def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, scalars: jax.Array, k16: jax.Array,
                   v16: jax.Array, k4: jax.Array, k4_scale_bits: jax.Array, v4: jax.Array, v4_scale_bits: jax.Array,
                   order: jax.Array, *, scale: float, config: ThriftConfig, row_tile: int, rows: int | None = None,
                   only_high: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -154,8 +155,9 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
     Args:
       q_rows: (B, Hkv, R_pad, D) 16-bit query rows (:func:`lowbit_jax.thrift_reference.decode_rows`).
       qf_rows: (B, Hkv, R_pad, D) float16 φ⁻¹(φ(q_rows)) (exact in fp16).
-      positions: int32 (R_pad,) each row's token position (−1 for padding rows); max + 1 is the cache length.
-      n_high: int32 (1,): 16-bit blocks per (batch, kv head).
+      scalars: int32 (R_pad + 8,) the decode's scalars (:mod:`pallas_kernels.thrift_scalars`): each row's token
+        position (−1 for padding rows; max + 1 is the cache length), and in the header
+        :data:`~pallas_kernels.thrift_scalars.N_HIGH`, the 16-bit blocks per (batch, kv head).
       k16, v16: (B, S_max, Hkv, D) the 16-bit cache, S_max a multiple of ``config.block``.
       k4: uint8 (B, Hkv, S_max, D/2), k4_scale_bits: uint8 (B, Hkv, S_max, D/16) e4m3 bits;
       v4: uint8 (B, Hkv, S_max/block · D, block/2), v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
@@ -173,6 +175,7 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
     """
     splits_low, splits_high = config.split_counts()
     b, hkv, r_pad, d = q_rows.shape
+    check_scalars(scalars, r_pad)
     s_max = k16.shape[1]
     splits = splits_high if only_high else splits_low + splits_high
     n_rt = r_pad // row_tile
@@ -188,7 +191,7 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
     head = lambda shape: pl.BlockSpec((None, None) + shape, lambda bi, x, s: (bi, x // n_rt, 0, 0))  # noqa: E731
     seq_major = pl.BlockSpec((None, s_max, None, d), lambda bi, x, s: (bi, 0, x // n_rt, 0))
     in_specs = [q_spec, half_spec(0), half_spec(1), pl.BlockSpec((row_tile,), lambda bi, x, s: (x % n_rt,)),
-                pl.BlockSpec((1,), lambda bi, x, s: (0,)),
+                pl.BlockSpec((HEADER,), lambda bi, x, s: (header_block(r_pad),)),
                 seq_major, seq_major, head(k4.shape[2:]), head(k4_scale_bits.shape[2:]), head(v4.shape[2:]),
                 head(v4_scale_bits.shape[2:]),
                 pl.BlockSpec((None, None, order.shape[2]), lambda bi, x, s: (bi, x // n_rt, 0))]
@@ -207,4 +210,4 @@ def thrift_decode(q_rows: jax.Array, qf_rows: jax.Array, positions: jax.Array, n
         compiler_params=compiler_params(*config.decode_launch(row_tile)),
         interpret=interpret,
         name="thrift_decode",
-    )(q_rows, qf_rows, qf_rows, positions, n_high, k16, v16, k4, k4_scale_bits, v4, v4_scale_bits, order)
+    )(q_rows, qf_rows, qf_rows, scalars, scalars, k16, v16, k4, k4_scale_bits, v4, v4_scale_bits, order)

@@ -47,12 +47,12 @@ from pallas_kernels._triton import E2M1_LANE_MAGNITUDE, E2M1_LANE_SHIFTS, E2M1_L
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.stmatrix import Int, warp_and_lane
 from pallas_kernels.numerics import nvfp4
+from pallas_kernels.thrift_scalars import HEADER, N_LOW, check_scalars
 
 LOG2E = math.log2(math.e)
 BLOCK = 64  # keys a step: the wgmma M of Sᵀ
 STAGES = 4  # TMA stages in flight (2 and 8 measured level with 4)
 SCALE_ROW = 16  # bytes a row of the K scales' tile (TMA's smallest box row)
-N_LOW = 0  # the entry of the decode's scalars (``meta``) that holds the 4-bit blocks per (batch, kv head)
 
 
 def supports(*, head_dim: int, block: int, row_tile: int) -> bool:
@@ -224,7 +224,7 @@ def _key_group_max_interpreted(p: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- the kernel
 
 
-def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_out, m_out, l_out, *,
+def _kernel(qf_ref, scalars_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_out, m_out, l_out, *,
             q_smem, pos_smem, meta_smem, order_smem, p_smem, acc_smem, ml_smem, barrier, splits, n_rt, score_scale,
             interpret, k_op_smem=None, vt_op_smem=()):
     """One CTA: (batch, kv head × row tile, run). Its query rows, their positions, the 4-bit block count and the
@@ -234,8 +234,9 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
     b, x, split = lax.axis_index("b"), lax.axis_index("x"), lax.axis_index("split")
     hkv, rt = x // n_rt, x % n_rt
     rows = pl.ds(rt * n, n)
-    for i, (src, dst) in enumerate(((qf_ref.at[b, hkv, rows], q_smem), (pos_ref.at[rows], pos_smem),
-                                    (meta_ref, meta_smem), (order_ref.at[b, hkv], order_smem))):
+    header = pl.ds(scalars_ref.shape[0] - HEADER, HEADER)
+    for i, (src, dst) in enumerate(((qf_ref.at[b, hkv, rows], q_smem), (scalars_ref.at[rows], pos_smem),
+                                    (scalars_ref.at[header], meta_smem), (order_ref.at[b, hkv], order_smem))):
         plgpu.copy_gmem_to_smem(src, dst, barrier.at[i])
     for i in range(4):
         plgpu.barrier_wait(barrier.at[i])
@@ -319,7 +320,7 @@ def _kernel(qf_ref, pos_ref, meta_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "rows", "interpret"))
-def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array, order: jax.Array, k4: jax.Array,
+def thrift_decode_low(qf_rows: jax.Array, scalars: jax.Array, order: jax.Array, k4: jax.Array,
                       k4_scale_bits: jax.Array, v4: jax.Array, v4_scale_bits: jax.Array, *, scale: float,
                       config: ThriftConfig, row_tile: int, rows: int | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -328,9 +329,9 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array,
 
     Args:
       qf_rows: (B, Hkv, R_pad, D) float16 φ⁻¹(φ(q_rows)) (:func:`lowbit_jax.thrift_reference.decode_rows`).
-      positions: int32 (R_pad,) each row's token position (−1 for padding rows).
-      meta: int32 (4,), entry :data:`N_LOW` the 4-bit blocks per (batch, kv head): the first entries of ``order``
-        (:func:`lowbit_jax.thrift_backends.decode_meta`; the others are not read).
+      scalars: int32 (R_pad + 8,) the decode's scalars (:mod:`pallas_kernels.thrift_scalars`): each row's token
+        position (−1 for padding rows), and in the header :data:`~pallas_kernels.thrift_scalars.N_LOW`, the 4-bit
+        blocks per (batch, kv head): the first entries of ``order``.
       order: int16 (B, Hkv, Nkb_pad) (:func:`lowbit_jax.thrift_reference.block_order`).
       k4: uint8 (B, Hkv, S_max, D/2); k4_scale_bits: uint8 (B, Hkv, S_max, D/16);
         v4: uint8 (B, Hkv, S_max/64 · D, 32); v4_scale_bits: uint8 (B, Hkv, S_max/16, D) (the
@@ -343,6 +344,7 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array,
       float32 (base 2), splits = ``config.decode_splits``.
     """
     b, hkv, r_pad, d = qf_rows.shape
+    check_scalars(scalars, r_pad)
     if not supports(head_dim=d, block=config.block, row_tile=row_tile):
         raise NotImplementedError(f"thrift_decode_low: head dim {d}, block {config.block}, {row_tile} rows a CTA")
     splits, _ = config.split_counts()
@@ -356,7 +358,7 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array,
     f16, f32 = jnp.float16, jnp.float32
     ks = k4_scale_bits.reshape(b, hkv, s_max * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW)  # 16-byte rows for TMA
     scratch = dict(q_smem=plgpu.SMEM((n, d), f16, transforms=tile_transforms(f16, d)),
-                   pos_smem=plgpu.SMEM((n,), jnp.int32), meta_smem=plgpu.SMEM((4,), jnp.int32),
+                   pos_smem=plgpu.SMEM((n,), jnp.int32), meta_smem=plgpu.SMEM((HEADER,), jnp.int32),
                    order_smem=plgpu.SMEM((nkb // width, width), order.dtype),
                    p_smem=plgpu.SMEM((n, BLOCK), f16, transforms=tile_transforms(f16, BLOCK)),
                    acc_smem=plgpu.SMEM((d, n), f32), ml_smem=plgpu.SMEM((2, n), f32),
@@ -372,4 +374,4 @@ def thrift_decode_low(qf_rows: jax.Array, positions: jax.Array, meta: jax.Array,
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(b, hkv * n_rt, splits),
                         grid_names=("b", "x", "split"), compiler_params=compiler_params(),
                         interpret=interpret_params(interpret), kernel_name="thrift_decode_low")(
-        qf_rows, positions, meta, order, k4, ks, v4, v4_scale_bits)
+        qf_rows, scalars, order, k4, ks, v4, v4_scale_bits)

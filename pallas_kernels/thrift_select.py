@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl
+from pallas_kernels.thrift_scalars import HEADER, N_BLOCKS, N_COMPLETE, N_HIGH, check_scalars, header_block
 from pallas_kernels.numerics.tile_ranges import selectable_key_blocks
 
 DOT_NT = (((1,), (1,)), ((), ()))
@@ -146,9 +147,9 @@ def decode_order_warps(n_blocks: int) -> int:
     return max(4, min(32, n_blocks // 256))
 
 
-def _decode_order_kernel(meta_ref, scores_ref, order_ref):
+def _decode_order_kernel(header_ref, scores_ref, order_ref):
     n = scores_ref.shape[0]
-    n_complete, want, n_blocks = meta_ref[0], meta_ref[1], meta_ref[2]
+    n_complete, want, n_blocks = header_ref[N_COMPLETE], header_ref[N_HIGH], header_ref[N_BLOCKS]
     j = jnp.arange(n, dtype=jnp.int32)
     keys = jnp.where(j < n_complete, _ordered_keys(scores_ref[...]), INT_MIN)
     count = lambda pred: jnp.sum(pred.astype(jnp.int32))  # noqa: E731
@@ -162,30 +163,32 @@ def _decode_order_kernel(meta_ref, scores_ref, order_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def thrift_decode_order(scores: jax.Array, n_complete: jax.Array, take: jax.Array, n_blocks: jax.Array, *,
-                        interpret: bool = False) -> jax.Array:
+def thrift_decode_order(scores: jax.Array, scalars: jax.Array, *, interpret: bool = False) -> jax.Array:
     """The decode's key-block order from its block scores, in one kernel.
 
     Args:
       scores: float32 (B, Hkv, N): each key block's :func:`lowbit_jax.thrift_reference.decode_scores`, N a power
         of two ≤ :data:`DECODE_ORDER_MAX_BLOCKS` (entries from ``n_complete`` on are ignored).
-      n_complete: int32 scalar, the complete blocks (the selectable ones); take: int32 scalar ≤ n_complete,
-        the 16-bit blocks per row; n_blocks: int32 scalar, the blocks holding any token.
+      scalars: int32 (R_pad + 8,) the decode's scalars (:mod:`pallas_kernels.thrift_scalars`); read from its
+        header: ``n_complete`` (:data:`~pallas_kernels.thrift_scalars.N_COMPLETE`), the complete blocks (the
+        selectable ones); ``take`` (:data:`~pallas_kernels.thrift_scalars.N_HIGH`) ≤ n_complete, the 16-bit blocks
+        per row; ``n_blocks`` (:data:`~pallas_kernels.thrift_scalars.N_BLOCKS`), the blocks holding any token.
     Returns:
       int16 (B, Hkv, N): :func:`lowbit_jax.thrift_reference.block_order` of the ``take`` top-scoring complete
       blocks (ties to the lower index) with ``n_blocks`` valid — the unselected valid blocks, then the selected
       ones, each ascending, then the others.
     """
     b, hkv, n = scores.shape
-    meta = jnp.stack([jnp.asarray(x, jnp.int32) for x in (n_complete, take, n_blocks)])
+    r_pad = scalars.shape[0] - HEADER
+    check_scalars(scalars, r_pad)
     return pl.pallas_call(
         _decode_order_kernel,
         grid=(b, hkv),
-        in_specs=[pl.BlockSpec((3,), lambda bi, hi: (0,)),
+        in_specs=[pl.BlockSpec((HEADER,), lambda bi, hi: (header_block(r_pad),)),
                   pl.BlockSpec((None, None, n), lambda bi, hi: (bi, hi, 0))],
         out_specs=pl.BlockSpec((None, None, n), lambda bi, hi: (bi, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, hkv, n), jnp.int16),
         compiler_params=compiler_params(decode_order_warps(n), 1),
         interpret=interpret,
         name="thrift_decode_order",
-    )(meta, scores)
+    )(scalars, scores)

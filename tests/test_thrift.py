@@ -472,17 +472,27 @@ def test_decode_order_kernel_is_the_xla_order(n, n_complete, n_blocks, take):
     integer scores (ties everywhere), ±0 and ±inf, partial last blocks (n_blocks = n_complete + 1), budgets 0
     and all; entries from n_complete on carry garbage scores that must be ignored."""
     from lowbit_jax.thrift_reference import _top_blocks, block_order
+    from pallas_kernels.thrift_scalars import HEADER, N_BLOCKS, N_COMPLETE, N_HIGH
     from pallas_kernels.thrift_select import thrift_decode_order
 
     rng = np.random.default_rng(n + n_complete + take)
     scores = rng.integers(-3, 4, (2, 3, n)).astype(np.float32)
     scores[0, 0, :4] = [0.0, -0.0, np.inf, -np.inf]
     scores[..., n_complete:] = 1e30  # not selectable
-    got = thrift_decode_order(jnp.asarray(scores), jnp.int32(n_complete), jnp.int32(take), jnp.int32(n_blocks),
-                              interpret=INTERPRET)
+    scalars = np.full(16 + HEADER, -7, np.int32)  # positions and unread header entries: garbage
+    scalars[16 + N_COMPLETE], scalars[16 + N_HIGH], scalars[16 + N_BLOCKS] = n_complete, take, n_blocks
+    got = thrift_decode_order(jnp.asarray(scores), jnp.asarray(scalars), interpret=INTERPRET)
     sel = _top_blocks(jnp.asarray(scores), jnp.arange(n) < n_complete, jnp.int32(take))
     assert got.dtype == jnp.int16 and int(jnp.sum(sel[1, 2])) == take
     np.testing.assert_array_equal(np.asarray(got), np.asarray(block_order(sel, n_blocks)))
+
+
+def test_decode_order_kernel_refuses_a_wrong_scalars_vector():
+    from pallas_kernels.thrift_select import thrift_decode_order
+
+    for bad in (jnp.zeros(20, jnp.int32), jnp.zeros(24, jnp.float32)):
+        with pytest.raises(ValueError, match="scalars"):
+            thrift_decode_order(jnp.zeros((1, 1, 64)), bad, interpret=INTERPRET)
 
 
 def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
@@ -492,13 +502,31 @@ def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
 
     q, k, v = make_qkv(2, 200, 200, 4, 2, 64, seed=31)
     cache = filled_cache(k, v, 200)
+    scalars = thrift_backends.decode_scalars(q[:, -2:], cache, budget=0.5, block=32, r_pad=16)
     def run():
-        return thrift_backends.decode_order(q[:, -2:], cache, budget=0.5, block=32, interpret=INTERPRET)
-    order, n_high = run()
+        return thrift_backends.decode_order(q[:, -2:], cache, scalars, budget=0.5, block=32, interpret=INTERPRET)
+    order = run()
     monkeypatch.setattr(thrift_select, "DECODE_ORDER_MAX_BLOCKS", 0)
-    order_xla, n_high_xla = run()
-    np.testing.assert_array_equal(np.asarray(order), np.asarray(order_xla))
-    assert int(n_high[0]) == int(n_high_xla[0]) == 3
+    np.testing.assert_array_equal(np.asarray(order), np.asarray(run()))
+
+
+def test_decode_scalars_hold_the_rows_positions_and_block_counts():
+    """lowbit_jax.thrift_backends.decode_scalars, counted by hand: 200 cached tokens, 2 new ones, a group of 2
+    heads (rows g·T + t), blocks of 32: 6 complete of 7, budget 0.5 → 3 in 16-bit, 4 in 4-bit; an overflowed
+    cache is flagged unusable."""
+    from pallas_kernels.thrift_scalars import HEADER, N_BLOCKS, N_COMPLETE, N_HIGH, N_LOW, USABLE
+
+    q, k, v = make_qkv(1, 200, 200, 4, 2, 64, seed=5)
+    cache = filled_cache(k, v, 200)
+    got = np.asarray(thrift_backends.decode_scalars(q[:, -2:], cache, budget=0.5, block=32, r_pad=16))
+    assert got.dtype == np.int32 and got.shape == (16 + HEADER,)
+    np.testing.assert_array_equal(got[:16], [198, 199, 198, 199] + [-1] * 12)
+    header = dict(zip((N_COMPLETE, N_HIGH, N_LOW, N_BLOCKS, USABLE), (6, 3, 4, 7, 1)))
+    assert {i: int(got[16 + i]) for i in header} == header
+    assert not got[16 + 5:].any()
+    bad = np.asarray(thrift_backends.decode_scalars(q[:, -2:], dataclasses.replace(cache, overflow=jnp.bool_(True)),
+                                                    budget=0.5, block=32, r_pad=16))
+    assert bad[16 + USABLE] == 0
 
 
 def test_decode_launch_by_rows_per_program():
@@ -598,7 +626,8 @@ def test_combine_kernel_is_combine_splits_in_the_output_layout(tokens, group, r_
     merge of the partials; empty splits (m = −inf, l = 0) and padding rows holding NaN (left unwritten by the
     kernels) change nothing; a cache flagged unusable gives NaN everywhere."""
     from lowbit_jax.thrift_reference import combine_splits, decode_outputs
-    from pallas_kernels.thrift_combine import USABLE, Partials, combine_decode
+    from pallas_kernels.thrift_combine import Partials, combine_decode
+    from pallas_kernels.thrift_scalars import HEADER, USABLE
 
     rng = np.random.default_rng(tokens * 100 + group)
     b, hkv, rows = 2, 3, tokens * group
@@ -615,8 +644,8 @@ def test_combine_kernel_is_combine_splits_in_the_output_layout(tokens, group, r_
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     kernel_groups = (Partials(f32(np.swapaxes(groups64[0][0], -1, -2)), f32(groups64[0][1]), f32(groups64[0][2]),
                                 transposed=True), Partials(*map(f32, groups64[1])))
-    meta = np.zeros(4, np.int32)
-    meta[USABLE] = 1
+    meta = np.full(r_pad + HEADER, -3, np.int32)  # positions and the unread header entries: garbage
+    meta[r_pad + USABLE] = 1
     run = functools.partial(combine_decode, kernel_groups, rows=rows, tokens=tokens, num_heads=hkv * group,
                             out_dtype=jnp.float32, interpret=INTERPRET)
     got = np.asarray(run(jnp.asarray(meta)))
@@ -631,7 +660,7 @@ def test_combine_kernel_is_combine_splits_in_the_output_layout(tokens, group, r_
     o = (acc * w[..., None]).sum(axis=2) / (l * w).sum(axis=2)[..., None]  # (b, hkv, rows, d), rows g·T + t
     oracle = o.reshape(b, hkv, group, tokens, d).transpose(0, 3, 1, 2, 4).reshape(b, tokens, hkv * group, d)
     np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5)
-    meta[USABLE] = 0
+    meta[r_pad + USABLE] = 0
     assert np.isnan(np.asarray(run(jnp.asarray(meta)))).all()
 
 
@@ -640,8 +669,9 @@ def test_decode_kernel_refuses_unresolved_splits():
 
     q, k, v = make_qkv(1, 64, 64, 4, 2, 64, seed=3)
     cache = filled_cache(k, v, 64)
-    order, n_high = thrift_backends.decode_order(q[:, -1:], cache, budget=0.3, block=32, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, order, n_high, 16)
+    scalars = thrift_backends.decode_scalars(q[:, -1:], cache, budget=0.3, block=32, r_pad=16)
+    order = thrift_backends.decode_order(q[:, -1:], cache, scalars, budget=0.3, block=32, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, order, scalars)
     with pytest.raises(ValueError, match="for_decode"):
         decode_kernel(*args, scale=0.125, config=lb.ThriftConfig(block=32, quant_block=32), row_tile=16,
                       interpret=INTERPRET)
@@ -677,8 +707,9 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     assert r_pad > rows
-    order, n_high = thrift_backends.decode_order(qt, cache, budget=0.3, block=SMALL.block, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    scalars = thrift_backends.decode_scalars(qt, cache, budget=0.3, block=SMALL.block, r_pad=r_pad)
+    order = thrift_backends.decode_order(qt, cache, scalars, budget=0.3, block=SMALL.block, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, order, scalars)
     run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
                             interpret=INTERPRET)
     full, skipped = run(), run(rows=rows)
@@ -719,14 +750,13 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2)
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
-    order, n_high = thrift_backends.decode_order(qt, cache, budget=budget, block=64, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(qt, cache, order, n_high, r_pad)
+    scalars = thrift_backends.decode_scalars(qt, cache, budget=budget, block=64, r_pad=r_pad)
+    order = thrift_backends.decode_order(qt, cache, scalars, budget=budget, block=64, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, order, scalars)
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
-    _, qf, positions, _, _, _, k4, ks, v4, vs, _ = args
-    meta = thrift_backends.decode_meta(qt, cache, n_high, 64)
-    assert int(meta[thrift_decode_mosaic.N_LOW]) == (int(cache.length) + 63) // 64 - int(n_high[0])
+    _, qf, _, _, _, k4, ks, v4, vs, _ = args
     tile = thrift_backends.mosaic_row_tile(rows)
-    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, positions, meta, order, k4, ks, v4, vs,
+    acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, scalars, order, k4, ks, v4, vs,
                                                            scale=d**-0.5, config=cfg, row_tile=tile, rows=rows,
                                                            interpret=INTERPRET)
     assert acc_t.shape == (b, hkv, splits, d, r_pad) and m2.shape == l2.shape == (b, hkv, splits, r_pad)
