@@ -525,6 +525,7 @@ def _other_kinds_table(rounds: dict, top: int = 8) -> list[str]:
 def render_thrift(data: dict) -> list[str]:
     """ThriftAttention: kernel checks, accuracy (gap recovered), prefill and decode timings."""
     lines = ["## ThriftAttention (FP4/16-bit mixed precision, inference)", ""] + _command_block(data)
+    lines += [*_superseded(data)[1:], ""] if data.get("superseded") else []
     later = {}
     for section, prov in data.get("provenance", {}).items():
         if prov["env"]["date"] != data["env"]["date"] and section in data:
@@ -629,7 +630,7 @@ def render_thrift(data: dict) -> list[str]:
         lines += [f"| B{b} S{s} | {t} | {f:g} | " + " | ".join(
             f"{ms[(b, s, t, f, w, st)]:.3f}" if (b, s, t, f, w, st) in ms else "–" for w, st in launches) + " |"
             for b, s, t, f in cases] + [""]
-    return lines + _superseded(data)
+    return lines
 
 
 def render_thrift_quality(data: dict) -> list[str]:
@@ -818,6 +819,7 @@ def render_headline_decode(data: dict) -> list[str]:
     the decode's current default against cuDNN, when it changed after the table above was measured."""
     out = ["### Thrift decode at the current default", "", *_command_block(data),
            *([data["note"], ""] if data.get("note") else []),
+           *([*_superseded(data)[1:], ""] if data.get("superseded") else []),
            "| B | cache tokens | cuDNN ms | thrift ms | ratio |", "|---|---|---|---|---|"]
     for r in data["decode"]:
         out.append(f"| {r['shape'][0]} | {r['shape'][1]} | {r['ms']['cudnn_bf16']:.3f} | "

@@ -130,8 +130,7 @@ class TritonThrift:
         rows = t * (hq // cache.num_kv_heads)  # the kernels leave the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
         scalars = decode_scalars(q, cache, budget=budget, block=config.block, r_pad=r_pad)
-        order = decode_order(q, cache, scalars, budget=budget, block=config.block, interpret=interpret)
-        args = decode_kernel_args(q, cache, order, scalars)
+        args = decode_kernel_args(q, cache, scalars, budget=budget, block=config.block, interpret=interpret)
         groups = decode_partials(args, scale=scale, config=config, row_tile=row_tile, rows=rows, interpret=interpret)
         return thrift_combine.combine_decode(groups, scalars, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
                                              interpret=interpret)
@@ -297,22 +296,38 @@ def decode_order(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, budg
     Returns:
       int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two).
     """
-    scores = decode_scores(q, cache.k_mean)
-    nkb, width = scores.shape[-1], next_pow2(scores.shape[-1])
-    pad = ((0, 0), (0, 0), (0, width - nkb))
-    if width <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
-        return thrift_select_kernels.thrift_decode_order(jnp.pad(scores, pad), scalars, interpret=interpret)
+    scores = _padded_scores(q, cache)
+    if scores.shape[-1] <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
+        return thrift_select_kernels.thrift_decode_order(scores, scalars, interpret=interpret)
     n_complete, take = decode_budget(cache.length, budget=budget, block=block)
     n_blocks = (cache.length + block - 1) // block
-    return block_order(jnp.pad(decode_top_blocks(scores, n_complete, take), pad), n_blocks)
+    return block_order(decode_top_blocks(scores, n_complete, take), n_blocks)
 
 
-def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, order: jax.Array, scalars: jax.Array) -> tuple:
+def _padded_scores(q: jax.Array, cache: ThriftKVCache) -> jax.Array:
+    """:func:`lowbit_jax.thrift_reference.decode_scores` padded to a power of two of key blocks."""
+    scores = decode_scores(q, cache.k_mean)
+    return jnp.pad(scores, ((0, 0), (0, 0), (0, next_pow2(scores.shape[-1]) - scores.shape[-1])))
+
+
+def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, budget: float, block: int,
+                       interpret: bool = False) -> tuple:
     """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options: the query rows
     (16-bit and fake-quantized, R_pad = ``scalars``' positions), the step's :func:`decode_scalars`, the cache's
-    arrays and the order (:func:`decode_order`)."""
+    arrays and the order (:func:`decode_order`). For one new token and a power-of-two group the order kernel lays
+    out the rows too (their padding rows unwritten); else XLA does (:func:`lowbit_jax.thrift_reference.decode_rows`,
+    zero padding rows)."""
     r_pad = scalars.shape[0] - thrift_scalars.HEADER
-    rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
+    group = q.shape[2] // cache.num_kv_heads
+    scores = _padded_scores(q, cache)
+    if (q.shape[1] == 1 and group == next_pow2(group) and
+            scores.shape[-1] <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS):
+        order, q_rows, qf_rows = thrift_select_kernels.thrift_decode_order(
+            scores, scalars, q[:, 0], rows_dtype=mma_dtype(q.dtype), interpret=interpret)
+    else:
+        order = decode_order(q, cache, scalars, budget=budget, block=block, interpret=interpret)
+        rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
+        q_rows, qf_rows = rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
-    return (rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16), scalars,
+    return (q_rows, qf_rows, scalars,
             cache.k, cache.v, cache.k4, bits(cache.k4_scale), cache.v4, bits(cache.v4_scale), order)

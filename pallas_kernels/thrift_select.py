@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl
+from pallas_kernels.numerics import nvfp4
 from pallas_kernels.thrift_scalars import HEADER, N_BLOCKS, N_COMPLETE, N_HIGH, check_scalars, header_block
 from pallas_kernels.numerics.tile_ranges import selectable_key_blocks
 
@@ -147,7 +148,8 @@ def decode_order_warps(n_blocks: int) -> int:
     return max(4, min(32, n_blocks // 256))
 
 
-def _decode_order_kernel(header_ref, scores_ref, order_ref):
+def _decode_order_kernel(header_ref, scores_ref, *refs, group):
+    order_ref = refs[0] if group is None else refs[1]
     n = scores_ref.shape[0]
     n_complete, want, n_blocks = header_ref[N_COMPLETE], header_ref[N_HIGH], header_ref[N_BLOCKS]
     j = jnp.arange(n, dtype=jnp.int32)
@@ -160,11 +162,17 @@ def _decode_order_kernel(header_ref, scores_ref, order_ref):
     position = jnp.where(low, jnp.cumsum(low.astype(jnp.int32)) - 1,
                          jnp.where(selected, count(low) + jnp.cumsum(selected.astype(jnp.int32)) - 1, j))
     order_ref[position] = j.astype(order_ref.dtype)  # a permutation: every entry written once
+    if group is not None:  # the kv head's query rows: its group's heads (the rows below R_pad stay unwritten)
+        q_ref, rows_ref, fq_ref = refs[0], refs[2], refs[3]
+        x = q_ref[pl.ds(pl.program_id(1) * group, group), :].astype(jnp.float32)
+        rows_ref[pl.ds(0, group), :] = x.astype(rows_ref.dtype)
+        fq_ref[pl.ds(0, group), :] = nvfp4.fake_quant_last(x).astype(fq_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def thrift_decode_order(scores: jax.Array, scalars: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """The decode's key-block order from its block scores, in one kernel.
+@functools.partial(jax.jit, static_argnames=("rows_dtype", "interpret"))
+def thrift_decode_order(scores: jax.Array, scalars: jax.Array, q: jax.Array | None = None, *,
+                        rows_dtype=jnp.bfloat16, interpret: bool = False):
+    """The decode's key-block order from its block scores, in one kernel; given ``q``, the decode rows too.
 
     Args:
       scores: float32 (B, Hkv, N): each key block's :func:`lowbit_jax.thrift_reference.decode_scores`, N a power
@@ -173,22 +181,41 @@ def thrift_decode_order(scores: jax.Array, scalars: jax.Array, *, interpret: boo
         header: ``n_complete`` (:data:`~pallas_kernels.thrift_scalars.N_COMPLETE`), the complete blocks (the
         selectable ones); ``take`` (:data:`~pallas_kernels.thrift_scalars.N_HIGH`) ≤ n_complete, the 16-bit blocks
         per row; ``n_blocks`` (:data:`~pallas_kernels.thrift_scalars.N_BLOCKS`), the blocks holding any token.
+      q: optional (B, Hq, D) one new token's queries (Hq = Hkv · G, G a power of two ≤ R_pad): the kernel also
+        lays out the decode rows (:func:`lowbit_jax.thrift_reference.decode_rows` of that token) and
+        fake-quantizes them, two launches fewer than XLA's; ``rows_dtype`` the 16-bit rows' dtype. Rows G to R_pad
+        are padding, left unwritten: the decode kernels never use them (their position is −1).
     Returns:
       int16 (B, Hkv, N): :func:`lowbit_jax.thrift_reference.block_order` of the ``take`` top-scoring complete
       blocks (ties to the lower index) with ``n_blocks`` valid — the unselected valid blocks, then the selected
-      ones, each ascending, then the others.
+      ones, each ascending, then the others. Given ``q``, also the rows (B, Hkv, R_pad, D) in ``rows_dtype`` and
+      float16 φ⁻¹(φ(rows)).
     """
     b, hkv, n = scores.shape
     r_pad = scalars.shape[0] - HEADER
     check_scalars(scalars, r_pad)
-    return pl.pallas_call(
-        _decode_order_kernel,
+    head = lambda shape: pl.BlockSpec((None, None, *shape), lambda bi, hi: (bi, hi) + (0,) * len(shape))  # noqa: E731
+    in_specs = [pl.BlockSpec((HEADER,), lambda bi, hi: (header_block(r_pad),)), head((n,))]
+    out_specs, out_shape, args, group = [head((n,))], [jax.ShapeDtypeStruct((b, hkv, n), jnp.int16)], [], None
+    if q is not None:
+        g = q.shape[1] // hkv if q.ndim == 3 else 0
+        if q.ndim != 3 or q.shape[0] != b or q.shape[1] != g * hkv or g & (g - 1) or not 0 < g <= r_pad:
+            raise ValueError(f"thrift_decode_order: q must be (B, Hkv·G, D), G a power of two ≤ {r_pad}, got "
+                             f"{q.shape}")
+        group, d = q.shape[1] // hkv, q.shape[2]
+        in_specs.append(pl.BlockSpec((None, q.shape[1], d), lambda bi, hi: (bi, 0, 0)))
+        out_specs += [head((r_pad, d))] * 2
+        out_shape += [jax.ShapeDtypeStruct((b, hkv, r_pad, d), rows_dtype),
+                      jax.ShapeDtypeStruct((b, hkv, r_pad, d), jnp.float16)]
+        args.append(q)
+    out = pl.pallas_call(
+        functools.partial(_decode_order_kernel, group=group),
         grid=(b, hkv),
-        in_specs=[pl.BlockSpec((HEADER,), lambda bi, hi: (header_block(r_pad),)),
-                  pl.BlockSpec((None, None, n), lambda bi, hi: (bi, hi, 0))],
-        out_specs=pl.BlockSpec((None, None, n), lambda bi, hi: (bi, hi, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, n), jnp.int16),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(decode_order_warps(n), 1),
         interpret=interpret,
         name="thrift_decode_order",
-    )(scalars, scores)
+    )(scalars, scores, *args)
+    return out[0] if q is None else tuple(out)

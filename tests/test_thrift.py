@@ -16,6 +16,7 @@ from lowbit_jax import thrift_backends
 from pallas_kernels.numerics import nvfp4
 from lowbit_jax.thrift_reference import (
     block_means,
+    decode_rows,
     dequantized_cache,
     prefill_reference,
     topk_count,
@@ -487,6 +488,31 @@ def test_decode_order_kernel_is_the_xla_order(n, n_complete, n_blocks, take):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(block_order(sel, n_blocks)))
 
 
+def test_decode_order_kernel_lays_out_one_tokens_rows():
+    """Given one token's queries, the order kernel also writes each kv head's rows (its group's heads, in order)
+    and their fake quantization, and the same order; padding rows stay unwritten; a group that is not a power of
+    two is refused."""
+    from pallas_kernels.thrift_scalars import HEADER, N_BLOCKS, N_COMPLETE, N_HIGH
+    from pallas_kernels.thrift_select import thrift_decode_order
+
+    b, hkv, g, d, n, r_pad = 2, 3, 4, 64, 64, 16
+    rng = np.random.default_rng(7)
+    scores = jnp.asarray(rng.normal(size=(b, hkv, n)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(b, hkv * g, d)) * 3, jnp.bfloat16)
+    scalars = np.zeros(r_pad + HEADER, np.int32)
+    scalars[r_pad + N_COMPLETE], scalars[r_pad + N_HIGH], scalars[r_pad + N_BLOCKS] = 60, 5, 61
+    order, rows, fq = thrift_decode_order(scores, jnp.asarray(scalars), q, interpret=INTERPRET)
+    assert rows.shape == fq.shape == (b, hkv, r_pad, d) and rows.dtype == jnp.bfloat16 and fq.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(order),
+                                  np.asarray(thrift_decode_order(scores, jnp.asarray(scalars), interpret=INTERPRET)))
+    want = np.asarray(q, np.float32).reshape(b, hkv, g, d)
+    np.testing.assert_array_equal(np.asarray(rows[:, :, :g], np.float32), want)
+    np.testing.assert_array_equal(np.asarray(fq[:, :, :g], np.float32),
+                                  np.asarray(nvfp4.fake_quant_last(jnp.asarray(want)).astype(jnp.float16), np.float32))
+    with pytest.raises(ValueError, match="power of two"):
+        thrift_decode_order(scores, jnp.asarray(scalars), q[:, :9], interpret=INTERPRET)
+
+
 def test_decode_order_kernel_refuses_a_wrong_scalars_vector():
     from pallas_kernels.thrift_select import thrift_decode_order
 
@@ -670,8 +696,7 @@ def test_decode_kernel_refuses_unresolved_splits():
     q, k, v = make_qkv(1, 64, 64, 4, 2, 64, seed=3)
     cache = filled_cache(k, v, 64)
     scalars = thrift_backends.decode_scalars(q[:, -1:], cache, budget=0.3, block=32, r_pad=16)
-    order = thrift_backends.decode_order(q[:, -1:], cache, scalars, budget=0.3, block=32, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, order, scalars)
+    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, scalars, budget=0.3, block=32, interpret=INTERPRET)
     with pytest.raises(ValueError, match="for_decode"):
         decode_kernel(*args, scale=0.125, config=lb.ThriftConfig(block=32, quant_block=32), row_tile=16,
                       interpret=INTERPRET)
@@ -708,8 +733,9 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     assert r_pad > rows
     scalars = thrift_backends.decode_scalars(qt, cache, budget=0.3, block=SMALL.block, r_pad=r_pad)
-    order = thrift_backends.decode_order(qt, cache, scalars, budget=0.3, block=SMALL.block, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(qt, cache, order, scalars)
+    args = thrift_backends.decode_kernel_args(qt, cache, scalars, budget=0.3, block=SMALL.block, interpret=INTERPRET)
+    rows16 = decode_rows(qt.astype(jnp.float32), hkv, r_pad)  # zero padding rows (the order kernel leaves them)
+    args = (rows16.astype(args[0].dtype), nvfp4.fake_quant_last(rows16).astype(jnp.float16), *args[2:])
     run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
                             interpret=INTERPRET)
     full, skipped = run(), run(rows=rows)
@@ -751,10 +777,9 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     scalars = thrift_backends.decode_scalars(qt, cache, budget=budget, block=64, r_pad=r_pad)
-    order = thrift_backends.decode_order(qt, cache, scalars, budget=budget, block=64, interpret=INTERPRET)
-    args = thrift_backends.decode_kernel_args(qt, cache, order, scalars)
+    args = thrift_backends.decode_kernel_args(qt, cache, scalars, budget=budget, block=64, interpret=INTERPRET)
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
-    _, qf, _, _, _, k4, ks, v4, vs, _ = args
+    _, qf, _, _, _, k4, ks, v4, vs, order = args
     tile = thrift_backends.mosaic_row_tile(rows)
     acc_t, m2, l2 = thrift_decode_mosaic.thrift_decode_low(qf, scalars, order, k4, ks, v4, vs,
                                                            scale=d**-0.5, config=cfg, row_tile=tile, rows=rows,
