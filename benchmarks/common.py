@@ -174,3 +174,19 @@ def write_json(name: str, payload: dict) -> list[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=1))
     return paths
+
+
+def keep_other_sections(payload: dict, path, run, sections) -> dict:
+    """A run of some of a script's ``sections`` keeps the others from the results file at ``path``, each with the
+    provenance (env, command) of the run that measured it (``payload["provenance"]``; rendered as "from another
+    run")."""
+    mine = dict(env=payload["env"], command=payload["command"])
+    provenance = {section: mine for section in run}
+    if path.exists():
+        previous = json.loads(path.read_text())
+        for section in sections:
+            if section not in run and section in previous:
+                payload[section] = previous[section]
+                provenance[section] = previous.get("provenance", {}).get(
+                    section, dict(env=previous["env"], command=previous["command"]))
+    return dict(payload, provenance=provenance)

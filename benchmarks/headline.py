@@ -24,13 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import DECODE_CALLS, environment, time_rounds, write_json
+from benchmarks.common import DECODE_CALLS, RESULTS_DIR, environment, keep_other_sections, time_rounds, write_json
 
 #: (B, H, S, D, causal) of the training-op table
 SHAPES = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, False),
           (1, 32, 16384, 128, True), (8, 32, 2048, 64, False)]
 #: (B, S) of the decode table (GQA 32/8, D128)
 DECODE = [(8, 8192), (2, 131072)]
+#: what a run measures (``--parts``); a run of some keeps the others from its results file
+PARTS = ("training", "decode", "accuracy")
 
 
 def _inputs(b, h, s, d, hkv=None, seed=0):
@@ -137,14 +139,15 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="headline", help="results file name")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row")
     parser.add_argument("--quick", action="store_true", help="the first and last training shapes, one decode shape")
-    parser.add_argument("--parts", nargs="+", default=["training", "decode", "accuracy"],
-                        choices=("training", "decode", "accuracy"))
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                        help="the parts to run; the others are kept from the results file")
     args = parser.parse_args(argv)
     log = functools.partial(print, flush=True)
     env = environment()
     log(f"{env['device']}, jax {env['jax']}, {env['date']}")
     shapes = [SHAPES[0], SHAPES[-1]] if args.quick else SHAPES
     payload = dict(env=env, command="PYTHONPATH=. python benchmarks/headline.py " + " ".join(argv or sys.argv[1:]))
+    payload = keep_other_sections(payload, RESULTS_DIR / f"{args.name}.json", args.parts, PARTS)
     parts = {"training": lambda: training_rows(shapes, args.rounds, log),
              "decode": lambda: decode_rows(DECODE[:1] if args.quick else DECODE, args.rounds, log),
              "accuracy": lambda: accuracy(log)}

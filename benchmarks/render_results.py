@@ -526,13 +526,7 @@ def render_thrift(data: dict) -> list[str]:
     """ThriftAttention: kernel checks, accuracy (gap recovered), prefill and decode timings."""
     lines = ["## ThriftAttention (FP4/16-bit mixed precision, inference)", ""] + _command_block(data)
     lines += [*_superseded(data)[1:], ""] if data.get("superseded") else []
-    later = {}
-    for section, prov in data.get("provenance", {}).items():
-        if prov["env"]["date"] != data["env"]["date"] and section in data:
-            later.setdefault((prov["env"]["date"], prov["command"].strip()), []).append(section)
-    for (date, command), sections in sorted(later.items()):
-        lines += [f"Section{'s' if len(sections) > 1 else ''} {', '.join(sections)} from another run ({date}): "
-                  f"`{command}`.", ""]
+    lines += _other_runs(data, "Section")
     checks = data.get("checks", [])
     if checks:
         worst = max(r["o"]["rel_l1"] for r in checks if "o" in r)
@@ -725,7 +719,7 @@ def render_serving_prefill(data: dict) -> list[str]:
 
 def render_headline(data: dict) -> list[str]:
     """The README's table: each method against cuDNN's bf16 attention, and its accuracy (benchmarks/headline.py)."""
-    out = ["## Headline: each method vs cuDNN bf16", "", *_command_block(data),
+    out = ["## Headline: each method vs cuDNN bf16", "", *_command_block(data), *_other_runs(data, "Part"),
            "Ratio = cuDNN's time / ours (above 1: faster), both timed in the same interleaved rounds; fwd is the "
            "whole op (quantization included), fwd+bwd one jitted `jax.vjp` + pullback. bf16 inputs, layout "
            "(B, S, H, D).", ""]
@@ -857,6 +851,18 @@ def _carried_footnote(data: dict, rows: list[dict], default: str = "") -> list[s
     if not carried:
         return []
     return ["", f"† from the run of {', '.join(carried)}, not this one: " + data.get("carried_note", default)]
+
+
+def _other_runs(data: dict, noun: str) -> list[str]:
+    """A line per earlier run whose sections a results file kept (``benchmarks.common.keep_other_sections``)."""
+    later, lines = {}, []
+    for section, prov in data.get("provenance", {}).items():
+        if prov["env"]["date"] != data["env"]["date"] and section in data:
+            later.setdefault((prov["env"]["date"], prov["command"].strip()), []).append(section)
+    for (date, command), sections in sorted(later.items()):
+        lines += [f"{noun}{'s' if len(sections) > 1 else ''} {', '.join(sections)} from another run ({date}): "
+                  f"`{command}`.", ""]
+    return lines
 
 
 def _superseded(data: dict) -> list[str]:

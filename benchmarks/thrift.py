@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import warnings
@@ -39,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit_jax as lb
-from benchmarks.common import (DECODE_CALLS, RESULTS_DIR, attention_flops, chained, environment, temp_mib, time_fn,
-                               time_rounds, write_json)
+from benchmarks.common import (DECODE_CALLS, RESULTS_DIR, attention_flops, chained, environment, keep_other_sections,
+                               temp_mib, time_fn, time_rounds, write_json)
 from lowbit_jax import thrift as thrift_mod
 from lowbit_jax import thrift_backends
 from lowbit_jax.thrift_reference import decode_selection
@@ -417,21 +416,6 @@ def decode_kernel_ms(q, cache, budget, cfg, impl, iters):
     return time_fn(fn, *args, warmup=1, iters=max(1, iters // 4), batches=3) / calls
 
 
-def keep_other_sections(payload: dict, path, run: list[str]) -> dict:
-    """A run of some ``--sections`` keeps the other sections of the results file, each with the provenance
-    (env, command) of the run that measured it (``payload["provenance"]``)."""
-    mine = dict(env=payload["env"], command=payload["command"])
-    provenance = {section: mine for section in run}
-    if path.exists():
-        previous = json.loads(path.read_text())
-        for section in SECTIONS:
-            if section not in run and section in previous:
-                payload[section] = previous[section]
-                provenance[section] = previous.get("provenance", {}).get(
-                    section, dict(env=previous["env"], command=previous["command"]))
-    return dict(payload, provenance=provenance)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode; runs anywhere")
@@ -443,7 +427,7 @@ def main(argv=None) -> int:
     name = "thrift_smoke" if args.smoke else "thrift"
     payload = dict(env=environment(), command="PYTHONPATH=. python benchmarks/thrift.py " + " ".join(
         argv if argv is not None else sys.argv[1:]))
-    payload = keep_other_sections(payload, RESULTS_DIR / f"{name}.json", args.sections)
+    payload = keep_other_sections(payload, RESULTS_DIR / f"{name}.json", args.sections, SECTIONS)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {payload['env']}")
     runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, long=long_prefill, decode=decode,
