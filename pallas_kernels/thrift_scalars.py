@@ -9,6 +9,7 @@ entries, −1 for padding rows; :func:`lowbit_jax.thrift_reference.row_positions
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 #: header entries: the 4-bit and the 16-bit key blocks per (batch, kv head), whether the cache is usable (0 gives
@@ -18,7 +19,7 @@ N_LOW, N_HIGH, USABLE, N_COMPLETE, N_BLOCKS = range(5)
 HEADER = 8
 
 
-def check_scalars(scalars, r_pad: int) -> None:
+def check_scalars(scalars: jax.Array, r_pad: int) -> None:
     """ValueError unless ``scalars`` is an int32 vector of ``r_pad`` + :data:`HEADER` entries, ``r_pad`` a multiple
     of :data:`HEADER` (the header is then a whole block)."""
     if r_pad % HEADER or scalars.shape != (r_pad + HEADER,) or scalars.dtype != jnp.int32:

@@ -171,7 +171,8 @@ def _decode_order_kernel(header_ref, scores_ref, *refs, group):
 
 @functools.partial(jax.jit, static_argnames=("rows_dtype", "interpret"))
 def thrift_decode_order(scores: jax.Array, scalars: jax.Array, q: jax.Array | None = None, *,
-                        rows_dtype=jnp.bfloat16, interpret: bool = False):
+                        rows_dtype=jnp.bfloat16,
+                        interpret: bool = False) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """The decode's key-block order from its block scores, in one kernel; given ``q``, the decode rows too.
 
     Args:
