@@ -397,8 +397,7 @@ def decode_kernels(q, cache, budget, cfg, impl) -> tuple:
     cfg = thrift_mod.decode_config(q, cache, budget=budget, config=cfg, interpret=interpret)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     scalars = thrift_backends.decode_scalars(q, cache, budget=budget, block=cfg.block, r_pad=r_pad)
-    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, scalars, budget=budget, block=cfg.block,
-                                                          interpret=interpret)
+    q_rows, qf, *rest = thrift_backends.decode_kernel_args(q, cache, scalars, interpret=interpret)
 
     def kernels(qf, q_rows, *rest):  # qf first: chained() perturbs it, and every 4-bit run reads it
         groups = thrift_backends.decode_partials((q_rows, qf, *rest), scale=d**-0.5, config=cfg,

@@ -130,7 +130,7 @@ class TritonThrift:
         rows = t * (hq // cache.num_kv_heads)  # the kernels leave the padding rows below r_pad unwritten
         r_pad, row_tile = decode_layout(rows)
         scalars = decode_scalars(q, cache, budget=budget, block=config.block, r_pad=r_pad)
-        args = decode_kernel_args(q, cache, scalars, budget=budget, block=config.block, interpret=interpret)
+        args = decode_kernel_args(q, cache, scalars, interpret=interpret)
         groups = decode_partials(args, scale=scale, config=config, row_tile=row_tile, rows=rows, interpret=interpret)
         return thrift_combine.combine_decode(groups, scalars, rows=rows, tokens=t, num_heads=hq, out_dtype=q.dtype,
                                              interpret=interpret)
@@ -283,10 +283,9 @@ def decode_layout(rows: int) -> tuple[int, int]:
     return padded(rows, 64), 64
 
 
-def decode_order(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, budget: float, block: int,
-                 interpret: bool = False) -> jax.Array:
+def decode_order(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, interpret: bool = False) -> jax.Array:
     """The decode kernels' key-block order for the new tokens ``q`` (B, T, Hq, D), given the step's
-    :func:`decode_scalars` (the order kernel reads its block counts from them).
+    :func:`decode_scalars` (the block counts are read from them).
 
     The selection (:func:`lowbit_jax.thrift_reference.decode_selection`) and its
     :func:`lowbit_jax.thrift_reference.block_order`, in the selection kernel
@@ -297,11 +296,16 @@ def decode_order(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, budg
       int16 (B, Hkv, Nkb_pad) the order (Nkb_pad: the cache's blocks up to a power of two).
     """
     scores = _padded_scores(q, cache)
-    if scores.shape[-1] <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS:
+    if _order_in_kernel(cache):
         return thrift_select_kernels.thrift_decode_order(scores, scalars, interpret=interpret)
-    n_complete, take = decode_budget(cache.length, budget=budget, block=block)
-    n_blocks = (cache.length + block - 1) // block
-    return block_order(decode_top_blocks(scores, n_complete, take), n_blocks)
+    header = scalars[scalars.shape[0] - thrift_scalars.HEADER:]
+    top = decode_top_blocks(scores, header[thrift_scalars.N_COMPLETE], header[thrift_scalars.N_HIGH])
+    return block_order(top, header[thrift_scalars.N_BLOCKS])
+
+
+def _order_in_kernel(cache: ThriftKVCache) -> bool:
+    """Whether the order kernel takes the cache's key blocks (up to a power of two)."""
+    return next_pow2(cache.k_mean.shape[2]) <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS
 
 
 def _padded_scores(q: jax.Array, cache: ThriftKVCache) -> jax.Array:
@@ -310,8 +314,7 @@ def _padded_scores(q: jax.Array, cache: ThriftKVCache) -> jax.Array:
     return jnp.pad(scores, ((0, 0), (0, 0), (0, next_pow2(scores.shape[-1]) - scores.shape[-1])))
 
 
-def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, budget: float, block: int,
-                       interpret: bool = False) -> tuple:
+def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, interpret: bool = False) -> tuple:
     """The arguments of :func:`pallas_kernels.thrift_decode.thrift_decode` before its options: the query rows
     (16-bit and fake-quantized, R_pad = ``scalars``' positions), the step's :func:`decode_scalars`, the cache's
     arrays and the order (:func:`decode_order`). For one new token and a power-of-two group the order kernel lays
@@ -319,13 +322,11 @@ def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *
     zero padding rows)."""
     r_pad = scalars.shape[0] - thrift_scalars.HEADER
     group = q.shape[2] // cache.num_kv_heads
-    scores = _padded_scores(q, cache)
-    if (q.shape[1] == 1 and group == next_pow2(group) and
-            scores.shape[-1] <= thrift_select_kernels.DECODE_ORDER_MAX_BLOCKS):
+    if q.shape[1] == 1 and group == next_pow2(group) and _order_in_kernel(cache):
         order, q_rows, qf_rows = thrift_select_kernels.thrift_decode_order(
-            scores, scalars, q[:, 0], rows_dtype=mma_dtype(q.dtype), interpret=interpret)
+            _padded_scores(q, cache), scalars, q[:, 0], rows_dtype=mma_dtype(q.dtype), interpret=interpret)
     else:
-        order = decode_order(q, cache, scalars, budget=budget, block=block, interpret=interpret)
+        order = decode_order(q, cache, scalars, interpret=interpret)
         rows = decode_rows(q.astype(jnp.float32), cache.num_kv_heads, r_pad)
         q_rows, qf_rows = rows.astype(mma_dtype(q.dtype)), nvfp4.fake_quant_last(rows).astype(jnp.float16)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731

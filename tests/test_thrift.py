@@ -530,7 +530,7 @@ def test_decode_order_beyond_the_kernel_is_the_same(monkeypatch):
     cache = filled_cache(k, v, 200)
     scalars = thrift_backends.decode_scalars(q[:, -2:], cache, budget=0.5, block=32, r_pad=16)
     def run():
-        return thrift_backends.decode_order(q[:, -2:], cache, scalars, budget=0.5, block=32, interpret=INTERPRET)
+        return thrift_backends.decode_order(q[:, -2:], cache, scalars, interpret=INTERPRET)
     order = run()
     monkeypatch.setattr(thrift_select, "DECODE_ORDER_MAX_BLOCKS", 0)
     np.testing.assert_array_equal(np.asarray(order), np.asarray(run()))
@@ -696,7 +696,7 @@ def test_decode_kernel_refuses_unresolved_splits():
     q, k, v = make_qkv(1, 64, 64, 4, 2, 64, seed=3)
     cache = filled_cache(k, v, 64)
     scalars = thrift_backends.decode_scalars(q[:, -1:], cache, budget=0.3, block=32, r_pad=16)
-    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, scalars, budget=0.3, block=32, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(q[:, -1:], cache, scalars, interpret=INTERPRET)
     with pytest.raises(ValueError, match="for_decode"):
         decode_kernel(*args, scale=0.125, config=lb.ThriftConfig(block=32, quant_block=32), row_tile=16,
                       interpret=INTERPRET)
@@ -733,7 +733,7 @@ def test_decode_kernel_leaves_padding_rows_unwritten(t, hq):
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     assert r_pad > rows
     scalars = thrift_backends.decode_scalars(qt, cache, budget=0.3, block=SMALL.block, r_pad=r_pad)
-    args = thrift_backends.decode_kernel_args(qt, cache, scalars, budget=0.3, block=SMALL.block, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, scalars, interpret=INTERPRET)
     rows16 = decode_rows(qt.astype(jnp.float32), hkv, r_pad)  # zero padding rows (the order kernel leaves them)
     args = (rows16.astype(args[0].dtype), nvfp4.fake_quant_last(rows16).astype(jnp.float16), *args[2:])
     run = functools.partial(decode_kernel, *args, scale=d**-0.5, config=SMALL, row_tile=row_tile,
@@ -777,7 +777,7 @@ def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     scalars = thrift_backends.decode_scalars(qt, cache, budget=budget, block=64, r_pad=r_pad)
-    args = thrift_backends.decode_kernel_args(qt, cache, scalars, budget=budget, block=64, interpret=INTERPRET)
+    args = thrift_backends.decode_kernel_args(qt, cache, scalars, interpret=INTERPRET)
     acc, m, l = thrift_decode.thrift_decode(*args, scale=d**-0.5, config=cfg, row_tile=row_tile, interpret=INTERPRET)
     _, qf, _, _, _, k4, ks, v4, vs, order = args
     tile = thrift_backends.mosaic_row_tile(rows)
