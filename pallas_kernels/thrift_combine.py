@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl, plgpu
+from pallas_kernels.configs import next_pow2
 from pallas_kernels.numerics import int8
 from pallas_kernels.thrift_scalars import HEADER, USABLE, check_scalars, header_block
 
@@ -133,7 +134,7 @@ def combine_decode(groups: tuple[Partials, ...], scalars: jax.Array, *, rows: in
     b, hkv = acc0.shape[:2]
     d = acc0.shape[-2] if groups[0].transposed else acc0.shape[-1]
     r_pad = groups[0].m.shape[-1]
-    row_tile = min(r_pad, ROW_TILE)
+    row_tile = min(next_pow2(rows), ROW_TILE)  # the real rows only: one token of a group of 4 reads 4 of 16
     values = max(g.m.shape[2] for g in groups) * row_tile  # (split, row) pairs a program merges
     d_chunk = max(8, min(D_CHUNK, 8192 // values))  # at most 8,192 values of a group's tile at once
     d_chunk = d_chunk if d % d_chunk == 0 else d
