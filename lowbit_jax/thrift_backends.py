@@ -298,7 +298,7 @@ def decode_order(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *, inte
     scores = _padded_scores(q, cache)
     if _order_in_kernel(cache):
         return thrift_select_kernels.thrift_decode_order(scores, scalars, interpret=interpret)
-    header = scalars[scalars.shape[0] - thrift_scalars.HEADER:]
+    header = scalars[thrift_scalars.padded_rows(scalars):]
     top = decode_top_blocks(scores, header[thrift_scalars.N_COMPLETE], header[thrift_scalars.N_HIGH])
     return block_order(top, header[thrift_scalars.N_BLOCKS])
 
@@ -320,7 +320,7 @@ def decode_kernel_args(q: jax.Array, cache: ThriftKVCache, scalars: jax.Array, *
     arrays and the order (:func:`decode_order`). For one new token and a power-of-two group the order kernel lays
     out the rows too (their padding rows unwritten); else XLA does (:func:`lowbit_jax.thrift_reference.decode_rows`,
     zero padding rows)."""
-    r_pad = scalars.shape[0] - thrift_scalars.HEADER
+    r_pad = thrift_scalars.padded_rows(scalars)
     group = q.shape[2] // cache.num_kv_heads
     if q.shape[1] == 1 and group == next_pow2(group) and _order_in_kernel(cache):
         order, q_rows, qf_rows = thrift_select_kernels.thrift_decode_order(

@@ -47,7 +47,7 @@ from pallas_kernels._triton import E2M1_LANE_MAGNITUDE, E2M1_LANE_SHIFTS, E2M1_L
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.stmatrix import Int, warp_and_lane
 from pallas_kernels.numerics import nvfp4
-from pallas_kernels.thrift_scalars import HEADER, N_LOW, check_scalars
+from pallas_kernels.thrift_scalars import HEADER, N_LOW, check_scalars, padded_rows
 
 LOG2E = math.log2(math.e)
 BLOCK = 64  # keys a step: the wgmma M of Sᵀ
@@ -234,7 +234,7 @@ def _kernel(qf_ref, scalars_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_
     b, x, split = lax.axis_index("b"), lax.axis_index("x"), lax.axis_index("split")
     hkv, rt = x // n_rt, x % n_rt
     rows = pl.ds(rt * n, n)
-    header = pl.ds(scalars_ref.shape[0] - HEADER, HEADER)
+    header = pl.ds(padded_rows(scalars_ref), HEADER)
     for i, (src, dst) in enumerate(((qf_ref.at[b, hkv, rows], q_smem), (scalars_ref.at[rows], pos_smem),
                                     (scalars_ref.at[header], meta_smem), (order_ref.at[b, hkv], order_smem))):
         plgpu.copy_gmem_to_smem(src, dst, barrier.at[i])

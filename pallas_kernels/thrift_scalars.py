@@ -27,6 +27,11 @@ def check_scalars(scalars: jax.Array, r_pad: int) -> None:
                          f"{HEADER}), got {scalars.dtype} {scalars.shape}")
 
 
+def padded_rows(scalars) -> int:
+    """R_pad, the query rows whose positions lead ``scalars`` (an array or a ref of (R_pad + :data:`HEADER`,))."""
+    return scalars.shape[0] - HEADER
+
+
 def header_block(r_pad: int) -> int:
     """The header's block index for a BlockSpec of (:data:`HEADER`,) entries, after ``r_pad`` positions."""
     return r_pad // HEADER

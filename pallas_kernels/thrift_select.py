@@ -28,7 +28,8 @@ from jax import lax
 
 from pallas_kernels._triton import compiler_params, pl
 from pallas_kernels.numerics import nvfp4
-from pallas_kernels.thrift_scalars import HEADER, N_BLOCKS, N_COMPLETE, N_HIGH, check_scalars, header_block
+from pallas_kernels.thrift_scalars import (HEADER, N_BLOCKS, N_COMPLETE, N_HIGH, check_scalars, header_block,
+                                           padded_rows)
 from pallas_kernels.numerics.tile_ranges import selectable_key_blocks
 
 DOT_NT = (((1,), (1,)), ((), ()))
@@ -193,7 +194,7 @@ def thrift_decode_order(scores: jax.Array, scalars: jax.Array, q: jax.Array | No
       float16 φ⁻¹(φ(rows)).
     """
     b, hkv, n = scores.shape
-    r_pad = scalars.shape[0] - HEADER
+    r_pad = padded_rows(scalars)
     check_scalars(scalars, r_pad)
     head = lambda shape: pl.BlockSpec((None, None, *shape), lambda bi, hi: (bi, hi) + (0,) * len(shape))  # noqa: E731
     in_specs = [pl.BlockSpec((HEADER,), lambda bi, hi: (header_block(r_pad),)), head((n,))]
@@ -203,7 +204,7 @@ def thrift_decode_order(scores: jax.Array, scalars: jax.Array, q: jax.Array | No
         if q.ndim != 3 or q.shape[0] != b or q.shape[1] != g * hkv or g & (g - 1) or not 0 < g <= r_pad:
             raise ValueError(f"thrift_decode_order: q must be (B, Hkv·G, D), G a power of two ≤ {r_pad}, got "
                              f"{q.shape}")
-        group, d = q.shape[1] // hkv, q.shape[2]
+        group, d = g, q.shape[2]
         in_specs.append(pl.BlockSpec((None, q.shape[1], d), lambda bi, hi: (bi, 0, 0)))
         out_specs += [head((r_pad, d))] * 2
         out_shape += [jax.ShapeDtypeStruct((b, hkv, r_pad, d), rows_dtype),
