@@ -11,7 +11,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -48,45 +47,41 @@ def store_rows(ref, value: jax.Array, valid: jax.Array | None) -> None:
         plgpu.store(ref, value, mask=valid)
 
 
-#: The e2m1 → float16 bit placement of :func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16` on two 16-bit lanes at
-#: once: a lane holding a packed byte in its low 8 bits, shifted left by the first number, has that nibble's
-#: exponent and mantissa bits at fp16 bits 11..9 (mask ``E2M1_LANE_MAGNITUDE``); shifted by the second, its
-#: sign at bit 15 (mask ``E2M1_LANE_SIGN``). Keys: the byte's low and high nibble.
-E2M1_LANE_SHIFTS = {"lo": (9, 12), "hi": (5, 8)}
+#: prmt selectors placing bytes (0, 1) and (2, 3) of a word in the high bytes of its two 16-bit lanes (the low
+#: bytes zero)
+E2M1_SPREAD = ("0x1404", "0x3424")
 E2M1_LANE_MAGNITUDE, E2M1_LANE_SIGN = 0x0E000E00, 0x80008000
-#: prmt selectors spreading bytes (0, 1) and (2, 3) of a word into the low bytes of its two 16-bit lanes
-_SPREAD = ("0x4140", "0x4342")
+
+
+def e2m1_lane_ptx(dst: str, word: str, key: str) -> list[str]:
+    """PTX lines: a spread word (two cache bytes in its lanes' high bytes, :data:`E2M1_SPREAD`) → ``dst``, the
+    fp16 pair ``value · 2**-14`` of the bytes' first (``key="lo"``) or second (``"hi"``) elements, the bit
+    placement of :func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16` on two lanes at once. The byte layout
+    (:func:`pallas_kernels.numerics.nvfp4.pack_pair`) puts the first element's bits where fp16 wants them (one
+    mask); the second's magnitude is three bits up and its sign seven down (scratch registers ``t``, ``u``)."""
+    if key == "lo":
+        return [f"and.b32 {dst}, {word}, {E2M1_LANE_MAGNITUDE | E2M1_LANE_SIGN:#010x};"]
+    return [f"shr.b32 t, {word}, 3;", f"and.b32 t, t, {E2M1_LANE_MAGNITUDE:#010x};",
+            f"shl.b32 u, {word}, 7;", f"and.b32 u, u, {E2M1_LANE_SIGN:#010x};", f"or.b32 {dst}, t, u;"]
 
 
 def _e2m1_unpack_asm(key: str) -> str:
-    """PTX for four packed bytes ($2) → the values of their low (``key="lo"``) or high nibbles ($0, $1), two
-    fp16 a register, element 0 in the low half (Triton's packing of ``pack=4``)."""
-    mag, sign = E2M1_LANE_SHIFTS[key]
+    """PTX for four cache bytes ($2) → the values of their first (``key="lo"``) or second (``"hi"``) elements ($0,
+    $1), two fp16 a register, byte 0's in the low half (Triton's packing of ``pack=4``)."""
     lines = ["{", ".reg .b32 x, t, u;"]
-    for pair, selector in enumerate(_SPREAD):
-        lines += [f"prmt.b32 x, $2, 0, {selector};",
-                  f"shl.b32 t, x, {mag};", f"and.b32 t, t, {E2M1_LANE_MAGNITUDE:#010x};",
-                  f"shl.b32 u, x, {sign};", f"and.b32 u, u, {E2M1_LANE_SIGN:#010x};", f"or.b32 ${pair}, t, u;"]
+    for pair, selector in enumerate(E2M1_SPREAD):
+        lines += [f"prmt.b32 x, $2, 0, {selector};", *e2m1_lane_ptx(f"${pair}", "x", key)]
     return "\n".join(lines + ["}"])
 
 
-def e2m1_lanes_model(lanes: np.ndarray, key: str) -> np.ndarray:
-    """numpy model of one placement of :func:`_e2m1_unpack_asm`: uint32 words whose 16-bit lanes hold a
-    packed byte each (low 8 bits) → the words of two fp16 bit patterns (tests hold it to
-    :func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16`)."""
-    mag, sign = E2M1_LANE_SHIFTS[key]
-    w = lanes.astype(np.uint32)
-    return ((w << np.uint32(mag)) & np.uint32(E2M1_LANE_MAGNITUDE)) | (
-        (w << np.uint32(sign)) & np.uint32(E2M1_LANE_SIGN))
-
-
 def e2m1_unpack_f16(packed: jax.Array, *, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """In-kernel decode of packed e2m1 bytes into float16 ``value · 2**-14``: (low nibbles, high nibbles).
+    """In-kernel decode of cache bytes (:func:`pallas_kernels.numerics.nvfp4.pack_halves`) into float16
+    ``value · 2**-14``: (first elements, second elements).
 
-    The values of :func:`pallas_kernels.numerics.nvfp4.e2m1_unpack` then ``e2m1_decode_f16`` on each half, bit for
-    bit. Compiled, four bytes at a time in inline PTX (per nibble half: a byte permute, then the bit placement on
-    two 16-bit lanes per 32-bit operation: about 3 instructions a value instead of 6); interpreted (the CPU has no
-    PTX), by those two functions.
+    The values of :func:`pallas_kernels.numerics.nvfp4.unpack_pair` then ``e2m1_decode_f16`` on each, bit for
+    bit. Compiled, four bytes at a time in inline PTX (per half: a byte permute, then :func:`e2m1_lane_ptx` on two
+    16-bit lanes per 32-bit operation: one mask for the first elements, five operations for the second);
+    interpreted (the CPU has no PTX), by those two functions.
 
     Args:
       packed: uint8 or int8 (rows, cols) tile, two codes a byte.
@@ -95,7 +90,7 @@ def e2m1_unpack_f16(packed: jax.Array, *, interpret: bool) -> tuple[jax.Array, j
       two float16 (rows, cols) tiles.
     """
     if interpret:
-        lo, hi = nvfp4.e2m1_unpack(packed)
+        lo, hi = nvfp4.unpack_pair(packed)
         return nvfp4.e2m1_decode_f16(lo), nvfp4.e2m1_decode_f16(hi)
     out = [jax.ShapeDtypeStruct(packed.shape, jnp.float16)]  # Pallas lowers single-result asm only
     return tuple(plgpu.elementwise_inline_asm(_e2m1_unpack_asm(key), args=[packed], constraints="=r,=r,r", pack=4,

@@ -9,7 +9,8 @@ writes, at the token's position p:
 * K's NVFP4 codes and group scales (groups of 16 along D; the two halves of D loaded apart, as
   :func:`pallas_kernels.numerics.nvfp4.pack_halves` pairs channel i with i + D/2);
 * V's 16-token group holding p, re-quantized from the 16-bit values (groups run along tokens): its codes go into
-  the low or high nibbles of their bytes (a block's token t shares a byte with t + block/2), the other nibble kept;
+  their bytes as the first or second element (a block's token t shares a byte with t + block/2,
+  :func:`pallas_kernels.numerics.nvfp4.pack_pair`), the other element's bits kept;
 * the mean of K's block holding p (the decode selection's k̄).
 
 Nothing is written when the token does not fit (``fits`` false), as the twin does.
@@ -46,7 +47,7 @@ def _append_kernel(meta_ref, k_new_ref, v_new_ref, k_ref, v_ref, k4_ref, ks_ref,
 
     lo, sf_lo = k_half(pl.ds(0, d // 2))
     hi, sf_hi = k_half(pl.ds(d // 2, d // 2))
-    put(k4_out.at[pl.ds(p, 1), :], (lo | (hi << 4)).astype(jnp.uint8))
+    put(k4_out.at[pl.ds(p, 1), :], nvfp4.pack_pair(lo, hi).astype(jnp.uint8))
     put(ks_out.at[pl.ds(p, 1), pl.ds(0, d // 2 // group)], sf_lo.astype(ks_out.dtype))
     put(ks_out.at[pl.ds(p, 1), pl.ds(d // 2 // group, d // 2 // group)], sf_hi.astype(ks_out.dtype))
 
@@ -59,7 +60,9 @@ def _append_kernel(meta_ref, k_new_ref, v_new_ref, k_ref, v_ref, k4_ref, ks_ref,
     high = offset >= block // 2
     at = (pl.ds((g0 // block) * d, d), pl.ds(offset % (block // 2), group))  # its block's D rows (block-major)
     old = v4_out[at].astype(jnp.int32)  # (D, 16): V is channel-major within a block
-    new = jnp.where(high, (old & 0x0F) | (codes << 4), (old & 0xF0) | codes)
+    zero = jnp.zeros_like(codes)  # the other element's bits of each byte kept (nvfp4.HALF_BITS)
+    new = jnp.where(high, (old & nvfp4.HALF_BITS[0]) | nvfp4.pack_pair(zero, codes),
+                    (old & nvfp4.HALF_BITS[1]) | nvfp4.pack_pair(codes, zero))
     put(v4_out.at[at], new.astype(jnp.uint8))
     put(vs_out.at[pl.ds(p // group, 1), :], sf.T.astype(vs_out.dtype))
 

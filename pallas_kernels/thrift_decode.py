@@ -18,8 +18,8 @@ placement into float16 (:func:`pallas_kernels.numerics.nvfp4.e2m1_decode_f16`, v
 four bytes at a time in inline PTX, :func:`pallas_kernels._triton.e2m1_unpack_f16`) times the group scale: one
 fp16 multiply per value, exact (the products have at most five significant bits and land on fp16's grid down to
 its smallest subnormal); the 2**14 goes into the score scale and into FQ(P). Every product
-works on halves: the key block's two halves of ``block/2`` keys (the V bytes' two nibbles) and the head dim's
-two halves (the K bytes' two nibbles).
+works on halves: the key block's two halves of ``block/2`` keys (the V bytes' two elements) and the head dim's
+two halves (the K bytes' two elements).
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ The products are transposed, Sᵀ = K̃·Q̃ᵀ (64 keys × N) and Oᵀ += Ṽ�
 are the ``wgmma`` register A operands and the few query rows sit on N instead of being padded to M = 64:
 
 * a code tile is loaded from SMEM in the accumulator's (WGMMA) layout, two bytes a lane: with
-  :func:`pallas_kernels.numerics.nvfp4.pack_halves` (a byte holds elements i and i + n/2), a lane's low nibbles
-  are its A-operand values of the first half and its high nibbles those of the second, so no value moves
-  between lanes. Inline PTX places a byte pair's nibbles into an fp16 pair (``value · 2**-14``) and multiplies
-  it by the pair's e4m3 group scale, converted once per group (:func:`_decode_asm`);
+  :func:`pallas_kernels.numerics.nvfp4.pack_halves` (a byte holds elements i and i + n/2), a lane's first
+  elements are its A-operand values of the first half and its second elements those of the second, so no value
+  moves between lanes. Inline PTX places a byte pair's elements into an fp16 pair (``value · 2**-14``: one mask
+  for the first, a shift each way for the second) and multiplies it by the pair's e4m3 group scale, converted
+  once per group (:func:`_decode_asm`);
 * K's scales (16 channels a group) are each row's own bytes, V's (16 keys a group) each channel's: every thread
   reads the scales of its own rows from the SMEM tile;
 * FQ(P)'s group of 16 keys of a query is one warp's 16 rows of Sᵀ: its maximum takes a maximum over the thread's
@@ -43,7 +44,7 @@ from jax import lax
 from pallas_kernels._mosaic import (
     accumulate, cols_of, compiler_params, interpret_params, pl, plgpu, tile_transforms, wgmma_zeros,
 )
-from pallas_kernels._triton import E2M1_LANE_MAGNITUDE, E2M1_LANE_SHIFTS, E2M1_LANE_SIGN
+from pallas_kernels._triton import E2M1_SPREAD, e2m1_lane_ptx
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.stmatrix import Int, warp_and_lane
 from pallas_kernels.numerics import nvfp4
@@ -64,16 +65,11 @@ def supports(*, head_dim: int, block: int, row_tile: int) -> bool:
 
 
 def _decode_asm(key: str) -> str:
-    """PTX: a lane's two code bytes ($1, low 16 bits) → the fp16 pair of their low (``key="lo"``) or high nibbles,
-    times the scale pair $2 ($0). The bit placement of :func:`pallas_kernels._triton.e2m1_unpack_f16` on one
-    pair; the product is exact (see :func:`pallas_kernels.numerics.nvfp4.scale_tile_f16`)."""
-    mag, sign = E2M1_LANE_SHIFTS[key]
-    return "\n".join([
-        "{", ".reg .b32 x, t, u;",
-        "prmt.b32 x, $1, 0, 0x4140;",  # byte 0 → the low byte of lane 0, byte 1 → of lane 1
-        f"shl.b32 t, x, {mag};", f"and.b32 t, t, {E2M1_LANE_MAGNITUDE:#010x};",
-        f"shl.b32 u, x, {sign};", f"and.b32 u, u, {E2M1_LANE_SIGN:#010x};",
-        "or.b32 x, t, u;", "mul.rn.f16x2 $0, x, $2;", "}"])
+    """PTX: a lane's two cache bytes ($1, low 16 bits) → the fp16 pair of their first (``key="lo"``) or second
+    elements, times the scale pair $2 ($0): one byte permute, then :func:`pallas_kernels._triton.e2m1_lane_ptx`;
+    the product is exact (see :func:`pallas_kernels.numerics.nvfp4.scale_tile_f16`)."""
+    return "\n".join(["{", ".reg .b32 x, t, u;", f"prmt.b32 x, $1, 0, {E2M1_SPREAD[0]};",
+                       *e2m1_lane_ptx("x", "x", key), "mul.rn.f16x2 $0, x, $2;", "}"])
 
 
 #: PTX: the e4m3 byte ($1, low 8 bits) → the fp16 pair (scale, scale) ($0)
@@ -98,7 +94,8 @@ def _scale_pair(smem, offset: Int):
 
 
 def _decoded(code_reg, pair, key):
-    """In inline Mosaic GPU: a lane's code register (two bytes) → the scaled fp16 pair of its ``key`` nibbles."""
+    """In inline Mosaic GPU: a lane's code register (two bytes) → the scaled fp16 pair of its bytes' first
+    (``key="lo"``) or second elements."""
     ir, arith, llvm, _, _ = _mlir()
     i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
     word = arith.extui(i32, llvm.bitcast(i16, code_reg))
@@ -108,8 +105,8 @@ def _decoded(code_reg, pair, key):
 
 def _decode_slab(regs, slab: int, smem, scale_at):
     """In inline Mosaic GPU: the registers of one 64-row slab of a decoded tile from the code registers ``regs``
-    (a (rows, cols/2) uint8 WGMMA-layout array: (slab, 8-column chunk, 1, 1, row half, 1, 1, 1, 1)). The low nibbles
-    of chunk j go to chunk j, the high ones to chunk j + cols/16 (element + cols/2, ``pack_halves``); their groups
+    (a (rows, cols/2) uint8 WGMMA-layout array: (slab, 8-column chunk, 1, 1, row half, 1, 1, 1, 1)). The first
+    elements of chunk j go to chunk j, the second ones to chunk j + cols/16 (element + cols/2, ``pack_halves``); their groups
     of 16 columns are j/2 and cols/32 + j/2. ``scale_at(row, group)``: the byte offset (an :class:`Int`) of a row's
     group scale in ``smem``; the scale of each (row, group) is loaded and converted once."""
     warp, lane = warp_and_lane()

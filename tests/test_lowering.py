@@ -155,27 +155,74 @@ def test_packed_e2m1_decode_lowers_and_matches():
     np.testing.assert_array_equal(np.asarray(hi, np.float32) * sf, deq[:, 1::2])
 
 
-def test_e2m1_inline_ptx_constants_give_the_shared_decode():
-    """The compiled decode's inline PTX (``_triton.e2m1_unpack_f16``): its bit placement, modelled in numpy on
-    every byte in both 16-bit lanes, gives ``nvfp4.e2m1_decode_f16``'s bits for each nibble, and the PTX text
-    is built from exactly those shifts and masks (one permute per byte pair)."""
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """A numpy evaluator of the b32 integer PTX the decode kernels inline (prmt in its default mode, and, or, shl,
+    shr, mul.rn.f16x2) on uint32 arrays: ``regs`` maps "$i" and named registers to values; returns them after."""
     import numpy as np
 
+    regs = dict(regs)
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [t.strip() for t in args.split(",")]
+        x = [val(t) for t in src]
+        if op == "prmt.b32":  # bytes of {x[1], x[0]} picked by the selector's four nibbles
+            pool = [(x[0] >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
+            pool += [(x[1] >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
+            sel = int(src[2], 0)
+            out = np.uint32(0)
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 15
+                assert nib < 8, "sign-replicating selectors are not modelled"
+                out = out | (pool[nib] << np.uint32(8 * i))
+            regs[dst] = out
+        elif op == "and.b32":
+            regs[dst] = x[0] & x[1]
+        elif op == "or.b32":
+            regs[dst] = x[0] | x[1]
+        elif op == "shl.b32":
+            regs[dst] = (x[0] << x[1]) & np.uint32(0xFFFFFFFF)
+        elif op == "shr.b32":
+            regs[dst] = x[0] >> x[1]
+        elif op == "mul.rn.f16x2":
+            f = lambda w: np.stack([w & np.uint32(0xFFFF), w >> np.uint32(16)], -1).astype(np.uint16).view(np.float16)  # noqa: E731
+            prod = (f(x[0]) * f(x[1])).view(np.uint16).astype(np.uint32)
+            regs[dst] = prod[..., 0] | (prod[..., 1] << np.uint32(16))
+        else:
+            raise AssertionError(f"unmodelled PTX: {line}")
+    return regs
+
+
+def test_e2m1_inline_ptx_gives_the_shared_decode():
+    """The decode kernels' inline PTX (``_triton.e2m1_unpack_f16``, the Mosaic 4-bit kernel's ``_decode_asm``), run
+    by a numpy PTX evaluator on every cache byte in every position, gives ``nvfp4.e2m1_decode_f16``'s bits for
+    both elements of each byte (``nvfp4.unpack_pair``)."""
+    import numpy as np
+
+    from pallas_kernels import _triton, thrift_decode_mosaic
     from pallas_kernels.numerics import nvfp4
-    from pallas_kernels import _triton
 
     byte = np.arange(256, dtype=np.uint32)
-    other = (byte * 37 + 11) % 256  # a different byte in the other lane
+    others = [(byte * 37 + 11) % 256, (byte * 101 + 7) % 256, (byte * 59 + 201) % 256]
     bits16 = lambda codes: np.asarray(jax.lax.bitcast_convert_type(  # noqa: E731
         nvfp4.e2m1_decode_f16(jnp.asarray(codes)), jnp.uint16)).astype(np.uint32)
-    for key, shift in (("lo", 0), ("hi", 4)):
-        words = _triton.e2m1_lanes_model(byte | (other << 16), key)
-        np.testing.assert_array_equal(words & 0xFFFF, bits16((byte >> shift) & 15))
-        np.testing.assert_array_equal(words >> 16, bits16((other >> shift) & 15))
-        asm = _triton._e2m1_unpack_asm(key)
-        mag, sign = _triton.E2M1_LANE_SHIFTS[key]
-        assert asm.count("prmt.b32") == 2 and asm.count(f"shl.b32 t, x, {mag};") == 2
-        assert asm.count(f"shl.b32 u, x, {sign};") == 2 and "$0" in asm and "$1" in asm and "$2, 0" in asm
+    for key, element in (("lo", 0), ("hi", 1)):
+        want = [bits16(np.asarray(nvfp4.unpack_pair(jnp.asarray(x))[element])) for x in [byte, *others]]
+        word = byte | (others[0] << 8) | (others[1] << 16) | (others[2] << 24)  # Triton: four bytes a register
+        out = _run_ptx(_triton._e2m1_unpack_asm(key), {"$2": word})
+        for reg, (b0, b1) in (("$0", (0, 1)), ("$1", (2, 3))):
+            np.testing.assert_array_equal(out[reg] & 0xFFFF, want[b0])
+            np.testing.assert_array_equal(out[reg] >> 16, want[b1])
+        one = np.uint32(0x3C003C00)  # the fp16 pair (1, 1): the Mosaic block's scale multiply keeps the bits
+        out = _run_ptx(thrift_decode_mosaic._decode_asm(key), {"$1": byte | (others[0] << 8), "$2": one})
+        np.testing.assert_array_equal(out["$0"] & 0xFFFF, want[0])
+        np.testing.assert_array_equal(out["$0"] >> 16, want[1])
 
 
 def compiled_options(resolve, q, kv, **options):

@@ -141,6 +141,27 @@ def test_unpack_even_odd_halves():
     np.testing.assert_array_equal(np.asarray(odd), codes[:, 1::2])
 
 
+def test_cache_byte_pairs_round_trip():
+    """Every pair of codes survives the cache's byte (``pack_pair``/``unpack_pair``), each element's bits lie in its
+    ``HALF_BITS``, and ``pack_halves`` puts element i with element i + n/2."""
+    a, b = (x.ravel() for x in np.meshgrid(np.arange(16), np.arange(16)))
+    packed = np.asarray(nvfp4.pack_pair(jnp.asarray(a), jnp.asarray(b)))
+    assert packed.min() >= 0 and packed.max() < 256 and len(np.unique(packed)) == 256
+    got_a, got_b = (np.asarray(x) for x in nvfp4.unpack_pair(jnp.asarray(packed, jnp.uint8)))
+    np.testing.assert_array_equal(got_a, a)
+    np.testing.assert_array_equal(got_b, b)
+    zero = jnp.zeros(16, jnp.int32)
+    codes = jnp.arange(16)
+    assert not np.any(np.asarray(nvfp4.pack_pair(codes, zero)) & ~nvfp4.HALF_BITS[0] & 0xFF)
+    assert not np.any(np.asarray(nvfp4.pack_pair(zero, codes)) & ~nvfp4.HALF_BITS[1] & 0xFF)
+    assert nvfp4.HALF_BITS[0] | nvfp4.HALF_BITS[1] == 0xFF and not nvfp4.HALF_BITS[0] & nvfp4.HALF_BITS[1]
+    row = np.random.default_rng(3).integers(0, 16, (2, 64))
+    halves = np.asarray(nvfp4.unpack_pair(nvfp4.pack_halves(jnp.asarray(row))))
+    np.testing.assert_array_equal(halves[0], row[:, :32])
+    np.testing.assert_array_equal(halves[1], row[:, 32:])
+    np.testing.assert_array_equal(np.asarray(nvfp4.unpack_halves(nvfp4.pack_halves(jnp.asarray(row)))), row)
+
+
 def test_fake_quant_last_matches_oracle_on_tiles():
     x = np.random.default_rng(4).standard_normal((2, 8, 48)).astype(np.float32) * 0.01
     np.testing.assert_array_equal(np.asarray(jax.jit(nvfp4.fake_quant_last)(jnp.asarray(x))), oracle(x))

@@ -162,25 +162,45 @@ def scale_tile_f16(values: jax.Array, scale_bits: jax.Array, *, axis: int) -> ja
     return values * repeat_groups(scales, axis)
 
 
+#: bits of a cache byte (:func:`pack_halves`) that hold its first element (a) and its second (b)
+HALF_BITS = (0x8E, 0x71)
+
+
+def pack_pair(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Two 4-bit e2m1 codes → one cache byte: a's sign at bit 7 and magnitude at bits 3..1, b's magnitude at
+    bits 6..4 and sign at bit 0 (int32, a's and b's shape).
+
+    Why this order: a kernel places a byte in the high byte of a 16-bit lane, where a's bits already sit where a
+    float16 ``value · 2**-14`` wants them (:func:`e2m1_decode_f16`: sign at 15, magnitude at 11..9), so one mask
+    decodes a, and one shift each way decodes b (``pallas_kernels._triton.e2m1_unpack_f16``).
+    """
+    a, b = a.astype(jnp.int32), b.astype(jnp.int32)
+    return ((a & 8) << 4) | ((a & 7) << 1) | ((b & 7) << 4) | ((b & 8) >> 3)
+
+
+def unpack_pair(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`pack_pair`: cache bytes → (a codes, b codes), int32."""
+    c = packed.astype(jnp.int32)
+    return ((c >> 4) & 8) | ((c >> 1) & 7), ((c & 1) << 3) | ((c >> 4) & 7)
+
+
 def pack_halves(codes: jax.Array) -> jax.Array:
-    """4-bit codes (..., n) → uint8 (..., n/2): element i in the low nibble and element i + n/2 in the high.
+    """4-bit codes (..., n) → uint8 (..., n/2): byte i holds element i and element i + n/2 (:func:`pack_pair`).
 
     The storage of :class:`lowbit_jax.ThriftKVCache`: unpacking a row gives its two contiguous halves
-    (:func:`e2m1_unpack`), so a kernel contracts each half with a contiguous slice of the other operand
+    (:func:`unpack_pair`), so a kernel contracts each half with a contiguous slice of the other operand
     (Triton can neither interleave nor slice a register tile). Same bytes per value as :func:`quantize`'s
     pairwise packing.
     """
     n = codes.shape[-1]
     if n % 2:
         raise ValueError(f"pack_halves needs an even last axis, got {codes.shape}")
-    c = codes.astype(jnp.int32)
-    return (c[..., : n // 2] | (c[..., n // 2:] << 4)).astype(jnp.uint8)
+    return pack_pair(codes[..., : n // 2], codes[..., n // 2:]).astype(jnp.uint8)
 
 
 def unpack_halves(packed: jax.Array) -> jax.Array:
     """Inverse of :func:`pack_halves`: uint8 (..., n/2) → int32 codes (..., n)."""
-    lo, hi = e2m1_unpack(packed)
-    return jnp.concatenate([lo, hi], axis=-1)
+    return jnp.concatenate(unpack_pair(packed), axis=-1)
 
 
 def encode_last(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -194,11 +214,8 @@ def encode_last(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def e2m1_unpack(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Packed bytes (..., n/2) → (codes of the even elements, codes of the odd elements), int32.
-
-    Kernels keep the two halves apart (a product over the packed axis is the sum
-    of the even and odd halves' products): Triton cannot interleave the last axis.
-    """
+    """:func:`quantize`'s pairwise packing, bytes (..., n/2) → (codes of the even elements, codes of the odd
+    elements), int32 (the low and high nibbles)."""
     c = packed.astype(jnp.int32)
     return c & 15, (c >> 4) & 15
 
