@@ -106,9 +106,9 @@ def _decoded(code_reg, pair, key):
 def _decode_slab(regs, slab: int, smem, scale_at):
     """In inline Mosaic GPU: the registers of one 64-row slab of a decoded tile from the code registers ``regs``
     (a (rows, cols/2) uint8 WGMMA-layout array: (slab, 8-column chunk, 1, 1, row half, 1, 1, 1, 1)). The first
-    elements of chunk j go to chunk j, the second ones to chunk j + cols/16 (element + cols/2, ``pack_halves``); their groups
-    of 16 columns are j/2 and cols/32 + j/2. ``scale_at(row, group)``: the byte offset (an :class:`Int`) of a row's
-    group scale in ``smem``; the scale of each (row, group) is loaded and converted once."""
+    elements of chunk j go to chunk j, the second ones to chunk j + cols/16 (element + cols/2, ``pack_halves``);
+    their groups of 16 columns are j/2 and cols/32 + j/2. ``scale_at(row, group)``: the byte offset (an
+    :class:`Int`) of a row's group scale in ``smem``; the scale of each (row, group) is loaded and converted once."""
     warp, lane = warp_and_lane()
     chunks = regs.shape[1]
     out = np.empty((1, 2 * chunks) + regs.shape[2:], dtype=object)

@@ -155,11 +155,14 @@ def test_packed_e2m1_decode_lowers_and_matches():
     np.testing.assert_array_equal(np.asarray(hi, np.float32) * sf, deq[:, 1::2])
 
 
+def _f16_pair(word):
+    """uint32 words → their two 16-bit lanes as float16 (..., 2), lane 0 first."""
+    return np.stack([word & np.uint32(0xFFFF), word >> np.uint32(16)], -1).astype(np.uint16).view(np.float16)
+
+
 def _run_ptx(asm: str, regs: dict) -> dict:
     """A numpy evaluator of the b32 integer PTX the decode kernels inline (prmt in its default mode, and, or, shl,
     shr, mul.rn.f16x2) on uint32 arrays: ``regs`` maps "$i" and named registers to values; returns them after."""
-    import numpy as np
-
     regs = dict(regs)
 
     def val(tok):
@@ -191,8 +194,7 @@ def _run_ptx(asm: str, regs: dict) -> dict:
         elif op == "shr.b32":
             regs[dst] = x[0] >> x[1]
         elif op == "mul.rn.f16x2":
-            f = lambda w: np.stack([w & np.uint32(0xFFFF), w >> np.uint32(16)], -1).astype(np.uint16).view(np.float16)  # noqa: E731
-            prod = (f(x[0]) * f(x[1])).view(np.uint16).astype(np.uint32)
+            prod = (_f16_pair(x[0]) * _f16_pair(x[1])).view(np.uint16).astype(np.uint32)
             regs[dst] = prod[..., 0] | (prod[..., 1] << np.uint32(16))
         else:
             raise AssertionError(f"unmodelled PTX: {line}")
