@@ -20,6 +20,7 @@ for them (:mod:`pallas_kernels.register_operands`), the reductions across a warp
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -289,11 +290,38 @@ def wg_tiles(wgs: int, rows: int, dtype, cols: int):
     return plgpu.SMEM((wgs, rows, cols), dtype, transforms=tile_transforms(dtype, cols))
 
 
+def interpreter_threads() -> int:
+    """Threads of XLA's CPU intra-op pool, on which the Mosaic GPU interpreter runs a CTA's warpgroups and their
+    barrier waits: the larger of the schedulable cores and the host devices
+    (``--xla_force_host_platform_device_count``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        host_devices = len(jax.devices("cpu"))
+    except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS without cpu)
+        host_devices = 1
+    return max(cores, host_devices)
+
+
+def check_interpreter_threads(warpgroups: int, name: str) -> None:
+    """Refuse to interpret a kernel of ``warpgroups`` warpgroups that the CPU pool cannot run: the interpreter
+    blocks one pool thread per warpgroup waiting at a barrier, plus one for the call, so with fewer threads than
+    ``warpgroups + 1`` it waits forever instead of failing."""
+    need, have = warpgroups + 1, interpreter_threads()
+    if have < need:
+        raise RuntimeError(
+            f"interpret=True: the Mosaic GPU interpreter needs {need} CPU threads for {name} ({warpgroups} "
+            f"warpgroups) and this process has {have}, so it would hang; set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={max(need, 8)} before jax is imported, or use the Triton "
+            f"backends (the config's *_backend=\"triton\")")
+
+
 def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, compute_wgs: int, interpret: bool,
            manual_barriers: bool = False):
     """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
     is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous").
-    ``manual_barriers``: as in :func:`compiler_params`."""
+    ``manual_barriers``: as in :func:`compiler_params`. Interpreted, :func:`check_interpreter_threads` first."""
+    if interpret:
+        check_interpreter_threads(compute_wgs + 1, name)
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
                         compiler_params=compiler_params(manual_barriers=manual_barriers),
                         num_threads=compute_wgs + 1, thread_name="wg",

@@ -58,3 +58,17 @@ def test_traced_scale_rejected():
 def test_numpy_inputs_accepted():
     out = lb.sage_attention(np.asarray(Q, np.float32), np.asarray(K, np.float32), np.asarray(V, np.float32))
     assert out.shape == Q.shape and out.dtype == jnp.float32
+
+
+def test_mosaic_interpreter_refuses_a_pool_too_small(monkeypatch):
+    """A multi-warpgroup Mosaic kernel interpreted on fewer CPU threads than its warpgroups + 1 would wait forever
+    (the sage dK/dV kernel on 2 threads did): it raises instead, naming the flag that fixes it."""
+    from pallas_kernels import _mosaic
+
+    q, k, v = make_qkv(1, 128, 128, 2, 2, 64)
+    cfg = lb.SageFwdConfig(fwd_backend="mosaic")
+    monkeypatch.setattr(_mosaic, "interpreter_threads", lambda: 2)
+    with pytest.raises(RuntimeError, match="xla_force_host_platform_device_count"):
+        lb.sage_attention(q, k, v, config=cfg, implementation="pallas", interpret=True)
+    monkeypatch.setattr(_mosaic, "interpreter_threads", lambda: 8)  # what the tests run with (conftest)
+    assert lb.sage_attention(q, k, v, config=cfg, implementation="pallas", interpret=True).shape == q.shape
