@@ -320,11 +320,12 @@ def launch(kernel, out_type, scratch_types, grid, grid_names, *, name: str, comp
     """``plgpu.kernel`` with ``compute_wgs`` compute warpgroups plus the memory one (axis "wg"); ``name``
     is the kernel's name in profiles (``<name>_mosaic_gpu``; a partial would be "anonymous").
     ``manual_barriers``: as in :func:`compiler_params`. Interpreted, :func:`check_interpreter_threads` first."""
+    warpgroups = compute_wgs + 1
     if interpret:
-        check_interpreter_threads(compute_wgs + 1, name)
+        check_interpreter_threads(warpgroups, name)
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch_types, grid=grid, grid_names=grid_names,
                         compiler_params=compiler_params(manual_barriers=manual_barriers),
-                        num_threads=compute_wgs + 1, thread_name="wg",
+                        num_threads=warpgroups, thread_name="wg",
                         interpret=interpret_params(interpret), kernel_name=name)
 
 

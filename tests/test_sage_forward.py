@@ -204,13 +204,17 @@ def test_interpreter_pool_fits_four_warpgroups():
     whose barrier waits hold a thread of XLA's CPU intra-op pool ("tf_XLAEigen", max(cores, host devices) threads),
     and the pallas_call's own callback holds one more. Three waiting warpgroups, that callback and the warpgroup they
     wait for need five: with four (four host devices, 2 cores) the interpreter deadlocked. tests/conftest.py forces
-    eight host devices; this fails if that is lost (instead of an intermittent hang)."""
+    eight host devices; this fails if that is lost (instead of an intermittent hang). The pool is also the count
+    ``_mosaic.interpreter_threads`` refuses a kernel by (``check_interpreter_threads``)."""
+    from pallas_kernels import _mosaic
+
     tasks = Path("/proc/self/task")
     if jax.default_backend() != "cpu" or not tasks.exists():
         pytest.skip("counts XLA's CPU threads on Linux: only the CPU runs the interpreter")
     jax.jit(lambda x: x @ x)(jnp.ones((64, 64))).block_until_ready()
     names = [(t / "comm").read_text().strip() for t in tasks.iterdir() if (t / "comm").exists()]
     assert names.count("tf_XLAEigen") >= 5, (len(jax.devices()), sorted(set(names)))
+    assert names.count("tf_XLAEigen") == _mosaic.interpreter_threads()
 
 
 @pytest.mark.parametrize("s, chunk, smooth_k", [(300, 128, True), (256, 256, True), (77, 256, False)])
