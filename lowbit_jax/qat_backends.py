@@ -214,7 +214,7 @@ class MosaicBackward(_Backward):
         return qat_bwd_mosaic.qat_attention_bwd_mosaic(
             qf, kf, vf, o_aux, lse, m, do, sq_len=opts.seq_q, sk_len=opts.seq_k, causal=opts.causal,
             scale=opts.scale, naive=opts.naive_backward, fused_dq=opts.config.fuses_dq(qf.shape[3], opts.causal),
-            lane_ordered=lane_order, interpret=opts.interpret)
+            lane_ordered=lane_order, dq_stage_order=opts.config.dq_stage_order, interpret=opts.interpret)
 
 
 BACKWARDS = (MosaicBackward(), TritonBackward(), XlaBackward())

@@ -361,7 +361,8 @@ class MosaicBackward(_Backward):
                                                            v_operand_order=orders.v, interpret=opts.interpret)
             return sage_bwd_mosaic.sage_bwd_dkdv_mosaic(
                 ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t, do_scale, k8, ops.k_scale, vd,
-                k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=True, dq_zeros=dq_zeros[0], **kw)
+                k8_t=ops.k_t, scale=opts.scale, keys_in_pair_order=True, dq_zeros=dq_zeros[0],
+                dq_stage_order=opts.config.dq_stage_order, split_dq_schedule=opts.config.split_dq_schedule, **kw)
         vd = sage_bwd_mosaic.dequantized_v(ops.vt, ops.v_scale, do.dtype, keys_in_operand_order=orders.v)
         dk, dv = sage_bwd_mosaic.sage_bwd_dkdv_mosaic(ops.q, ops.q_scale, ops.q_t, lse_pad, delta, do, do8_t,
                                                       do_scale, ops.k, ops.k_scale, vd, **kw)

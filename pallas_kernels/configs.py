@@ -29,6 +29,12 @@ def fuses_dq(dq_kernel: str) -> bool:
     return dq_kernel in ("fused", "auto")
 
 
+#: the fused dQ's float32 stage column order (SageFwdConfig.dq_stage_order, QatConfig.dq_stage_order;
+#: ``dq_stage.permutes``)
+DQ_STAGE_ORDERS = ("auto", "natural", "permuted")
+#: where SageBwd's split dQ (head dim 128) runs in the dK/dV step (SageFwdConfig.split_dq_schedule)
+SPLIT_DQ_SCHEDULES = ("after_dk", "under_dk")
+
 #: granularities of SageBwd's INT8 dS scales (SageFwdConfig.ds_scale)
 DS_SCALES = ("tile", "row")
 
@@ -74,6 +80,12 @@ class SageFwdConfig:
         dŜK̂ into a float32 dQ with TMA (FlashAttention-3's accumulation; the summation order then varies run
         to run); elsewhere, and with "separate", the dQ kernel recomputes S, P and dP per query tile. "auto"
         (default): fused wherever it applies (faster at every measured shape).
+      dq_stage_order: the fused dQ's float32 SMEM stage: "permuted" holds its columns in ``dq_stage`` order
+        (conflict-free 16-byte stores; compiled only, the interpreter stores them in order, same values), "natural"
+        in order, "auto" (default) permuted at head dim 64 (measured faster), natural at 128.
+      split_dq_schedule: at head dim 128, where the fused dQ (split by columns between the warpgroups) sits in a
+        step: "after_dk" (default) its products after dK's; "under_dk" between dV's and dK's, its stage store and
+        TMA reduce-add issued while dK's product runs.
     """
 
     block_q: int = 64
@@ -95,10 +107,18 @@ class SageFwdConfig:
     ds_scale: str = "tile"
     dq_kernel: str = "auto"
     pv_format: str = "int8"
+    dq_stage_order: str = "auto"
+    split_dq_schedule: str = "after_dk"
 
     def __post_init__(self) -> None:
         if self.dq_kernel not in DQ_KERNELS:
             raise ValueError(f"SageFwdConfig.dq_kernel must be one of {DQ_KERNELS}, got {self.dq_kernel!r}")
+        if self.dq_stage_order not in DQ_STAGE_ORDERS:
+            raise ValueError(f"SageFwdConfig.dq_stage_order must be one of {DQ_STAGE_ORDERS}, "
+                             f"got {self.dq_stage_order!r}")
+        if self.split_dq_schedule not in SPLIT_DQ_SCHEDULES:
+            raise ValueError(f"SageFwdConfig.split_dq_schedule must be one of {SPLIT_DQ_SCHEDULES}, "
+                             f"got {self.split_dq_schedule!r}")
         for name in ("dkdv_backend", "dq_backend", "fwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"SageFwdConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
@@ -229,6 +249,7 @@ class QatConfig:
         dQ with TMA, as FlashAttention-3 does — at head dim 128 split by columns between its two warpgroups;
         dQ's summation order varies run to run, and it takes a float32 (B, Sq, Hq, D) buffer) or "auto"
         (default): fused everywhere (faster at every measured shape).
+      dq_stage_order: the fused dQ's float32 stage column order, as ``SageFwdConfig.dq_stage_order``.
     """
 
     block_q: int = 64
@@ -245,12 +266,16 @@ class QatConfig:
     bwd_backend: str = "auto"
     pingpong: bool = True
     dq_kernel: str = "auto"
+    dq_stage_order: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pingpong, bool):
             raise TypeError(f"QatConfig.pingpong must be a bool, got {self.pingpong!r}")
         if self.dq_kernel not in DQ_KERNELS:
             raise ValueError(f"QatConfig.dq_kernel must be one of {DQ_KERNELS}, got {self.dq_kernel!r}")
+        if self.dq_stage_order not in DQ_STAGE_ORDERS:
+            raise ValueError(f"QatConfig.dq_stage_order must be one of {DQ_STAGE_ORDERS}, "
+                             f"got {self.dq_stage_order!r}")
         for name in ("fwd_backend", "bwd_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"QatConfig.{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")

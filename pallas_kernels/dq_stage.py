@@ -15,9 +15,9 @@ row) keeps distinct, so no bank is hit twice; 8 ``STS.128`` per thread and step,
 stage as it is, so the GMEM accumulator holds every 64-column chunk in that order, and :func:`unpermute` (a
 reshape and a transpose, which XLA fuses into dQ's conversion to 16 bits) puts it back.
 
-Only compiled (the Mosaic GPU interpreter has no inline Mosaic GPU); the kernels take it at head dim 64, where it
-measured faster (``reduce_add.reduce_add_out(permuted=)``, ``reduce_add_total(permuted=)``; docs/performance.md):
-at 128 the extra registers made ptxas spill.
+Only compiled (the Mosaic GPU interpreter has no inline Mosaic GPU); by default the kernels take it at head dim 64,
+where it measured faster (``reduce_add.reduce_add_out(permuted=)``, ``reduce_add_total(permuted=)``;
+docs/performance.md): at 128 unsplit the extra registers made ptxas spill (:func:`permutes`' ``order``).
 """
 
 from __future__ import annotations
@@ -44,10 +44,15 @@ def stage_transforms() -> tuple:
 STRIDES = (2 * 8 * 128, 8 * 128, 128)
 
 
-def permutes(head_dim: int, interpret: bool) -> bool:
-    """Whether a fused backward's dQ stage holds the permuted column order: compiled, at head dim 64 (one
-    64-column stage per warpgroup)."""
-    return head_dim <= REDUCE_COLS and not interpret
+def permutes(head_dim: int, interpret: bool, order: str = "auto") -> bool:
+    """Whether a fused backward's dQ stage holds the permuted column order (``order``, the configs'
+    ``dq_stage_order``): never interpreted; "auto" at head dim 64, "permuted" wherever each warpgroup stores one
+    (rows, 64) tile a step (head dim 64, and 128 split by columns), "natural" never."""
+    if order not in ("auto", "natural", "permuted"):
+        raise ValueError(f"order must be 'auto', 'natural' or 'permuted', got {order!r}")
+    if interpret or order == "natural":
+        return False
+    return order == "permuted" or head_dim <= REDUCE_COLS
 
 
 def column_of(d):

@@ -347,10 +347,11 @@ def _dq_kernel(q_ref, do_ref, m_ref, il_ref, delta_ref, k_ref, v_ref, dq_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("sq_len", "sk_len", "causal", "scale", "naive", "fused_dq",
-                                             "lane_ordered", "interpret"))
+                                             "lane_ordered", "dq_stage_order", "interpret"))
 def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux: jax.Array, lse: jax.Array,
                              m: jax.Array, do: jax.Array, *, sq_len: int, sk_len: int, causal: bool, scale: float,
                              naive: bool = False, fused_dq: bool = False, lane_ordered: bool = False,
+                             dq_stage_order: str = "auto",
                              interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attn-QAT gradients w.r.t. the fake-quantized operands (= w.r.t. q, k, v by the STE).
 
@@ -365,6 +366,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     fixed, so dQ is not bit-reproducible run to run) — instead of a separate dQ kernel.
     ``lane_ordered``: kf and vf are already in lane order (as :func:`pallas_kernels.qat_fwd_mosaic.
     qat_attention_fwd_mosaic`); dk and dv are returned in key order either way.
+    ``dq_stage_order``: the fused dQ's stage column order (``QatConfig.dq_stage_order``, ``dq_stage.permutes``).
     """
     b, hq, sq_pad, d = qf.shape
     hkv = kf.shape[1]
@@ -382,7 +384,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
                   scale=scale, interpret=interpret)
     kv_tiles, p_tiles = wg_tiles(WGS, TILE, dt, d), wg_tiles(WGS, TILE, dt, TILE)
     split = fused_dq and splits_dq_columns(d)
-    permuted = fused_dq and not split and dq_stage.permutes(d, interpret)  # the dQ stage's column order
+    permuted = fused_dq and dq_stage.permutes(d, interpret, dq_stage_order)  # the dQ stage's column order
     # split: dS double-buffered (the other warpgroup reads it), a (64 × D/2) stage, the CTA-wide barrier
     ds_tiles = plgpu.SMEM((2, WGS, TILE, TILE), dt, transforms=tile_transforms(dt, TILE)) if split else p_tiles
     dkdv_scratch = dict(k_tiles=kv_tiles, v_tiles=kv_tiles, p_tiles=p_tiles, ds_tiles=ds_tiles,
@@ -391,7 +393,7 @@ def qat_attention_bwd_mosaic(qf: jax.Array, kf: jax.Array, vf: jax.Array, o_aux:
     kv_blocks = kf.shape[2] // (WGS * TILE)
     if fused_dq:  # a float32 stage per warpgroup and the float32 dQ (one per key block and warpgroup interpreted)
         # (split, a warpgroup's D/2 columns are one REDUCE_COLS-wide stage: split only at head dim 128) and, split,
-        # the CTA-wide barrier. Unsplit (head dim 64) the stage may hold its columns permuted (dq_stage.permutes)
+        # the CTA-wide barrier. The stage may hold its columns permuted (dq_stage.permutes: by default unsplit only)
         dkdv_scratch["dq_stage"] = reduce_add_stage(WGS, TILE)
         if split:
             dkdv_scratch["cta_barrier"] = schedule_barrier()

@@ -15,7 +15,8 @@ for dP).
   transposed copy is two ``stmatrix.trans`` per thread and step; dK and dV leave in natural order. At head dim 128
   the two warpgroups split dQ by columns (:func:`_split_dq`): after a barrier that exchanges their dŜ tiles, each
   reduce-adds one 64-column half over the CTA's 128 keys (half the float32 traffic of one 64 × 128 tile per
-  warpgroup, which was most of dQ's cost); at 64 the stage holds its columns permuted
+  warpgroup, which was most of dQ's cost), after dK's product or before it with its stage store and reduce-add
+  issued while dK's runs (``SageFwdConfig.split_dq_schedule``); at 64 the stage holds its columns permuted
   (:mod:`pallas_kernels.dq_stage`: conflict-free 16-byte stores).
 * ``sage_bwd_dq_mosaic`` — the separate dQ kernel (``dq_kernel="separate"``, and per-token scales): grid (query
   head, 128-query block, batch); each compute warpgroup holds a 64-query tile and loops over the 64-key tiles.
@@ -164,6 +165,8 @@ class DkdvParams:
         then come in :mod:`pallas_kernels.key_pairs` order and ``permuted`` says whether the dQ stage's columns
         are in ``dq_stage`` order.
       operand: Q̂ᵀ and dÔᵀ hold their queries in :mod:`pallas_kernels.operand_order`.
+      split_dq: dQ split by columns between the warpgroups (head dim 128, :func:`_split_dq`); ``dq_under_dk``: its
+        products before dK's, its stage store and reduce-add issued while dK's product runs.
       interpret: the Mosaic GPU interpreter runs it (products one at a time, SMEM operands).
     """
 
@@ -181,6 +184,7 @@ class DkdvParams:
     permuted: bool
     interpret: bool
     split_dq: bool = False
+    dq_under_dk: bool = False
 
 
 def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dosc_ref, k_ref, ks_ref, vd_ref,
@@ -199,7 +203,7 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     stages, group, n_qtiles, per_block, head_dim = p.stages, p.group, p.n_qtiles, p.per_block, p.head_dim
     causal, offset, ds_per_row, fused_dq, operand = p.causal, p.offset, p.ds_per_row, p.fused_dq, p.operand
     scale, permuted, interpret, fused = p.scale, p.permuted, p.interpret, not p.interpret
-    split_dq = p.split_dq
+    split_dq, under = p.split_dq, p.dq_under_dk
     wg = lax.axis_index("wg")
     shape = (TILE, TILE)  # (keys, queries)
     i8, f16 = jnp.int8, do_ref.dtype
@@ -331,16 +335,25 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         else:
             dv_part = matmul(out_shape, jnp.int32, *products[0])
         dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(dv_scale, out_shape)
-        if head_dim > 64:
+        if under:  # split dQ summed now; its stage store and reduce-add issued while dK's product runs
+            dq_total = _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2,
+                                 scale=scale, interpret=interpret)
+            add_dq = functools.partial(reduce_add_product, stage2.at[wg], dq_total,
+                                       dq_dst(pl.ds(wg * REDUCE_COLS, REDUCE_COLS)), interpret=interpret,
+                                       waited=True, permuted=permuted)
+            dk_part = matmul(out_shape, jnp.int32, *products[1], issued=add_dq)
+        elif head_dim > 64:
             dk_part = matmul(out_shape, jnp.int32, *products[1])
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
         if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
             reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
                                factor=dq_factor, waited=True, permuted=permuted)
-        elif split_dq:
-            _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2, stage2.at[wg],
-                      dq_dst, scale=scale, interpret=interpret)
-        elif fused_dq:  # head dim 64 non-causal: the stage freed after the product (freeing it early measured slower)
+        elif split_dq and not under:  # (under dK: added while dK's product ran)
+            dq_total = _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2,
+                                 scale=scale, interpret=interpret)
+            reduce_add_product(stage2.at[wg], dq_total, dq_dst(pl.ds(wg * REDUCE_COLS, REDUCE_COLS)),
+                               interpret=interpret, waited=True, permuted=permuted)
+        elif fused_dq and not split_dq:  # head dim 64 non-causal: the stage freed after the product (early: slower)
             reduce_add_matmul(stage2.at[wg], dsq_smem, lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
                               early=False, permuted=permuted)
@@ -356,15 +369,17 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
     pipeline(*gmem(b, hkv))
 
 
-def _split_dq(exchange, parity, wg, own_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2, stage, dst, *,
-              scale: float, interpret: bool) -> None:
+def _split_dq(exchange, parity, wg, own_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2, *, scale: float,
+              interpret: bool) -> jax.Array:
     """dQ at head dim 128, split by columns between the two compute warpgroups: warpgroup w reduce-adds dQ's
     64-column half w over the CTA's 128 keys, the sum over both warpgroups h of dŜ_h · K̂_h[:, half w] · s_h (each
     dŜ tile with its own scale s_h = s_dS · s_K · softmax scale; the other warpgroup's rebuilt from its tile-maximum
     words). One (64 × 64) float32 tile a warpgroup and step goes through SMEM to GMEM instead of a (64 × 128) one:
     half the reduce-add traffic, which was most of dQ's cost. Waits on ``exchange`` first (both warpgroups' dŜ
     stored and committed). The two warpgroups are indexed by ``wg`` and ``1 − wg`` (traced, not literal
-    indices, which Mosaic GPU cannot carry through the products' ``run_state``)."""
+    indices, which Mosaic GPU cannot carry through the products' ``run_state``). Returns warpgroup w's (64 × 64)
+    float32 half, for the caller to reduce-add (``SageFwdConfig.split_dq_schedule``: right away, or while dK's
+    product runs)."""
     plgpu.barrier_wait(exchange)
     other = 1 - wg
     cols = pl.ds(wg * REDUCE_COLS, REDUCE_COLS)
@@ -374,7 +389,7 @@ def _split_dq(exchange, parity, wg, own_factor, dsq_smem2, kt_smem2, red_smem2, 
                     tuple((dsq_smem2.at[parity, h], kt_smem2.at[h].at[cols].T) for h in (wg, other)),
                     fused=not interpret, issued=early_stage_wait())
     total = parts[0].astype(jnp.float32) * own_factor + parts[1].astype(jnp.float32) * other_factor
-    reduce_add_product(stage, total, dst(cols), interpret=interpret, waited=True)
+    return total
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -453,7 +468,8 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
                          sq_len: int, sk_len: int, causal: bool, per_block: bool, ds_per_row: bool = False,
                          k8_t: jax.Array | None = None, scale: float | None = None,
                          operand_order_in: bool = False, keys_in_pair_order: bool = False,
-                         dq_zeros: jax.Array | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
+                         dq_zeros: jax.Array | None = None, dq_stage_order: str = "auto",
+                         split_dq_schedule: str = "after_dk", interpret: bool = False) -> tuple[jax.Array, ...]:
     """dK, dV (B, Sk, Hkv, D) in do's dtype. Inputs as the Triton dK/dV kernel's; ``vd`` is
     Ṽ = V̂·s_V in dO's dtype, (B, Hkv, Sk, D); ``lse_pad`` is (B, Hq, Sq_pad) with +inf padding;
     ``ds_per_row``: dS scales per key instead of per tile (``SageFwdConfig.ds_scale="row"``).
@@ -472,12 +488,17 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
 
     ``dq_zeros``: with the fused dQ, a zeroed float32 (B, Sq_pad, Hq, D) array to accumulate dQ in
     (``sage_bwd.sage_bwd_preprocess(zero_dq=True)``); without it the accumulator is filled here.
+
+    ``dq_stage_order``, ``split_dq_schedule``: the fused dQ's stage order and, at head dim 128, its place in the
+    step (``SageFwdConfig``'s fields of those names; scheduling only, the values are the same).
     """
     b, hq, sq_pad, d = q8.shape
     hkv, sk_pad = k8.shape[1], k8.shape[2]
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     do = pad_rows(do, tma_rows(sq_len))  # read by tiled TMA loads
     fused_dq = k8_t is not None
+    if split_dq_schedule not in ("after_dk", "under_dk"):
+        raise ValueError(f"split_dq_schedule must be 'after_dk' or 'under_dk', got {split_dq_schedule!r}")
     if fused_dq and not supports_fused_dq(head_dim=d, per_block=per_block, ds_per_row=ds_per_row):
         raise ValueError("the fused dQ needs per-block Q/K scales and per-tile dS scales")
     if fused_dq and scale is None:
@@ -488,7 +509,7 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
         # its dequantization); the fused dQ has per-block K scales (supports_fused_dq), equal on every key of a
         # 16-key block: left as they are
         k8, vd = key_pairs.to_pair_order(k8, 2), key_pairs.to_pair_order(vd, 2)
-    permuted = fused_dq and dq_stage.permutes(d, interpret)
+    permuted = fused_dq and dq_stage.permutes(d, interpret, dq_stage_order)
     if operand_order_in and not takes_operand_order(interpret):
         raise ValueError("operand_order_in: the kernel takes Q̂ᵀ, dÔᵀ in operand order only where "
                          "takes_operand_order()")
@@ -497,7 +518,7 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     params = DkdvParams(head_dim=d, group=hq // hkv, n_qtiles=sq_pad // TILE, stages=_dkdv_stages(d), causal=causal,
                         offset=sk_len - sq_len, per_block=per_block, ds_per_row=ds_per_row, fused_dq=fused_dq,
                         operand=operand_order_in, scale=scale, permuted=permuted, interpret=interpret,
-                        split_dq=split_dq)
+                        split_dq=split_dq, dq_under_dk=split_dq and split_dq_schedule == "under_dk")
     buffers = (2,) if split_dq else ()  # split dQ: two of the exchanged scratch, alternating by step
     scratch = dict(k_tiles=wg_tiles(WGS, TILE, i8, d), v_tiles=wg_tiles(WGS, TILE, f16, d),
                    k_scales=plgpu.SMEM((WGS, TILE), f32), row_max=plgpu.SMEM((*buffers, WGS, TILE), f32),

@@ -17,10 +17,11 @@ def lower_for_h200(fn: Callable, *specs) -> jax.stages.Lowered:
 
 
 def lower_mosaic_fwd_bwd(method: str, head_dim: int, causal: bool, *, dq_kernel: str | None = None,
-                         seq: int = 512) -> jax.stages.Lowered:
+                         seq: int = 512, **config) -> jax.stages.Lowered:
     """One jitted fwd+bwd (gradients of a scalar loss w.r.t. q, k, v) of ``method`` ("sage" or "qat") with every
     kernel on Mosaic GPU, lowered for an abstract H200 (:func:`lower_for_h200`): bf16 q (2, seq, 8, head_dim), k and
-    v with 2 heads, the library's H200 config for (head_dim, causal), ``dq_kernel`` replaced if given. Lowering runs
+    v with 2 heads, the library's H200 config for (head_dim, causal), ``dq_kernel`` and the ``config`` fields
+    replaced if given. Lowering runs
     the Python half of Mosaic GPU's compiler, so a spy on it sees each kernel's lowering."""
     import dataclasses
 
@@ -33,7 +34,7 @@ def lower_mosaic_fwd_bwd(method: str, head_dim: int, causal: bool, *, dq_kernel:
     q = jax.ShapeDtypeStruct((2, seq, 8, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
     zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)]
-    dq = {} if dq_kernel is None else dict(dq_kernel=dq_kernel)
+    dq = dict(config) if dq_kernel is None else dict(config, dq_kernel=dq_kernel)
     # options resolved as for interpret mode (this machine may have no GPU), then compiled for the GPU
     if method == "sage":
         config = dataclasses.replace(lb.sage_fwd_config(head_dim, causal, "NVIDIA H200"), fwd_backend="mosaic",

@@ -1,6 +1,6 @@
 """The float32 dQ stage's permuted column order (``pallas_kernels.dq_stage``): a model of its stores' addresses
 (conflict-free, each stage byte written once, the columns ``column_of`` says) and the un-permutation applied to
-the accumulator. The compiled store itself runs only on the GPU (``benchmarks/variants.py --check`` compares the
+the accumulator. The compiled store itself runs only on the GPU (``benchmarks/gpu_check.py`` compares the
 gradients with the xla reference); its lowering is covered by tests/test_lowering.py."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+
+import lowbit_jax as lb
 
 from pallas_kernels import _mosaic, dq_stage, reduce_add
 
@@ -74,11 +76,30 @@ def test_accumulator_total_is_unpermuted_only_for_a_permuted_stage():
     assert dq_stage.permutes(64, False) and not dq_stage.permutes(64, True) and not dq_stage.permutes(128, False)
 
 
-@pytest.mark.parametrize("method, head_dim, stores", [("sage", 64, 1), ("sage", 128, 0), ("qat", 64, 1),
-                                                       ("qat", 128, 0)])
-def test_fused_backwards_take_the_permuted_stage_where_measured_faster(monkeypatch, method, head_dim, stores):
+def test_stage_order_choice():
+    """``dq_stage.permutes``' ``order`` (the configs' ``dq_stage_order``): "auto" at head dim 64, "permuted" at
+    either head dim (each warpgroup's stage is one 64-column tile), "natural" never, and never interpreted."""
+    assert [dq_stage.permutes(d, False, "permuted") for d in (64, 128)] == [True, True]
+    assert not any(dq_stage.permutes(d, i, o) for d in (64, 128) for i, o in ((False, "natural"), (True, "permuted")))
+    with pytest.raises(ValueError, match="order"):
+        dq_stage.permutes(64, False, "swizzled")
+    for config in (lb.SageFwdConfig, lb.QatConfig):
+        with pytest.raises(ValueError, match="dq_stage_order"):
+            config(dq_stage_order="swizzled")
+    with pytest.raises(ValueError, match="split_dq_schedule"):
+        lb.SageFwdConfig(split_dq_schedule="before_dv")
+
+
+@pytest.mark.parametrize("method, head_dim, config, stores", [
+    ("sage", 64, {}, 1), ("sage", 128, {}, 0), ("qat", 64, {}, 1), ("qat", 128, {}, 0),
+    ("sage", 128, dict(dq_stage_order="permuted"), 1), ("qat", 128, dict(dq_stage_order="permuted"), 1),
+    ("sage", 64, dict(dq_stage_order="natural"), 0), ("sage", 128, dict(split_dq_schedule="under_dk"), 0),
+    ("sage", 128, dict(split_dq_schedule="under_dk", dq_stage_order="permuted"), 1)])
+def test_fused_backwards_take_the_permuted_stage_where_measured_faster(monkeypatch, method, head_dim, config, stores):
     """Lowered for an H200: the fused SageBwd and Attn-QAT kernels store their dQ stage through ``dq_stage.store``
-    at head dim 64 only (``dq_stage.permutes``), and the accumulator is put back by ``unpermute``."""
+    by default at head dim 64 only (``dq_stage.permutes``; ``dq_stage_order`` overrides it, at 128 for each
+    warpgroup's 64-column half of the split dQ, with either ``split_dq_schedule``), and the accumulator is put back
+    by ``unpermute``."""
     from h200 import lower_mosaic_fwd_bwd
 
     calls = []
@@ -86,7 +107,7 @@ def test_fused_backwards_take_the_permuted_stage_where_measured_faster(monkeypat
         real = getattr(dq_stage, name)
         monkeypatch.setattr(dq_stage, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
     jax.clear_caches()  # another test may have lowered the same call: its cached trace would skip the spies
-    lower_mosaic_fwd_bwd(method, head_dim, True, seq=256)
+    lower_mosaic_fwd_bwd(method, head_dim, True, seq=256, **config)
     assert calls == ["store", "unpermute"] * stores
 
 

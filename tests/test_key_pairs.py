@@ -6,7 +6,7 @@ The stores are checked exactly three ways: interpreted on the CPU (their jax.num
 H200 (the inline Mosaic GPU path must lower and be taken), and, on a Hopper GPU, compiled against numpy — the only
 place the hand-computed swizzled addresses run. The kernel that uses them is held to the xla reference by
 tests/test_sage_backward.py and tests/test_qat.py (the Mosaic backward kernels, causal and not, D64 and D128, in the
-interpreter) and on the GPU by ``benchmarks/variants.py --check``.
+interpreter) and on the GPU by ``benchmarks/gpu_check.py``.
 """
 
 import jax

@@ -211,15 +211,19 @@ def test_mosaic_per_block_scales_differ_between_warpgroups(dq_kernel, fwd_backen
         assert rel <= 1e-3 and cos >= 0.99999, (name, cos, rel)
 
 
-@pytest.mark.parametrize("case", [(1, 200, 256, 4, 2, 64, True), (1, 128, 256, 4, 2, 128, False),
-                                  (1, 200, 256, 2, 1, 128, True)])
-def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
+@pytest.mark.parametrize("case, schedule", [((1, 200, 256, 4, 2, 64, True), "after_dk"),
+                                            ((1, 128, 256, 4, 2, 128, False), "after_dk"),
+                                            ((1, 200, 256, 2, 1, 128, True), "after_dk"),
+                                            ((1, 128, 256, 4, 2, 128, False), "under_dk"),
+                                            ((1, 200, 256, 2, 1, 128, True), "under_dk")])
+def test_mosaic_fused_dq_matches_separate(case, schedule, monkeypatch):
     """SageFwdConfig.dq_kernel: with per-block Q/K scales and per-tile dS, "fused" (and "auto") computes
     dQ in the Mosaic dK/dV kernel (the dQ kernel is not called; in the interpreter the per-block partial
     sums go to a workspace) and gives the separate dQ kernel's gradients (the same dŜ codes, other order).
     Ragged causal D64 and D128, non-causal D128 here; at 128 × 256 D64 each of the two is held to the xla
     reference by MOSAIC_CASES[0] (fused, non-causal), test_mosaic_per_block_scales_differ_between_warpgroups
-    (both, causal) and test_fused_dq_only_with_the_dk_tiles_ds_tiles (separate, non-causal)."""
+    (both, causal) and test_fused_dq_only_with_the_dk_tiles_ds_tiles (separate, non-causal). At D128 with either
+    ``split_dq_schedule``."""
     from pallas_kernels import sage_bwd_mosaic
 
     calls = []
@@ -232,7 +236,8 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
     fused = "auto" if d == 64 else "fused"  # "auto" fuses everywhere (SageFwdConfig.fuses_dq); both named
     for mode in (fused, "separate"):
         got[mode] = grads(q, k, v, do, implementation="pallas", interpret=INTERPRET, causal=causal,
-                          qk_granularity="per_block", config=dataclasses.replace(MOSAIC, dq_kernel=mode))
+                          qk_granularity="per_block",
+                          config=dataclasses.replace(MOSAIC, dq_kernel=mode, split_dq_schedule=schedule))
         n_calls[mode] = len(calls)
     assert n_calls == {fused: 0, "separate": 1}
     for name, a, r in zip(("o", "dq", "dk", "dv"), got[fused], got["separate"]):
@@ -251,8 +256,10 @@ def test_mosaic_fused_dq_matches_separate(case, monkeypatch):
         lb.SageFwdConfig(dq_kernel="atomic")
 
 
-@pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, True), (64, False)])
-def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal):
+@pytest.mark.parametrize("d, causal, schedule", [(128, False, "after_dk"), (128, True, "after_dk"),
+                                                 (128, True, "under_dk"), (64, True, "after_dk"),
+                                                 (64, False, "after_dk")])
+def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal, schedule):
     """The fused dQ's TMA reduce-adds go through float32 SMEM stages, which each reduce-add may rewrite only after
     ``reduce_add.stage_free`` (wait for earlier copies to have read them). Each warpgroup makes one reduce-add a
     step from its one stage (at D128 its 64-column half of dQ, ``sage_bwd_mosaic._split_dq``), so the wait leaves
@@ -261,12 +268,13 @@ def test_mosaic_fused_dq_stage_protocol(monkeypatch, d, causal):
     reduce-add. The interpreter's copies are
     synchronous, so a missing or too-loose wait would not change its values: the protocol is checked on the traced
     kernel (D64 causal: dQ's product joins dV's and dK's, freed early; D64 non-causal: after their wait, freed
-    late)."""
+    late; D128 "under_dk": freed while dQ's products run, added while dK's runs)."""
     from pallas_kernels import reduce_add
 
     q, k, v = make_qkv(1, 128, 128, 2, 1, d, dtype=jnp.bfloat16, seed=d)
     fn = functools.partial(lb.sage_attention, causal=causal, qk_granularity="per_block", implementation="pallas",
-                           config=dataclasses.replace(MOSAIC, dq_kernel="fused"), interpret=True)
+                           config=dataclasses.replace(MOSAIC, dq_kernel="fused", split_dq_schedule=schedule),
+                           interpret=True)
     events = trace_stage_waits(monkeypatch, reduce_add, fn, q, k, v)
     assert [e[0] for e in events] == ["free", "out"], events  # one kernel trace: a wait before the add
     assert {e[1] for e in events if e[0] == "free"} == {0}
