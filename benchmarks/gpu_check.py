@@ -88,14 +88,17 @@ def dataclass_replace(base, override):
     return dataclasses.replace(base, fwd_backend=override.fwd_backend, bwd_backend=override.bwd_backend)
 
 
-def check_decode(t: int, hq: int, d: int) -> dict:
+def check_decode(t: int, hq: int, d: int, compute_wgs: int = 1) -> dict:
+    """The decode over a ragged cache against the xla reference; ``compute_wgs``: the Mosaic 4-bit kernel's
+    (``ThriftConfig.decode_compute_wgs``, with four 4-bit runs so that every value runs its producer kernel)."""
     b, s, hkv = 2, 1000, 2
     rng = np.random.default_rng(t + d)
     k, v = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
     cache = lb.ThriftKVCache.create(b, 1024, hkv, d).append(k, v)
-    got = np.asarray(lb.thrift_decode(q, cache, budget=0.25, implementation="pallas"), np.float32)
-    want = np.asarray(lb.thrift_decode(q, cache, budget=0.25, implementation="xla"), np.float32)
+    config = None if compute_wgs == 1 else lb.ThriftConfig(decode_splits=4, decode_compute_wgs=compute_wgs)
+    got = np.asarray(lb.thrift_decode(q, cache, budget=0.25, implementation="pallas", config=config), np.float32)
+    want = np.asarray(lb.thrift_decode(q, cache, budget=0.25, implementation="xla", config=config), np.float32)
     err = _rel(got, want)
     return dict(ok=bool(np.isfinite(got).all()) and err <= TOL["thrift"], rel_l1=err)
 
@@ -163,6 +166,9 @@ def main(argv=None) -> int:
                        for which in ("q", "k", "v")]
     checks += [(f"thrift decode T={t} Hq={hq} D{d}", functools.partial(check_decode, t, hq, d))
                for t, hq, d in ((1, 8, 128), (4, 8, 64), (2, 4, 128))]
+    if hopper:  # the Mosaic decode's producer kernel
+        checks += [(f"thrift decode T={t} Hq={hq} D{d} compute_wgs={w}", functools.partial(check_decode, t, hq, d, w))
+                   for t, hq, d, w in ((1, 8, 128, 2), (4, 8, 64, 4), (2, 4, 128, 2))]
     checks.append(("x64 mode", check_x64))
     if args.only:
         checks = [(name, check) for name, check in checks if any(text in name for text in args.only)]

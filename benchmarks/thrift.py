@@ -4,6 +4,7 @@ Usage (GPU machine, repo root):
     PYTHONPATH=. python benchmarks/thrift.py                 # every section
     PYTHONPATH=. python benchmarks/thrift.py --smoke         # tiny shapes, interpret mode (checks the script)
     PYTHONPATH=. python benchmarks/thrift.py --sections decode accuracy
+    PYTHONPATH=. python benchmarks/thrift.py --sections decode_wgs   # the producer decode kernel vs the default
 
 Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D128):
 * ``checks``: compiled kernels vs the xla twin on awkward shapes (selection bit-exact, prefill and decode
@@ -20,7 +21,10 @@ Measures, in one run (bf16 inputs, layout B,S,H,D, GQA 32 query / 8 kv heads, D1
   (selection + split-KV kernel + combine) per budget and split count, vs XLA bf16 attention over the 16-bit
   cache; the K/V bytes each reads and the bandwidth that makes; error vs exact;
 * ``sweep``: the prefill kernel's warps and stages at f = 0.05;
-* ``decode_sweep``: the decode kernel's warps and stages per budget and per query rows per program.
+* ``decode_sweep``: the decode kernel's warps and stages per budget and per query rows per program;
+* ``decode_wgs``: the Mosaic decode kernel with 1, 2 or 4 compute warpgroups a CTA (``ThriftConfig.
+  decode_compute_wgs``; more than one behind a producer warpgroup), the kernels alone and the whole op, beside cuDNN,
+  in interleaved rounds, each output against the one-warpgroup kernel's.
 Writes benchmarks/results/thrift.json (and $OUT/thrift.json).
 """
 
@@ -47,7 +51,7 @@ from pallas_kernels import thrift_combine
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep", "decode_sweep")
+SECTIONS = ("checks", "accuracy", "prefill", "long", "decode", "sweep", "decode_sweep", "decode_wgs")
 BUDGETS = (0.0, 0.05, 0.10, 0.25, 1.0)
 PREFILL_SHAPES = [(1, 32, 8, 16384, 128, True), (1, 32, 8, 16384, 128, False), (4, 32, 8, 4096, 128, True)]
 LONG_SHAPES = [(1, 32, 8, 131072, 128, True), (1, 32, 8, 262144, 128, True)]
@@ -285,6 +289,56 @@ def decode_sweep(log, smoke):
     return rows
 
 
+#: (B, Hq, Hkv, S, D, new tokens) of the ``decode_wgs`` section, f = 0.05
+DECODE_WGS_SHAPES = DECODE_SHAPES + [(8, 32, 8, 32768, 128, 4)]
+
+
+def decode_wgs(log, smoke):
+    """The Mosaic decode kernel's compute warpgroups a CTA (``ThriftConfig.decode_compute_wgs``), f = 0.05: the
+    split-KV kernels and combine alone (:func:`decode_kernels`) and the whole op, each variant's output against the
+    one-warpgroup kernel's (max |difference|; the same runs and numerics, so float rounding at most), cuDNN's bf16
+    decode beside them, in interleaved rounds."""
+    impl = dict(implementation="pallas", interpret=True) if smoke else {}
+    rows = []
+    for b, hq, hkv, s, d, t in SMOKE["decode"] if smoke else DECODE_WGS_SHAPES:
+        q, k, v, cache = decode_inputs(b, hq, hkv, s, d)
+        qt = q[:, -t:]
+        row = dict(b=b, hq=hq, hkv=hkv, s=s, d=d, t=t, budget=0.05, max_abs_vs_1={}, errors={})
+        timed, outs = {}, {}
+        if not smoke:
+            cudnn = jax.jit(lambda q, kc, vc, n: jax.nn.dot_product_attention(
+                q, kc, vc, key_value_seq_lengths=jnp.full((q.shape[0],), n, jnp.int32), implementation="cudnn"))
+            timed["cudnn_bf16"] = (cudnn, (qt, cache.k, cache.v, cache.length))
+        for wgs in (1, 2, 4):
+            cfg = lb.ThriftConfig(decode_backend="mosaic", decode_compute_wgs=wgs,
+                                  **(dict(decode_splits=4, decode_splits_high=2) if smoke else {}))
+            try:
+                op = jax.jit(functools.partial(lb.thrift_decode, budget=0.05, config=cfg, **impl))
+                outs[wgs] = np.asarray(op(qt, cache), np.float32)
+                fn, args, _ = decode_kernels(qt, cache, 0.05, cfg, impl)
+                jax.block_until_ready(fn(*args))
+            except Exception as e:  # noqa: BLE001
+                row["errors"][wgs] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"  decode_compute_wgs={wgs} failed: {row['errors'][wgs]}")
+                continue
+            timed[f"op wgs{wgs}"] = (op, (qt, cache))
+            timed[f"kernels wgs{wgs}"] = (fn, args)
+            row["max_abs_vs_1"][wgs] = float(np.max(np.abs(outs[wgs] - outs[1]))) if 1 in outs else None
+        calls = 1 if smoke else DECODE_CALLS
+        ops = {n: e for n, e in timed.items() if not n.startswith("kernels")}
+        row["ms"], row["ms_rounds"] = time_rounds(ops, 1 if smoke else DECODE_ROUNDS, calls=calls, warmup=1,
+                                                  iters=3 if smoke else 5, batches=3)
+        kernels = {n: e for n, e in timed.items() if n.startswith("kernels")}  # already chained: calls a dispatch
+        kms, _ = time_rounds(kernels, 1 if smoke else DECODE_ROUNDS, warmup=1, iters=1 if smoke else 5, batches=3)
+        row["ms"].update({n: ms / calls for n, ms in kms.items()})
+        base = row["ms"].get("cudnn_bf16")
+        row["vs_cudnn_bf16"] = {n: base / ms for n, ms in row["ms"].items()} if base else {}
+        rows.append(row)
+        log(f"  decode_wgs B{b} H{hq}/{hkv} S{s} D{d} T{t}: " + ", ".join(
+            f"{n} {ms:.4f} ms" for n, ms in row["ms"].items()) + f"; max |out − wgs1| {row['max_abs_vs_1']}")
+    return rows
+
+
 def prefill_parts(q, k, v, causal, budget, impl, iters):
     """Time of the selection kernel, the operand pass and the prefill kernel alone (ms)."""
     opts = thrift_mod.resolve_thrift_options(q, k, v, causal=causal, budget=budget, **impl)
@@ -430,7 +484,7 @@ def main(argv=None) -> int:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {payload['env']}")
     runners = dict(checks=check_kernels, accuracy=accuracy, prefill=prefill, long=long_prefill, decode=decode,
-                   sweep=prefill_sweep, decode_sweep=decode_sweep)
+                   sweep=prefill_sweep, decode_sweep=decode_sweep, decode_wgs=decode_wgs)
     for section in args.sections:
         log(f"## {section}")
         payload[section] = runners[section](log, args.smoke)

@@ -405,6 +405,10 @@ class ThriftConfig:
         ``pallas_kernels.thrift_decode_mosaic``; the Triton kernel keeps the 16-bit runs), "triton" (one Triton
         kernel for both), or "auto" (Mosaic where it runs compiled on an sm_90 GPU and covers the call). Not
         numerics: both give the same partial softmaxes up to float rounding.
+      decode_compute_wgs: compute warpgroups a CTA of the Mosaic decode kernel: 1 (default), each CTA one
+        warpgroup that streams its own run of 4-bit blocks; 2 or 4, as many consecutive runs a CTA, one a compute
+        warpgroup, fed by a producer warpgroup that issues every copy (warp specialisation; where
+        ``decode_splits`` is not a multiple, 1). Not numerics.
     """
 
     block: int = 64
@@ -422,8 +426,11 @@ class ThriftConfig:
     decode_warps: int | None = None
     decode_stages: int | None = None
     decode_backend: str = "auto"
+    decode_compute_wgs: int = 1
 
     def __post_init__(self) -> None:
+        if self.decode_compute_wgs not in (1, 2, 4) or isinstance(self.decode_compute_wgs, bool):
+            raise ValueError(f"ThriftConfig.decode_compute_wgs must be 1, 2 or 4, got {self.decode_compute_wgs!r}")
         for name in ("block", "num_warps", "quant_block", "quant_warps", "select_rows", "select_chunk",
                      "select_whole", "select_warps", "prefill_chunk", "decode_splits", "decode_splits_high",
                      "decode_warps"):

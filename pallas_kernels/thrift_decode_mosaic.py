@@ -25,8 +25,11 @@ are the ``wgmma`` register A operands and the few query rows sit on N instead of
 The cache layout (:class:`lowbit_jax.ThriftKVCache`) is the kernel's: K's codes (S, D/2) and scales (S, D/16)
 token-major, V's codes block-major and channel-major within a block (a block's D rows of 32 bytes, one
 contiguous 4 KB read at D128) and its scales (S/16, D). A one-warpgroup pipeline streams each
-step's four tiles, the block index read from the run's order in SMEM. Interpreted (the Mosaic GPU interpreter has
-no inline PTX and takes SMEM operands only), the same values by ``jax.numpy`` and SMEM operand tiles.
+step's four tiles, the block index read from the run's order in SMEM. With ``ThriftConfig.decode_compute_wgs`` of 2
+or 4 a CTA runs that many consecutive runs instead, one a compute warpgroup, and a producer warpgroup issues every
+copy into the warpgroups' own SMEM slots (:func:`_kernel_producer`; the same numerics). Interpreted (the Mosaic GPU
+interpreter has no inline PTX and takes SMEM operands only), the same values by ``jax.numpy`` and SMEM operand
+tiles.
 
 Covered (:func:`supports`): head dim 64 or 128, ``block`` 64, N = 8, 16, 32 or 64 query rows a CTA.
 """
@@ -42,13 +45,15 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels._mosaic import (
-    accumulate, cols_of, compiler_params, interpret_params, pl, plgpu, tile_transforms, wgmma_zeros,
+    MEMORY_REGISTERS, accumulate, cols_of, compiler_params, interpret_params, launch, pl, plgpu, tile_transforms,
+    wgmma_zeros,
 )
 from pallas_kernels._triton import E2M1_SPREAD, e2m1_lane_ptx
 from pallas_kernels.configs import ThriftConfig
 from pallas_kernels.stmatrix import Int, warp_and_lane
 from pallas_kernels.numerics import nvfp4
 from pallas_kernels.thrift_scalars import HEADER, N_LOW, check_scalars, padded_rows
+from pallas_kernels.warp_reduce import column_reduce
 
 LOG2E = math.log2(math.e)
 BLOCK = 64  # keys a step: the wgmma M of Sᵀ
@@ -221,99 +226,221 @@ def _key_group_max_interpreted(p: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- the kernel
 
 
-def _kernel(qf_ref, scalars_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_out, m_out, l_out, *,
-            q_smem, pos_smem, meta_smem, order_smem, p_smem, acc_smem, ml_smem, barrier, splits, n_rt, score_scale,
-            interpret, k_op_smem=None, vt_op_smem=()):
-    """One CTA: (batch, kv head × row tile, run). Its query rows, their positions, the 4-bit block count and the
-    (b, kv head)'s block order come in first; the pipeline then streams the run's blocks (K's codes and scales,
-    V's codes and scales a step) and the epilogue writes Oᵀ, m and l of the run."""
-    n, d = q_smem.shape
-    b, x, split = lax.axis_index("b"), lax.axis_index("x"), lax.axis_index("split")
+def _in_tiles(d: int) -> tuple[tuple[tuple[int, int], object], ...]:
+    """(shape, transforms) of a block's four SMEM tiles: K's codes (64, D/2) and scales (64·D/256, 16 bytes), V's
+    codes (D, 32) and scales (4, D)."""
+    return (((BLOCK, d // 2), tile_transforms(jnp.uint8, d // 2)),
+            ((BLOCK * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW), ()),
+            ((d, BLOCK // 2), tile_transforms(jnp.uint8, BLOCK // 2)),
+            ((BLOCK // nvfp4.GROUP, d), ()))
+
+
+def _block_rows(block, d: int) -> tuple:
+    """The first row of key block ``block`` in each of the four cache arrays the tiles of :func:`_in_tiles` come
+    from (the K scales as 16-byte rows)."""
+    return block * BLOCK, block * (BLOCK * d // nvfp4.GROUP // SCALE_ROW), block * d, block * (BLOCK // nvfp4.GROUP)
+
+
+def _setup(qf_ref, scalars_ref, order_ref, q_smem, pos_smem, meta_smem, order_smem, barrier, *, n_rt: int,
+           issue: bool = True):
+    """The CTA's query rows, their positions, the scalars' header and the (b, kv head)'s block order, copied in
+    (by this warpgroup if ``issue``) and waited for. Returns (b, kv head, the rows' slice, the 4-bit block
+    count, block_of(j): the j-th block of the order)."""
+    n, _ = q_smem.shape
+    b, x = lax.axis_index("b"), lax.axis_index("x")
     hkv, rt = x // n_rt, x % n_rt
     rows = pl.ds(rt * n, n)
     header = pl.ds(padded_rows(scalars_ref), HEADER)
-    for i, (src, dst) in enumerate(((qf_ref.at[b, hkv, rows], q_smem), (scalars_ref.at[rows], pos_smem),
-                                    (scalars_ref.at[header], meta_smem), (order_ref.at[b, hkv], order_smem))):
-        plgpu.copy_gmem_to_smem(src, dst, barrier.at[i])
-    for i in range(4):
+    copies = ((qf_ref.at[b, hkv, rows], q_smem), (scalars_ref.at[rows], pos_smem),
+              (scalars_ref.at[header], meta_smem), (order_ref.at[b, hkv], order_smem))
+
+    def copy_in():
+        for i, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, barrier.at[i])
+
+    if issue is True:
+        copy_in()
+    else:  # one warpgroup copies, every warpgroup waits
+        pl.when(issue)(copy_in)
+
+    for i in range(len(copies)):
         plgpu.barrier_wait(barrier.at[i])
-    n_low = meta_smem[N_LOW]
-    per = (n_low + splits - 1) // splits
-    i0 = split * per
-    count = jnp.clip(n_low - i0, 0, per)
-    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along Sᵀ's columns: one entry a query row
-    positions = plgpu.load(pos_smem, layout=col_layout)
-    fused = not interpret  # every product issued before one wait; the interpreter runs one at a time
     width = order_smem.shape[1]
 
-    def block_of(i):
-        j = i0 + i
+    def block_of(j):
         return order_smem[j // width, j % width].astype(jnp.int32)
 
-    in_specs = [
-        plgpu.BlockSpec((BLOCK, d // 2), lambda i: (block_of(i), 0), transforms=tile_transforms(jnp.uint8, d // 2)),
-        plgpu.BlockSpec((BLOCK * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW), lambda i: (block_of(i), 0)),
-        plgpu.BlockSpec((d, BLOCK // 2), lambda i: (block_of(i), 0), transforms=tile_transforms(jnp.uint8, BLOCK // 2)),
-        plgpu.BlockSpec((BLOCK // nvfp4.GROUP, d), lambda i: (block_of(i), 0)),
-    ]
+    return b, hkv, rows, meta_smem[N_LOW], block_of
 
-    def step(idx, k_codes, k_scales, v_codes, v_scales, carry):
-        accs, m_prev, l_acc = carry
-        start = block_of(idx[0]) * BLOCK
+
+def _run(n_low, split, splits: int):
+    """(first index into the order, block count) of 4-bit run ``split`` of ``splits``: contiguous runs of
+    ⌈n_low / splits⌉ blocks (the Triton kernel's)."""
+    per = (n_low + splits - 1) // splits
+    i0 = split * per
+    return i0, jnp.clip(n_low - i0, 0, per)
+
+
+def _init_carry(n: int, d: int):
+    """Oᵀ's D/64 (64, N) tiles, m (N,) and the per-element l (64, N) of an empty run."""
+    m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+    return tuple(wgmma_zeros((64, n)) for _ in range(d // 64)), m0, wgmma_zeros((BLOCK, n))
+
+
+def _block_step(start, k_codes, k_scales, v_codes, v_scales, carry, *, q_smem, p_smem, positions, score_scale,
+                interpret, k_op_smem=None, vt_op_smem=(), red_smem=None):
+    """One 4-bit key block (its first key ``start``) into the online softmax ``carry`` (:func:`_init_carry`):
+    Sᵀ = K̃·Q̃ᵀ, FQ(P̃) at the running max, Oᵀ += Ṽᵀ·P̃ᵀ. ``red_smem``: this warpgroup's (4, N) float32 scratch for
+    the block's max over the keys (``warp_reduce.column_reduce``), where other compute warpgroups reduce at the
+    same time; None: Mosaic GPU's own reduction."""
+    n = q_smem.shape[0]
+    accs, m_prev, l_acc = carry
+    if interpret:
+        k_op_smem[...] = _decode_k_interpreted(k_codes[...], k_scales[...])
+        plgpu.commit_smem()
+        k_op = k_op_smem
+    else:
+        k_op = _decode_k(plgpu.load(k_codes, layout=plgpu.Layout.WGMMA), k_scales)
+
+    def scores_then_v(acc_ref):
+        plgpu.wgmma(acc_ref, k_op, q_smem.T)
         if interpret:
-            k_op_smem[...] = _decode_k_interpreted(k_codes[...], k_scales[...])
-            plgpu.commit_smem()
-            k_op = k_op_smem
-        else:
-            k_op = _decode_k(plgpu.load(k_codes, layout=plgpu.Layout.WGMMA), k_scales)
+            vts = _decode_vt_interpreted(v_codes[...], v_scales[...])
+        else:  # decoded while the tensor cores compute Sᵀ
+            vts = _decode_vt(plgpu.load(v_codes, layout=plgpu.Layout.WGMMA), v_scales)
+        return acc_ref[...], vts
 
-        def scores_then_v(acc_ref):
-            plgpu.wgmma(acc_ref, k_op, q_smem.T)
-            if interpret:
-                vts = _decode_vt_interpreted(v_codes[...], v_scales[...])
-            else:  # decoded while the tensor cores compute Sᵀ
-                vts = _decode_vt(plgpu.load(v_codes, layout=plgpu.Layout.WGMMA), v_scales)
-            return acc_ref[...], vts
+    s, vts = pl.run_scoped(scores_then_v, plgpu.ACC((BLOCK, n), jnp.float32))
+    keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK, n), 0, layout=plgpu.Layout.WGMMA) + start
+    s = jnp.where(keys <= cols_of(positions, (BLOCK, n)), s * score_scale, -jnp.inf)
+    # the max over the keys, across the four warps through SMEM
+    m_block = jnp.max(s, axis=0) if red_smem is None else column_reduce(s, red_smem, "max", interpret)
+    m_new = jnp.maximum(m_prev, m_block)
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - cols_of(m_ref, (BLOCK, n)))
+    alpha = cols_of(jnp.exp2(m_prev - m_ref), (BLOCK, n))
+    l_acc = l_acc * alpha + p
+    gmax = _key_group_max_interpreted(p) if interpret else _key_group_max(p)
+    values, sf = nvfp4.fake_quant_parts(p, gmax, nonnegative=True, assume_finite=True)
+    # V's 2**-14 back; stored query-major, (N, 64 keys): an 8-column tile has no swizzle, a 64-key row has
+    p_smem.T[...] = (values * (sf * nvfp4.E2M1_F16_BIAS)).astype(jnp.float16)
+    plgpu.commit_smem()  # P̃ᵀ is the product's B operand
+    if interpret:
+        a_ops = []
+        for t, vt in zip(vt_op_smem, vts):
+            t[...] = vt
+            a_ops.append(t)
+        plgpu.commit_smem()
+    else:
+        a_ops = vts
+    accs = tuple(acc * alpha for acc in accs)  # Oᵀ's tiles have Sᵀ's shape (64, N)
+    accs = accumulate(accs, tuple((a, p_smem.T) for a in a_ops), fused=not interpret)
+    return accs, m_new, l_acc
 
-        s, vts = pl.run_scoped(scores_then_v, plgpu.ACC((BLOCK, n), jnp.float32))
-        keys = plgpu.broadcasted_iota(jnp.int32, (BLOCK, n), 0, layout=plgpu.Layout.WGMMA) + start
-        s = jnp.where(keys <= cols_of(positions, (BLOCK, n)), s * score_scale, -jnp.inf)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0))  # across the four warps, through SMEM
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - cols_of(m_ref, (BLOCK, n)))
-        alpha = cols_of(jnp.exp2(m_prev - m_ref), (BLOCK, n))
-        l_acc = l_acc * alpha + p
-        gmax = _key_group_max_interpreted(p) if interpret else _key_group_max(p)
-        values, sf = nvfp4.fake_quant_parts(p, gmax, nonnegative=True, assume_finite=True)
-        # V's 2**-14 back; stored query-major, (N, 64 keys): an 8-column tile has no swizzle, a 64-key row has
-        p_smem.T[...] = (values * (sf * nvfp4.E2M1_F16_BIAS)).astype(jnp.float16)
-        plgpu.commit_smem()  # P̃ᵀ is the product's B operand
-        if interpret:
-            a_ops = []
-            for t, vt in zip(vt_op_smem, vts):
-                t[...] = vt
-                a_ops.append(t)
-            plgpu.commit_smem()
-        else:
-            a_ops = vts
-        accs = tuple(acc * alpha for acc in accs)  # Oᵀ's tiles have Sᵀ's shape (64, N)
-        accs = accumulate(accs, tuple((a, p_smem.T) for a in a_ops), fused=fused)
-        return accs, m_new, l_acc
 
-    m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col_layout)
-    carry = (tuple(wgmma_zeros((64, n)) for _ in range(d // 64)), m0, wgmma_zeros((BLOCK, n)))
-    pipeline = plgpu.emit_pipeline(step, grid=(count,), in_specs=in_specs, max_concurrent_steps=STAGES,
-                                   init_carry=carry)
-    accs, m, l_acc = pipeline(k4_ref.at[b, hkv], ks_ref.at[b, hkv], v4_ref.at[b, hkv], vs_ref.at[b, hkv])
+def _write_partials(carry, acc_smem, ml_smem, acc_dst, m_dst, l_dst, *, red_smem=None,
+                    interpret: bool = False) -> None:
+    """A run's Oᵀ (D, N), m and l = Σ over the keys of the per-element l, through SMEM to their GMEM slices.
+    ``red_smem`` as in :func:`_block_step`."""
+    accs, m, l_acc = carry
     for s, acc in enumerate(accs):
         acc_smem[pl.ds(64 * s, 64), :] = acc
     ml_smem[0] = m
-    ml_smem[1] = jnp.sum(l_acc, axis=0)
+    ml_smem[1] = jnp.sum(l_acc, axis=0) if red_smem is None else column_reduce(l_acc, red_smem, "sum", interpret)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(acc_smem, acc_out.at[b, hkv, split, :, rows])
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[b, hkv, split, rows])
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[b, hkv, split, rows])
+    plgpu.copy_smem_to_gmem(acc_smem, acc_dst)
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_dst)
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_dst)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel(qf_ref, scalars_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_out, m_out, l_out, *,
+            q_smem, pos_smem, meta_smem, order_smem, p_smem, acc_smem, ml_smem, barrier, splits, n_rt, score_scale,
+            interpret, k_op_smem=None, vt_op_smem=()):
+    """One CTA of one warpgroup: (batch, kv head × row tile, run). Its query rows, their positions, the 4-bit block
+    count and the (b, kv head)'s block order come in first; the pipeline then streams the run's blocks (K's codes
+    and scales, V's codes and scales a step) and the epilogue writes Oᵀ, m and l of the run."""
+    n, d = q_smem.shape
+    split = lax.axis_index("split")
+    b, hkv, rows, n_low, block_of = _setup(qf_ref, scalars_ref, order_ref, q_smem, pos_smem, meta_smem, order_smem,
+                                           barrier, n_rt=n_rt)
+    i0, count = _run(n_low, split, splits)
+    positions = plgpu.load(pos_smem, layout=plgpu.Layout.WGMMA.reduce(0))  # one entry a query row
+    in_specs = [plgpu.BlockSpec(shape, lambda i: (block_of(i0 + i), 0), transforms=transforms)
+                for shape, transforms in _in_tiles(d)]
+    step_kw = dict(q_smem=q_smem, p_smem=p_smem, score_scale=score_scale, interpret=interpret, k_op_smem=k_op_smem,
+                   vt_op_smem=vt_op_smem)
+
+    def step(idx, *tiles_and_carry):
+        *tiles, carry = tiles_and_carry
+        return _block_step(block_of(i0 + idx[0]) * BLOCK, *tiles, carry, positions=positions, **step_kw)
+
+    pipeline = plgpu.emit_pipeline(step, grid=(count,), in_specs=in_specs, max_concurrent_steps=STAGES,
+                                   init_carry=_init_carry(n, d))
+    carry = pipeline(k4_ref.at[b, hkv], ks_ref.at[b, hkv], v4_ref.at[b, hkv], vs_ref.at[b, hkv])
+    _write_partials(carry, acc_smem, ml_smem, acc_out.at[b, hkv, split, :, rows], m_out.at[b, hkv, split, rows],
+                    l_out.at[b, hkv, split, rows])
+
+
+def _kernel_producer(qf_ref, scalars_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_ref, acc_out, m_out, l_out, *,
+                     q_smem, pos_smem, meta_smem, order_smem, p_smem, acc_smem, ml_smem, barrier, tiles, loaded,
+                     consumed, red_smem, splits, n_rt, score_scale, interpret, wgs, stages, compute_registers,
+                     k_op_smem=None, vt_op_smem=()):
+    """One CTA of ``wgs`` compute warpgroups and a producer warpgroup: (batch, kv head × row tile, ``wgs``
+    consecutive runs). Compute warpgroup w runs the CTA's run w with the same numerics as :func:`_kernel`, from
+    ``stages`` SMEM slots of its own (``tiles``: four (wgs, stages, …) arrays) that the producer fills by TMA,
+    taking the warpgroups' next blocks in turn; ``loaded`` and ``consumed`` (wgs · stages barriers each) hand each
+    slot over. The producer issues every copy, so the compute warps only wait on a slot's barrier and then arrive on
+    its release. The reductions over the keys go through each warpgroup's own ``red_smem``."""
+    n, d = q_smem.shape
+    wg = lax.axis_index("wg")
+    producer = wg == wgs
+    b, hkv, rows, n_low, block_of = _setup(qf_ref, scalars_ref, order_ref, q_smem, pos_smem, meta_smem, order_smem,
+                                           barrier, n_rt=n_rt, issue=producer)
+    first = lax.axis_index("split") * wgs
+    srcs = (k4_ref.at[b, hkv], ks_ref.at[b, hkv], v4_ref.at[b, hkv], vs_ref.at[b, hkv])
+
+    def produce():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        runs = [_run(n_low, first + w, splits) for w in range(wgs)]
+
+        @pl.loop(0, functools.reduce(jnp.maximum, [count for _, count in runs]))
+        def _(k):
+            slot = lax.rem(k, stages)
+            for w, (i0, count) in enumerate(runs):
+                @pl.when(k < count)
+                def _():
+                    @pl.when(k >= stages)
+                    def _():  # the slot's block of `stages` steps ago is consumed
+                        plgpu.barrier_wait(consumed.at[w * stages + slot])
+
+                    starts = _block_rows(block_of(i0 + k), d)
+                    for src, tile, start in zip(srcs, tiles, starts):
+                        plgpu.copy_gmem_to_smem(src.at[pl.ds(start, tile.shape[2])], tile.at[w, slot],
+                                                loaded.at[w * stages + slot])
+
+    def compute():
+        plgpu.set_max_registers(compute_registers, action="increase")
+        split = first + wg
+        i0, count = _run(n_low, split, splits)
+        positions = plgpu.load(pos_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        step_kw = dict(q_smem=q_smem, p_smem=p_smem.at[wg], positions=positions, score_scale=score_scale,
+                       interpret=interpret, k_op_smem=None if k_op_smem is None else k_op_smem.at[wg],
+                       vt_op_smem=tuple(t.at[wg] for t in vt_op_smem), red_smem=red_smem.at[wg])
+
+        def body(k, carry):
+            slot = lax.rem(k, stages)
+            plgpu.barrier_wait(loaded.at[wg * stages + slot])
+            carry = _block_step(block_of(i0 + k) * BLOCK, *(t.at[wg, slot] for t in tiles), carry, **step_kw)
+            plgpu.barrier_arrive(consumed.at[wg * stages + slot])
+            return carry
+
+        carry = lax.fori_loop(0, count, body, _init_carry(n, d))
+        _write_partials(carry, acc_smem.at[wg], ml_smem.at[wg], acc_out.at[b, hkv, split, :, rows],
+                        m_out.at[b, hkv, split, rows], l_out.at[b, hkv, split, rows], red_smem=red_smem.at[wg],
+                        interpret=interpret)
+
+    lax.cond(producer, produce, compute)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "row_tile", "rows", "interpret"))
@@ -354,21 +481,49 @@ def thrift_decode_low(qf_rows: jax.Array, scalars: jax.Array, order: jax.Array, 
     order = order.reshape(b, hkv, nkb // width, width)
     f16, f32 = jnp.float16, jnp.float32
     ks = k4_scale_bits.reshape(b, hkv, s_max * d // nvfp4.GROUP // SCALE_ROW, SCALE_ROW)  # 16-byte rows for TMA
+    wgs = producer_wgs(config, splits)
+    per_wg = () if wgs == 1 else (wgs,)  # the producer kernel: one of each compute warpgroup's own tiles apiece
     scratch = dict(q_smem=plgpu.SMEM((n, d), f16, transforms=tile_transforms(f16, d)),
                    pos_smem=plgpu.SMEM((n,), jnp.int32), meta_smem=plgpu.SMEM((HEADER,), jnp.int32),
                    order_smem=plgpu.SMEM((nkb // width, width), order.dtype),
-                   p_smem=plgpu.SMEM((n, BLOCK), f16, transforms=tile_transforms(f16, BLOCK)),
-                   acc_smem=plgpu.SMEM((d, n), f32), ml_smem=plgpu.SMEM((2, n), f32),
+                   p_smem=plgpu.SMEM((*per_wg, n, BLOCK), f16, transforms=tile_transforms(f16, BLOCK)),
+                   acc_smem=plgpu.SMEM((*per_wg, d, n), f32),
+                   ml_smem=plgpu.SMEM((*per_wg, 2, n), f32),
                    barrier=plgpu.Barrier(num_barriers=4))
     if interpret:  # the interpreter's SMEM A operands: K̃ and Ṽᵀ's 64-channel tiles
-        scratch["k_op_smem"] = plgpu.SMEM((BLOCK, d), f16, transforms=tile_transforms(f16, d))
-        scratch["vt_op_smem"] = tuple(plgpu.SMEM((64, BLOCK), f16, transforms=tile_transforms(f16, BLOCK))
+        scratch["k_op_smem"] = plgpu.SMEM((*per_wg, BLOCK, d), f16, transforms=tile_transforms(f16, d))
+        scratch["vt_op_smem"] = tuple(plgpu.SMEM((*per_wg, 64, BLOCK), f16, transforms=tile_transforms(f16, BLOCK))
                                       for _ in range(d // 64))
-    kernel = functools.partial(_kernel, splits=splits, n_rt=n_rt, score_scale=scale * LOG2E * nvfp4.E2M1_F16_BIAS,
-                               interpret=interpret)
+    common = dict(splits=splits, n_rt=n_rt, score_scale=scale * LOG2E * nvfp4.E2M1_F16_BIAS, interpret=interpret)
     out_type = (jax.ShapeDtypeStruct((b, hkv, splits, d, r_pad), f32), jax.ShapeDtypeStruct((b, hkv, splits, r_pad), f32),
                 jax.ShapeDtypeStruct((b, hkv, splits, r_pad), f32))
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(b, hkv * n_rt, splits),
-                        grid_names=("b", "x", "split"), compiler_params=compiler_params(),
-                        interpret=interpret_params(interpret), kernel_name="thrift_decode_low")(
-        qf_rows, scalars, order, k4, ks, v4, v4_scale_bits)
+    args = (qf_rows, scalars, order, k4, ks, v4, v4_scale_bits)
+    if wgs == 1:
+        return plgpu.kernel(functools.partial(_kernel, **common), out_type=out_type, scratch_types=scratch,
+                            grid=(b, hkv * n_rt, splits), grid_names=("b", "x", "split"),
+                            compiler_params=compiler_params(), interpret=interpret_params(interpret),
+                            kernel_name="thrift_decode_low")(*args)
+    scratch.update(tiles=tuple(plgpu.SMEM((wgs, STAGES, *shape), jnp.uint8, transforms=transforms)
+                               for shape, transforms in _in_tiles(d)),
+                   loaded=plgpu.Barrier(num_arrivals=4, num_barriers=wgs * STAGES),  # the four copies of a block
+                   consumed=plgpu.Barrier(num_barriers=wgs * STAGES),
+                   red_smem=plgpu.SMEM((wgs, 4, n), f32))  # each warpgroup's own (warp_reduce.column_reduce)
+    kernel = functools.partial(_kernel_producer, wgs=wgs, stages=STAGES, compute_registers=compute_registers(wgs),
+                               **common)
+    return launch(kernel, out_type, scratch, (b, hkv * n_rt, splits // wgs), ("b", "x", "split"),
+                  name="thrift_decode_low", compute_wgs=wgs, interpret=interpret)(*args)
+
+
+def producer_wgs(config: ThriftConfig, splits: int) -> int:
+    """Compute warpgroups a CTA of :func:`thrift_decode_low` (``ThriftConfig.decode_compute_wgs``): 1, the
+    one-warpgroup kernel, where ``splits`` (the 4-bit runs) is not a multiple of the field."""
+    wgs = config.decode_compute_wgs
+    return wgs if splits % wgs == 0 else 1
+
+
+def compute_registers(wgs: int) -> int:
+    """Registers a thread of a compute warpgroup of the producer kernel: the SM's 64K shared by as many CTAs as keep
+    16 compute warps an SM (the one-warpgroup kernel's four CTAs), less the producer's, rounded down to a multiple
+    of 8 (``setmaxnreg``)."""
+    ctas = max(1, 4 // wgs)
+    return min(256, (65536 // ctas - 128 * MEMORY_REGISTERS) // (128 * wgs) // 8 * 8)

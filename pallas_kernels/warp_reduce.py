@@ -2,7 +2,8 @@
 
 :func:`tile_absmax`: the maximum |x| of a WGMMA-layout tile as a scalar every thread of the warpgroup holds (the
 per-tile INT8 scale of SageBwd's dS), compiled as one ``redux.sync`` per warp and four words through the warpgroup's
-own SMEM scratch. :func:`warp_any_above`: whether any row of a warp's rows is above a threshold, as one
+own SMEM scratch. :func:`column_reduce`: the maximum or sum over the rows of a tile, through the warpgroup's own
+scratch too. :func:`warp_any_above`: whether any row of a warp's rows is above a threshold, as one
 ``vote.sync`` (the SageAttention forward's conditional rescaling). Both are inline Mosaic GPU where compiled and
 plain jax.numpy in the interpreter.
 """
@@ -96,6 +97,71 @@ def _warp_absmax(x: jax.Array, scratch) -> jax.Array:
     return _max(plgpu.layout_cast(x, plgpu.Layout.WGMMA), scratch)
 
 
+def column_reduce(x: jax.Array, scratch, kind: str, interpret: bool) -> jax.Array:
+    """The maximum (``kind="max"``, NaN propagating) or sum (``"sum"``) over the rows of a (64, N) float32
+    WGMMA-layout tile, an (N,) vector in ``Layout.WGMMA.reduce(0)``, through this warpgroup's own (4, N) float32 SMEM
+    ``scratch``: Mosaic GPU's own cross-warp reduction (``jnp.max(x, axis=0)``) shares one scratch area between the
+    warpgroups of a CTA (:func:`tile_absmax`), so two compute warpgroups reducing over rows at once would race.
+
+    Compiled (inline Mosaic GPU): each thread combines its two row halves, three butterfly shuffles over the lane's
+    row bits give the warp's result for the thread's column pairs, the warp stores it into row ``warp`` of
+    ``scratch`` between two warpgroup barriers (the first orders it after every warp's loads of the previous
+    call), and each thread combines the four rows of its columns. Interpreted, by ``jax.numpy``."""
+    if kind not in ("max", "sum"):
+        raise ValueError(f"kind must be 'max' or 'sum', got {kind!r}")
+    if x.ndim != 2 or x.shape[0] != 64 or scratch.shape != (4, x.shape[1]):
+        raise ValueError(f"column_reduce takes a (64, N) tile and a (4, N) scratch; got {x.shape} and {scratch.shape}")
+    if interpret:
+        return jnp.max(x, axis=0) if kind == "max" else jnp.sum(x, axis=0)
+    return _column_reduce(x, scratch, kind)
+
+
+def _column_reduce(x: jax.Array, scratch, kind: str) -> jax.Array:
+    """:func:`column_reduce` compiled. The vector's registers: one (2,) float32 piece per 8-column chunk j, this
+    thread's columns 8j + 2c, 8j + 2c + 1 (c = lane mod 4), as in the tile's registers."""
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental import mosaic
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    n = x.shape[1]
+    out_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((n,), x.dtype, layout=out_layout))
+    def _reduce(ctx, arr, smem):
+        del ctx
+        op = arith.maximumf if kind == "max" else arith.addf  # maximumf propagates NaN
+        i8 = ir.IntegerType.get_signless(8)
+        regs = arr.registers  # index 1: the 8-column chunk j; index 4: the row half
+        stmatrix.check_registers(regs.shape, n)
+        vector_layout = fa.WGMMA_LAYOUT.reduce((0,))
+        if vector_layout.registers_shape((n,)) != (n // 8, 1, 1) or vector_layout.vector_length != 2:
+            raise NotImplementedError(f"unexpected register array of an ({n},) WGMMA column vector")
+        warp, lane = stmatrix.warp_and_lane()
+        c = lane & 3
+        base = mgpu_utils.memref_ptr(smem)
+        vec_ty = regs.flat[0].type
+        mgpu_utils.warpgroup_barrier()  # every warp has read the scratch's previous contents
+        for j in range(n // 8):
+            v = op(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
+            for stride in (4, 8, 16):  # the lane's row bits
+                v = op(v, mgpu_utils.shfl_bfly(v, stride))
+            offset = (warp * n + (j * 8) + c * 2) * 4  # every lane of a column pair stores the same value
+            llvm.store(v, mgpu_utils.getelementptr(base, [offset.value], i8), alignment=8)
+        mgpu_utils.warpgroup_barrier()  # every warp's row is written
+        out = np.empty((n // 8, 1, 1), dtype=object)
+        for j in range(n // 8):
+            parts = [llvm.load(vec_ty, mgpu_utils.getelementptr(base, [((c * 2 + (w * n + j * 8)) * 4).value], i8),
+                               alignment=8) for w in range(4)]
+            out[j, 0, 0] = op(op(parts[0], parts[1]), op(parts[2], parts[3]))
+        return mosaic.gpu.FragmentedArray(_registers=out, _layout=vector_layout, _is_signed=None)
+
+    return _reduce(plgpu.layout_cast(x, plgpu.Layout.WGMMA), scratch)
+
+
 def warp_any_above(x: jax.Array, threshold: float, interpret: bool) -> jax.Array:
     """Whether any row value of a (rows,) WGMMA row vector (``Layout.WGMMA.reduce(1)``) exceeds ``threshold``, as a
     bool scalar for ``lax.cond``: compiled, over the rows of this thread's *warp* (16 of a 64-row tile; one
@@ -134,4 +200,4 @@ def _warp_vote_above(x: jax.Array, threshold: float) -> jax.Array:
     return _vote(plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)))
 
 
-__all__ = ["tile_absmax", "tile_absmax_of", "warp_any_above"]
+__all__ = ["tile_absmax", "tile_absmax_of", "column_reduce", "warp_any_above"]

@@ -303,19 +303,22 @@ def test_thrift_decode_lowers_to_triton(t, hq, d, block):
     assert "prmt.b32" in text  # the 4-bit blocks decode through the inline PTX (interpret mode: jax.numpy)
 
 
-@pytest.mark.parametrize("t, hq, d", [(1, 32, 128), (3, 8, 64), (16, 8, 128)])  # Mosaic: 8, 8, 16 rows a CTA
-def test_thrift_decode_mosaic_lowers(t, hq, d):
+@pytest.mark.parametrize("t, hq, d, wgs", [(1, 32, 128, 1), (3, 8, 64, 1), (16, 8, 128, 1), (1, 32, 128, 2),
+                                           (3, 8, 64, 4)])  # Mosaic: 8, 8, 16 rows a CTA
+def test_thrift_decode_mosaic_lowers(t, hq, d, wgs):
     """``decode_backend="mosaic"``: the 4-bit runs lower to the Mosaic GPU kernel (its inline PTX decode and lane
-    shuffles), the 16-bit runs to the Triton kernel."""
+    shuffles; with ``decode_compute_wgs`` > 1 the producer kernel, its warpgroups' register counts set), the 16-bit
+    runs to the Triton kernel."""
     from lowbit_jax import thrift as thrift_mod
 
     cache = jax.eval_shape(lambda: lb.ThriftKVCache.create(2, 131072, 8, d))
     q = jax.ShapeDtypeStruct((2, t, hq, d), jnp.bfloat16)
-    cfg = lb.ThriftConfig(decode_backend="mosaic")
+    cfg = lb.ThriftConfig(decode_backend="mosaic", decode_compute_wgs=wgs)
     text = lower_for_h200(lambda q, c: thrift_mod._decode(q, c, budget=0.05, scale=d**-0.5, implementation="pallas",
                                                           interpret=False, config=cfg), q, cache)
     assert text.count("mosaic_gpu_v2(") == 1 and "thrift_decode_low" in text
     assert triton_named(text, "thrift_decode") and triton_named(text, "thrift_combine")
+    assert ("setmaxnreg" in text) == (wgs > 1)
 
 
 @pytest.mark.parametrize("d, block, dtype", [(128, 64, jnp.bfloat16), (64, 32, jnp.float32), (32, 128, jnp.float16)])

@@ -765,15 +765,20 @@ def _mosaic_case(b, n, t, hq, hkv, d, seed):
     return q[:, n:], k, v, cache
 
 
-@pytest.mark.parametrize("case", MOSAIC_DECODE_CASES)
-def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case):
+@pytest.mark.parametrize("case, wgs", [(case, 1) for case in MOSAIC_DECODE_CASES] + [
+    (MOSAIC_DECODE_CASES[1], 2), (MOSAIC_DECODE_CASES[1], 4), (MOSAIC_DECODE_CASES[2], 2),
+    (MOSAIC_DECODE_CASES[3], 2), (MOSAIC_DECODE_CASES[5], 2), (MOSAIC_DECODE_CASES[0], 4)])
+def test_decode_mosaic_partials_are_the_triton_kernels_4bit_runs(case, wgs):
     """The Mosaic kernel's (Oᵀ, m, l) of each 4-bit run equal the Triton kernel's first ``decode_splits`` splits
-    (the same blocks, numerics and online softmax; the interpreter's products are exact in float32)."""
+    (the same blocks, numerics and online softmax; the interpreter's products are exact in float32). With
+    ``decode_compute_wgs`` = 2 or 4 the producer kernel: runs of 2, 2, 2, 0 blocks on one CTA's four compute
+    warpgroups, empty runs, all 16-bit, two row tiles; 4 with two runs falls back to one warpgroup a CTA."""
     from pallas_kernels import thrift_decode, thrift_decode_mosaic
 
     b, n, t, hq, hkv, d, budget, splits = case
     qt, _, _, cache = _mosaic_case(b, n, t, hq, hkv, d, seed=n + d)
-    cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2)
+    cfg = lb.ThriftConfig(decode_splits=splits, decode_splits_high=2, decode_compute_wgs=wgs)
+    assert thrift_decode_mosaic.producer_wgs(cfg, splits) == (wgs if splits % wgs == 0 else 1)
     rows = t * (hq // hkv)
     r_pad, row_tile = thrift_backends.decode_layout(rows)
     scalars = thrift_backends.decode_scalars(qt, cache, budget=budget, block=64, r_pad=r_pad)
@@ -836,6 +841,9 @@ def test_decode_mosaic_shows_a_nonfinite_input(where):
 def test_decode_backend_is_checked_and_falls_back_where_mosaic_does_not_cover():
     with pytest.raises(ValueError, match="decode_backend"):
         lb.ThriftConfig(decode_backend="cuda")
+    for wgs in (3, 8, True):
+        with pytest.raises(ValueError, match="decode_compute_wgs"):
+            lb.ThriftConfig(decode_compute_wgs=wgs)
     cfg = lb.ThriftConfig(block=32, quant_block=32, decode_splits=2, decode_splits_high=2, decode_backend="mosaic")
     assert not thrift_backends.takes_mosaic_decode(cfg, head_dim=64, row_tile=16, interpret=True)  # block 32
     assert thrift_backends.takes_mosaic_decode(dataclasses.replace(cfg, block=64), head_dim=64, row_tile=16,
@@ -847,3 +855,4 @@ def test_decode_backend_is_checked_and_falls_back_where_mosaic_does_not_cover():
     got = lb.thrift_decode(q[:, -1:], cache, budget=0.2, config=cfg, implementation="pallas", interpret=INTERPRET)
     ref = lb.thrift_decode(q[:, -1:], cache, budget=0.2, config=cfg, implementation="xla")
     assert metrics(got, ref)[1] < 2e-3
+

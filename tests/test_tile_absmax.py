@@ -2,7 +2,8 @@
 (SageBwd's per-tile dS scale). Interpreted it is the row maxima re-read along the lanes; compiled one
 ``redux.sync`` per warp and four SMEM words in inline Mosaic GPU, which only the GPU runs: the compiled test below
 lowers for an H200 anywhere and compares with numpy on a Hopper GPU, two
-warpgroups reducing different tiles at once (each with its own scratch row, as the kernels do)."""
+warpgroups reducing different tiles at once (each with its own scratch row, as the kernels do). The same for
+``warp_reduce.column_reduce`` (the max and sum over a tile's rows, the producer decode kernel's)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,80 @@ def test_tile_absmax_rejects_a_scratch_of_another_length():
     with pytest.raises(ValueError, match=r"a \(rows,\) scratch"):
         h200.lower_for_h200(_tile_max_kernel(False, scratch_rows=60), jax.ShapeDtypeStruct(a.shape, a.dtype),
                               jax.ShapeDtypeStruct(e.shape, e.dtype))
+
+
+def _column_kernel(interpret: bool, n: int):
+    """a (WGS, 64, 64) bf16, e (n, 64) bf16 → per warpgroup w: t = a[w]·eᵀ (a (64, n) float32 WGMMA tile), then
+    ``column_reduce(t)``'s max and sum: (WGS, 2, n) float32, both warpgroups reducing at once."""
+    plgpu = _mosaic.plgpu
+
+    def body(a_ref, e_ref, o_ref, a_s, e_s, o_s, red_s, bar):
+        wg = jax.lax.axis_index("wg")
+        for i, (src, dst) in enumerate(((a_ref.at[wg], a_s.at[wg]), (e_ref, e_s.at[wg]))):
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[2 * wg + i])
+            plgpu.barrier_wait(bar.at[2 * wg + i])
+        t = _mosaic.matmul((64, n), jnp.float32, a_s.at[wg], e_s.at[wg].T)
+        o_s[wg, 0] = warp_reduce.column_reduce(t, red_s.at[wg], "max", interpret)
+        o_s[wg, 1] = warp_reduce.column_reduce(t, red_s.at[wg], "sum", interpret)
+        _mosaic.copy_out(((o_s.at[wg], o_ref.at[wg]),))
+
+    bf16 = jnp.bfloat16
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((WGS, 2, n), jnp.float32),
+        scratch_types=[plgpu.SMEM((WGS, 64, 64), bf16, transforms=_mosaic.tile_transforms(bf16, 64)),
+                       plgpu.SMEM((WGS, n, 64), bf16, transforms=_mosaic.tile_transforms(bf16, 64)),
+                       plgpu.SMEM((WGS, 2, n), jnp.float32), plgpu.SMEM((WGS, 4, n), jnp.float32),
+                       plgpu.Barrier(num_barriers=2 * WGS)],
+        num_threads=WGS, thread_name="wg", compiler_params=_mosaic.compiler_params(),
+        interpret=_mosaic.interpret_params(interpret))
+
+
+def _column_inputs(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two (64, 64) tiles of small integers (exact sums in float32), the second scaled by 3, each with its column
+    maxima planted in a different warp's rows, and e = the first n rows of the identity (t = a[w][:, :n])."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-8, 8, (WGS, 64, 64)).astype(np.float32)
+    a[1] *= 3.0
+    for w in range(WGS):
+        for col in range(n):
+            a[w, (16 * (col + w) + col) % 64, col] = 100.0 + col + w
+    return a.astype(jnp.bfloat16), np.eye(64, dtype=jnp.bfloat16)[:n]
+
+
+def _column_expected(a: np.ndarray, n: int) -> np.ndarray:
+    t = a.astype(np.float32)[:, :, :n]
+    return np.stack([t.max(axis=1), t.sum(axis=1)], axis=1)
+
+
+@pytest.mark.parametrize("n", [8, 16, 64])
+def test_column_reduce_interpreted(n):
+    a, e = _column_inputs(n, n)
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = _column_kernel(True, n)(a, e)
+    np.testing.assert_array_equal(np.asarray(got), _column_expected(a, n))
+
+
+@pytest.mark.parametrize("n", [8, 16, 64])
+def test_column_reduce_compiled(monkeypatch, n):
+    """Lowered for an H200 on any machine (the inline route); compiled on a Hopper GPU against numpy, both
+    warpgroups reducing at once through their own scratch rows."""
+    import h200
+
+    calls = []
+    real = warp_reduce._column_reduce
+    monkeypatch.setattr(warp_reduce, "_column_reduce", lambda *a: calls.append(1) or real(*a))
+    kernel = _column_kernel(False, n)
+    a, e = _column_inputs(n, n)
+    jax.clear_caches()
+    h200.lower_for_h200(kernel, jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(e.shape, e.dtype))
+    assert len(calls) == 2, "the compiled column_reduce did not take the inline route"
+    if _mosaic.on_hopper():
+        np.testing.assert_array_equal(np.asarray(kernel(a, e)), _column_expected(a, n))
+
+
+def test_column_reduce_checks_its_arguments():
+    x = jnp.zeros((64, 16), jnp.float32)
+    with pytest.raises(ValueError, match="kind"):
+        warp_reduce.column_reduce(x, jnp.zeros((4, 16), jnp.float32), "min", True)
+    with pytest.raises(ValueError, match="scratch"):
+        warp_reduce.column_reduce(x, jnp.zeros((4, 8), jnp.float32), "max", True)
