@@ -624,7 +624,53 @@ def render_thrift(data: dict) -> list[str]:
         lines += [f"| B{b} S{s} | {t} | {f:g} | " + " | ".join(
             f"{ms[(b, s, t, f, w, st)]:.3f}" if (b, s, t, f, w, st) in ms else "–" for w, st in launches) + " |"
             for b, s, t, f in cases] + [""]
+    wgs_rows = data.get("decode_wgs", [])
+    if wgs_rows:
+        lines += render_decode_wgs(wgs_rows)
     return lines
+
+
+def render_decode_wgs(rows: list[dict]) -> list[str]:
+    """The ``decode_wgs`` section of thrift.json: the Mosaic decode kernel by compute warpgroups a CTA."""
+    wgs = sorted({int(w) for r in rows for w in r["max_abs_vs_1"]})
+    lines = ["Decode by compute warpgroups a CTA of the Mosaic 4-bit kernel (`ThriftConfig.decode_compute_wgs`; more "
+             "than one behind a producer warpgroup), f = 0.05, GQA: ms per step of the whole op and of the split-KV "
+             "kernels with their merge alone, ratio = cuDNN bf16 decode / ours; max |O − O(1 warpgroup)|:", "",
+             "| shape | cuDNN bf16 | " + " | ".join(f"op, {w} wg | kernels, {w} wg" for w in wgs) + " | max diff |",
+             "| --- | --- |" + " --- | --- |" * len(wgs) + " --- |"]
+    for r in rows:
+        ms, ratio = r["ms"], r.get("vs_cudnn_bf16", {})
+
+        def cell(name):
+            if name not in ms:
+                return "–"
+            return f"{ms[name]:.4f}" + (f" ({ratio[name]:.2f}×)" if name in ratio else "")
+
+        diffs = ", ".join(f"{w}: {v:.1e}" for w, v in r["max_abs_vs_1"].items() if v is not None and int(w) > 1)
+        lines.append(f"| B{r['b']} H{r['hq']}/{r['hkv']} S{r['s']} D{r['d']} T{r['t']} | {cell('cudnn_bf16')} | "
+                     + " | ".join(f"{cell(f'op wgs{w}')} | {cell(f'kernels wgs{w}')}" for w in wgs)
+                     + f" | {diffs or '–'} |")
+    return lines + [""]
+
+
+def render_dq_schedule(data: dict) -> list[str]:
+    """benchmarks/dq_schedule.py: the fused dQ's scheduling knobs at head dim 128."""
+    names = list(dict.fromkeys(n for r in data["rows"] for n in r["ms"] if n != "cudnn_bf16"))
+    lines = ["", "## The fused dQ's schedule at head dim 128 (`split_dq_schedule`, `dq_stage_order`)", "",
+             *_command_block(data),
+             "fwd+bwd ms of one jitted `jax.vjp` + pullback (bf16), each variant's speed relative to the library "
+             "default (default ms / variant ms) and cuDNN bf16's ratio to the default; a variant whose gradients "
+             "differ from the default's by more than 1e-3 rel-L1 is not timed.", "",
+             "| method | B, H, S, D, causal | cuDNN bf16 | " + " | ".join(names) + " | gradients vs default |",
+             "| --- | --- | --- |" + " --- |" * len(names) + " --- |"]
+    for r in data["rows"]:
+        ms, speed = r["ms"], r["speed_vs_default"]
+        cells = [f"{ms[n]:.3f} ({speed[n]:.3f}×)" if n in ms else "–" for n in names]
+        cudnn = f"{ms['cudnn_bf16']:.3f} ({speed['cudnn_bf16']:.2f}×)" if "cudnn_bf16" in ms else "–"
+        grads = ", ".join(f"{n} {max(e):.1e}" for n, e in r["grads_vs_default"].items())
+        lines.append(f"| {r['method']} | {', '.join(map(str, r['shape']))} | {cudnn} | " + " | ".join(cells)
+                     + f" | {grads} |")
+    return lines + [""]
 
 
 def render_thrift_quality(data: dict) -> list[str]:
@@ -917,7 +963,7 @@ def main() -> None:
                 ("training", render_training), ("training_300m", render_training),
                 ("data_parallel", render_data_parallel),
                 ("breakdown", render_breakdown),
-                ("dq_kernel", render_dq_kernel),
+                ("dq_kernel", render_dq_kernel), ("dq_schedule", render_dq_schedule),
                 ("qat", lambda data: render_qat(data, _load("qat_sweep"))), ("ablation", render_ablation),
                 ("thrift", render_thrift), ("serving", render_serving),
                 ("serving_prefill", render_serving_prefill), ("activations", render_activations)]
