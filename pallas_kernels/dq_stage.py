@@ -28,6 +28,7 @@ import numpy as np
 
 from pallas_kernels import stmatrix
 from pallas_kernels._mosaic import plgpu
+from pallas_kernels.configs import DQ_STAGE_ORDERS
 
 #: columns of one TMA reduce-add chunk (128 bytes of a 16-bit row: one swizzle width, so a column
 #: slice of a K tile is a valid ``wgmma`` B operand); the permuted order below is made for 64
@@ -48,8 +49,8 @@ def permutes(head_dim: int, interpret: bool, order: str = "auto") -> bool:
     """Whether a fused backward's dQ stage holds the permuted column order (``order``, the configs'
     ``dq_stage_order``): never interpreted; "auto" at head dim 64, "permuted" wherever each warpgroup stores one
     (rows, 64) tile a step (head dim 64, and 128 split by columns), "natural" never."""
-    if order not in ("auto", "natural", "permuted"):
-        raise ValueError(f"order must be 'auto', 'natural' or 'permuted', got {order!r}")
+    if order not in DQ_STAGE_ORDERS:
+        raise ValueError(f"order must be one of {DQ_STAGE_ORDERS}, got {order!r}")
     if interpret or order == "natural":
         return False
     return order == "permuted" or head_dim <= REDUCE_COLS

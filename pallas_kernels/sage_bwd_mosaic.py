@@ -57,7 +57,7 @@ from pallas_kernels._mosaic import (
     guarded_step, key_step_specs, launch, mask_scores, matmul, matmuls, pad_rows, pl, plgpu, query_block_keys,
     row_vector, rows_of, scalar, tile_transforms, tma_rows, transposed_step_spec, trim_rows, wg_tiles, wgmma_zeros,
 )
-from pallas_kernels.configs import SageFwdConfig
+from pallas_kernels.configs import SPLIT_DQ_SCHEDULES, SageFwdConfig
 from pallas_kernels.reduce_add import (
     REDUCE_COLS, early_stage_wait, reduce_add_accumulator, reduce_add_matmul, reduce_add_product, reduce_add_slot,
     reduce_add_stage, reduce_add_total,
@@ -325,6 +325,14 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
             dq_dst = lambda cols: acc.at[b, pl.ds(t * TILE, TILE), h0 + g, cols]  # noqa: E731
             kt_smem = kt_smem2.at[wg]
         dq_joins = fused_dq and head_dim <= 64 and causal  # non-causal, dQ's own wait measured faster
+
+        def split_dq_add():  # head dim 128: this warpgroup's half of dQ summed, its reduce-add to be issued
+            total = _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2,
+                              scale=scale, interpret=interpret)
+            return functools.partial(reduce_add_product, stage2.at[wg], total,
+                                     dq_dst(pl.ds(wg * REDUCE_COLS, REDUCE_COLS)), interpret=interpret, waited=True,
+                                     permuted=permuted)
+
         if dq_joins:  # the dQ stage freed while the three run (reduce_add.early_stage_wait)
             free = early_stage_wait()
             dv_part, dk_part, dq_part = matmuls((out_shape,) * 3, (jnp.int32,) * 3,
@@ -335,24 +343,14 @@ def _dkdv_kernel(q_ref, qs_ref, qt_ref, lse_ref, delta_ref, do_ref, dot_ref, dos
         else:
             dv_part = matmul(out_shape, jnp.int32, *products[0])
         dv_acc = dv_acc + dv_part.astype(jnp.float32) * rows_of(dv_scale, out_shape)
-        if under:  # split dQ summed now; its stage store and reduce-add issued while dK's product runs
-            dq_total = _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2,
-                                 scale=scale, interpret=interpret)
-            add_dq = functools.partial(reduce_add_product, stage2.at[wg], dq_total,
-                                       dq_dst(pl.ds(wg * REDUCE_COLS, REDUCE_COLS)), interpret=interpret,
-                                       waited=True, permuted=permuted)
-            dk_part = matmul(out_shape, jnp.int32, *products[1], issued=add_dq)
-        elif head_dim > 64:
-            dk_part = matmul(out_shape, jnp.int32, *products[1])
+        if head_dim > 64:  # under dK: split dQ summed now, its stage store and reduce-add issued while dK's runs
+            dk_part = matmul(out_shape, jnp.int32, *products[1], issued=split_dq_add() if under else None)
         dk_acc = dk_acc + dk_part.astype(jnp.float32) * (rows_of(factor, out_shape) if ds_per_row else factor)
         if dq_joins:  # dQ += dŜK̂ · dq_factor, INT8, reduce-added into the float32 dQ
             reduce_add_product(stage2.at[wg], dq_part, dq_dst(pl.ds(0, head_dim)), interpret=interpret,
                                factor=dq_factor, waited=True, permuted=permuted)
         elif split_dq and not under:  # (under dK: added while dK's product ran)
-            dq_total = _split_dq(exchange, parity, wg, dq_factor, dsq_smem2, kt_smem2, red_smem2, ks_smem2,
-                                 scale=scale, interpret=interpret)
-            reduce_add_product(stage2.at[wg], dq_total, dq_dst(pl.ds(wg * REDUCE_COLS, REDUCE_COLS)),
-                               interpret=interpret, waited=True, permuted=permuted)
+            split_dq_add()()
         elif fused_dq and not split_dq:  # head dim 64 non-causal: the stage freed after the product (early: slower)
             reduce_add_matmul(stage2.at[wg], dsq_smem, lambda cols: kt_smem.at[cols].T, head_dim, dq_dst,
                               interpret=interpret, acc_dtype=jnp.int32, factor=dq_factor,
@@ -497,8 +495,8 @@ def sage_bwd_dkdv_mosaic(q8, q_scale, q8_t, lse_pad, delta, do, do8_t, do_scale,
     f16, i8, f32 = do.dtype, jnp.int8, jnp.float32
     do = pad_rows(do, tma_rows(sq_len))  # read by tiled TMA loads
     fused_dq = k8_t is not None
-    if split_dq_schedule not in ("after_dk", "under_dk"):
-        raise ValueError(f"split_dq_schedule must be 'after_dk' or 'under_dk', got {split_dq_schedule!r}")
+    if split_dq_schedule not in SPLIT_DQ_SCHEDULES:
+        raise ValueError(f"split_dq_schedule must be one of {SPLIT_DQ_SCHEDULES}, got {split_dq_schedule!r}")
     if fused_dq and not supports_fused_dq(head_dim=d, per_block=per_block, ds_per_row=ds_per_row):
         raise ValueError("the fused dQ needs per-block Q/K scales and per-tile dS scales")
     if fused_dq and scale is None:

@@ -235,12 +235,6 @@ def _in_tiles(d: int) -> tuple[tuple[tuple[int, int], object], ...]:
             ((BLOCK // nvfp4.GROUP, d), ()))
 
 
-def _block_rows(block, d: int) -> tuple:
-    """The first row of key block ``block`` in each of the four cache arrays the tiles of :func:`_in_tiles` come
-    from (the K scales as 16-byte rows)."""
-    return block * BLOCK, block * (BLOCK * d // nvfp4.GROUP // SCALE_ROW), block * d, block * (BLOCK // nvfp4.GROUP)
-
-
 def _setup(qf_ref, scalars_ref, order_ref, q_smem, pos_smem, meta_smem, order_smem, barrier, *, n_rt: int,
            issue: bool = True):
     """The CTA's query rows, their positions, the scalars' header and the (b, kv head)'s block order, copied in
@@ -414,9 +408,10 @@ def _kernel_producer(qf_ref, scalars_ref, order_ref, k4_ref, ks_ref, v4_ref, vs_
                     def _():  # the slot's block of `stages` steps ago is consumed
                         plgpu.barrier_wait(consumed.at[w * stages + slot])
 
-                    starts = _block_rows(block_of(i0 + k), d)
-                    for src, tile, start in zip(srcs, tiles, starts):
-                        plgpu.copy_gmem_to_smem(src.at[pl.ds(start, tile.shape[2])], tile.at[w, slot],
+                    block = block_of(i0 + k)
+                    for src, tile in zip(srcs, tiles):  # a block's tile: rows block · (its rows) …
+                        rows_a_block = tile.shape[2]
+                        plgpu.copy_gmem_to_smem(src.at[pl.ds(block * rows_a_block, rows_a_block)], tile.at[w, slot],
                                                 loaded.at[w * stages + slot])
 
     def compute():

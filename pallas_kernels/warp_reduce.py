@@ -144,18 +144,20 @@ def _column_reduce(x: jax.Array, scratch, kind: str) -> jax.Array:
         c = lane & 3
         base = mgpu_utils.memref_ptr(smem)
         vec_ty = regs.flat[0].type
+
+        def pair_of(w, j):  # the scratch address of warp w's columns 8j + 2c, 8j + 2c + 1
+            return mgpu_utils.getelementptr(base, [((w * n + j * 8 + c * 2) * 4).value], i8)
+
         mgpu_utils.warpgroup_barrier()  # every warp has read the scratch's previous contents
         for j in range(n // 8):
             v = op(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
             for stride in (4, 8, 16):  # the lane's row bits
                 v = op(v, mgpu_utils.shfl_bfly(v, stride))
-            offset = (warp * n + (j * 8) + c * 2) * 4  # every lane of a column pair stores the same value
-            llvm.store(v, mgpu_utils.getelementptr(base, [offset.value], i8), alignment=8)
+            llvm.store(v, pair_of(warp, j), alignment=8)  # every lane of a column pair stores the same value
         mgpu_utils.warpgroup_barrier()  # every warp's row is written
         out = np.empty((n // 8, 1, 1), dtype=object)
         for j in range(n // 8):
-            parts = [llvm.load(vec_ty, mgpu_utils.getelementptr(base, [((c * 2 + (w * n + j * 8)) * 4).value], i8),
-                               alignment=8) for w in range(4)]
+            parts = [llvm.load(vec_ty, pair_of(w, j), alignment=8) for w in range(4)]
             out[j, 0, 0] = op(op(parts[0], parts[1]), op(parts[2], parts[3]))
         return mosaic.gpu.FragmentedArray(_registers=out, _layout=vector_layout, _is_signed=None)
 
